@@ -1,0 +1,41 @@
+# Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
+#
+# torch is installed first, pinned, so that pip never resolves a bare "torch"
+# by itself: on a CPU-only machine that carries a local CPU wheel (this one),
+# `pip install torch==$(TORCH_VERSION)` takes it in seconds; on a GPU machine
+# the same line takes PyPI's CUDA build. Override with e.g.
+#   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+TORCH_SPEC ?= torch==$(TORCH_VERSION)
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[viz,test]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/schedule_build.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

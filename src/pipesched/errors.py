@@ -1,0 +1,23 @@
+"""The exception hierarchy: one base class, each subclass also a built-in type users catch."""
+
+from __future__ import annotations
+
+__all__ = ["ConfigError", "PipeschedError", "ScheduleError"]
+
+
+class PipeschedError(Exception):
+    """Base class of every error pipesched raises on purpose."""
+
+
+class ConfigError(PipeschedError, ValueError):
+    """An argument has a value pipesched cannot work with.
+
+    The message names the argument, the value seen and the fix.
+    """
+
+
+class ScheduleError(PipeschedError, ValueError):
+    """A schedule cannot run: an action is missing, duplicated, misplaced, or the order deadlocks.
+
+    The message names the offending actions and shows the schedule table.
+    """

@@ -1,0 +1,30 @@
+"""Pipeline schedules as pure data: build, validate, simulate, render. Imports no torch."""
+
+from pipesched.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action
+from pipesched.schedule.builders import SCHEDULES, get_schedule, stages_per_worker
+from pipesched.schedule.compare import Comparison, compare
+from pipesched.schedule.costs import Costs
+from pipesched.schedule.schedule import Schedule
+from pipesched.schedule.simulate import simulate
+from pipesched.schedule.text import render_schedule, render_timeline
+from pipesched.schedule.timeline import Event, Timeline
+
+__all__ = [
+    "BACKWARD",
+    "FORWARD",
+    "KINDS",
+    "SCHEDULES",
+    "WEIGHT",
+    "Action",
+    "Comparison",
+    "Costs",
+    "Event",
+    "Schedule",
+    "Timeline",
+    "compare",
+    "get_schedule",
+    "render_schedule",
+    "render_timeline",
+    "simulate",
+    "stages_per_worker",
+]

@@ -1,0 +1,88 @@
+"""Costs of each pass per stage, the input of the simulator."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+from pipesched.errors import ConfigError
+
+__all__ = ["Costs"]
+
+Cost = float | Sequence[float]
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Durations of the passes, in any unit of time, scalars or one value per stage.
+
+    Args:
+        forward: F of one micro-batch on a stage.
+        backward: the input-gradient part of backward (B in zero-bubble schedules).
+        weight: the weight-gradient part of backward (W). A schedule that does
+            not split backward spends ``backward + weight`` in one B.
+        send: latency of a transfer between two workers (not between two
+            stages on the same worker).
+
+    Example:
+        >>> Costs(forward=1, backward=2, weight=1).per_stage(2, split_backward=False)["B"]
+        (3.0, 3.0)
+    """
+
+    forward: Cost = 1.0
+    backward: Cost = 1.0
+    weight: Cost = 1.0
+    send: float = 0.0
+
+    def __post_init__(self) -> None:
+        for field in fields(self):
+            value = getattr(self, field.name)
+            values = [value] if isinstance(value, int | float) else value
+            if field.name == "send" and not isinstance(value, int | float):
+                raise ConfigError(f"Costs.send must be one number, got {value!r}")
+            try:
+                floats = tuple(float(v) for v in values)
+            except (TypeError, ValueError):
+                raise ConfigError(
+                    f"Costs.{field.name} must be a number or a list of numbers, got {value!r}"
+                ) from None
+            bad = [v for v in floats if not math.isfinite(v) or v < 0]
+            if bad:
+                raise ConfigError(
+                    f"Costs.{field.name} must be finite and >= 0, got {value!r}; "
+                    "costs are durations"
+                )
+
+    def per_stage(self, num_stages: int, *, split_backward: bool) -> dict[str, tuple[float, ...]]:
+        """The duration of F, B and W on each stage.
+
+        Raises:
+            ConfigError: a per-stage list does not have ``num_stages`` entries.
+        """
+        resolved: dict[str, tuple[float, ...]] = {}
+        for name in ("forward", "backward", "weight"):
+            value = getattr(self, name)
+            if isinstance(value, int | float):
+                resolved[name] = (float(value),) * num_stages
+            elif len(value) != num_stages:
+                raise ConfigError(
+                    f"Costs.{name} has {len(value)} values but the schedule has "
+                    f"{num_stages} stages; give one value per stage or a single number"
+                )
+            else:
+                resolved[name] = tuple(float(v) for v in value)
+        forward, backward, weight = resolved["forward"], resolved["backward"], resolved["weight"]
+        if not split_backward:
+            backward = tuple(b + w for b, w in zip(backward, weight, strict=True))
+        return {"F": forward, "B": backward, "W": weight}
+
+    def scaled(self, factor: float) -> Costs:
+        """These costs with every pass (not ``send``) multiplied by ``factor``."""
+
+        def scale(value: Cost) -> Cost:
+            if isinstance(value, int | float):
+                return value * factor
+            return [v * factor for v in value]
+
+        return Costs(scale(self.forward), scale(self.backward), scale(self.weight), self.send)

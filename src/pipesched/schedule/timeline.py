@@ -1,0 +1,149 @@
+"""When each action ran, planned or measured, and what follows from it: bubbles, memory."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from functools import cached_property
+from operator import itemgetter
+from typing import NamedTuple
+
+from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
+
+__all__ = ["Event", "Timeline"]
+
+
+class Event(NamedTuple):
+    """One action on one worker, from ``start`` to ``end`` (any unit; seconds when measured).
+
+    A NamedTuple, like Action, because a large timeline holds hundreds of
+    thousands of them.
+    """
+
+    action: Action
+    worker: int
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        """``end - start``."""
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Timeline:
+    """The events of one pipeline step: simulated by the schedule core or measured by a runtime.
+
+    Both kinds are this one type, so whatever reports or draws a plan also
+    reports and draws reality.
+
+    Args:
+        events: every action with its start and end.
+        placement: ``placement[s]`` is the worker that ran stage ``s``.
+    """
+
+    events: tuple[Event, ...]
+    placement: tuple[int, ...]
+    _by_worker: dict[int, list[Event]] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "events", tuple(self.events))
+        object.__setattr__(self, "placement", tuple(self.placement))
+        by_worker: dict[int, list[Event]] = defaultdict(list)
+        for e in sorted(self.events, key=itemgetter(2, 3)):  # (start, end)
+            by_worker[e.worker].append(e)
+        object.__setattr__(self, "_by_worker", dict(by_worker))
+
+    @property
+    def num_stages(self) -> int:
+        """Stages of the pipeline."""
+        return len(self.placement)
+
+    @property
+    def num_workers(self) -> int:
+        """Workers of the pipeline."""
+        return max(self.placement) + 1
+
+    def worker_events(self, worker: int) -> list[Event]:
+        """``worker``'s events in time order."""
+        return list(self._by_worker.get(worker, []))
+
+    @cached_property
+    def start(self) -> float:
+        """When the first action started."""
+        return min((e.start for e in self.events), default=0.0)
+
+    @cached_property
+    def makespan(self) -> float:
+        """From the first action's start to the last action's end."""
+        return max((e.end for e in self.events), default=0.0) - self.start
+
+    @cached_property
+    def busy(self) -> tuple[float, ...]:
+        """Time each worker spent running actions."""
+        return tuple(
+            sum(e.duration for e in self._by_worker.get(w, [])) for w in range(self.num_workers)
+        )
+
+    @cached_property
+    def idle(self) -> tuple[float, ...]:
+        """Time each worker spent waiting within the makespan."""
+        return tuple(self.makespan - b for b in self.busy)
+
+    @cached_property
+    def bubble_fraction(self) -> float:
+        """Idle worker-time over ``num_workers * makespan``; 0.0 for an empty timeline."""
+        total = self.num_workers * self.makespan
+        return sum(self.idle) / total if total > 0 else 0.0
+
+    @cached_property
+    def _holds(self) -> list[tuple[int, float, float]]:
+        """(stage, acquire, release) of each micro-batch's activations on each stage.
+
+        A stage holds a micro-batch's activations from the start of its F to
+        the end of its last backward pass (W where backward is split, else B).
+        """
+        start: dict[tuple[int, int], float] = {}
+        release: dict[tuple[int, int], tuple[int, float]] = {}
+        rank = {FORWARD: 0, BACKWARD: 1, WEIGHT: 2}
+        for e in self.events:
+            key = (e.action.stage, e.action.microbatch)
+            if e.action.kind == FORWARD:
+                start[key] = e.start
+            r = rank[e.action.kind]
+            if key not in release or r >= release[key][0]:
+                release[key] = (r, e.end)
+        return [(key[0], t, release[key][1]) for key, t in start.items()]
+
+    @cached_property
+    def activations_over_time(self) -> tuple[tuple[tuple[float, int], ...], ...]:
+        """Per stage, the step function (time, micro-batches held from then on)."""
+        changes: list[list[tuple[float, int]]] = [[] for _ in range(self.num_stages)]
+        for stage, acquire, release in self._holds:
+            changes[stage] += [(acquire, 1), (release, -1)]
+        series = []
+        for stage_changes in changes:
+            held, points = 0, list[tuple[float, int]]()
+            # At equal times a release comes first: a slot freed by one pass is reused by the next.
+            for t, delta in sorted(stage_changes):
+                held += delta
+                if points and points[-1][0] == t:
+                    points[-1] = (t, held)
+                else:
+                    points.append((t, held))
+            series.append(tuple(points))
+        return tuple(series)
+
+    @cached_property
+    def peak_activations(self) -> tuple[int, ...]:
+        """Per stage, the most micro-batches whose activations it held at once."""
+        return tuple(max((n for _, n in s), default=0) for s in self.activations_over_time)
+
+    def summary(self) -> str:
+        """One line: makespan, bubble and peak activations."""
+        peaks = " ".join(str(n) for n in self.peak_activations)
+        return (
+            f"makespan {self.makespan:g}, bubble {100 * self.bubble_fraction:.1f}%, "
+            f"peak activations per stage [{peaks}]"
+        )
