@@ -36,7 +36,7 @@ def _costs(text: str) -> Costs:
             f"--costs wants 3 or 4 comma-separated numbers F,B,W[,SEND], got {text!r}"
         )
     try:
-        return Costs(*values[:3], send=values[3] if len(values) == 4 else 0.0)
+        return Costs(values[0], values[1], values[2], send=values[3] if len(values) == 4 else 0.0)
     except PipeschedError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
