@@ -111,7 +111,7 @@ class Schedule:
         """
         lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
         rows = [[c for c in row if c.strip()] for row in csv.reader(lines)]
-        return cls.from_lists(rows, name=name)
+        return cls.from_lists([row for row in rows if row], name=name)
 
     def to_csv(self) -> str:
         """The schedule as CSV: a row per worker, a short-form action per cell."""

@@ -1,0 +1,56 @@
+"""Costs checks, and the text grids of schedules and timelines."""
+
+from __future__ import annotations
+
+import pytest
+
+from pipesched import ConfigError
+from pipesched.schedule import Costs, get_schedule, render_timeline
+
+
+def test_per_stage_costs():
+    c = Costs(forward=[1, 2], backward=3, weight=[0.5, 1])
+    assert c.per_stage(2, split_backward=True) == {"F": (1, 2), "B": (3, 3), "W": (0.5, 1)}
+    assert c.per_stage(2, split_backward=False)["B"] == (3.5, 4)
+    with pytest.raises(
+        ConfigError, match="Costs.forward has 2 values but the schedule has 3 stages"
+    ):
+        c.per_stage(3, split_backward=False)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"forward": -1},
+        {"backward": [1, float("nan")]},
+        {"weight": "x"},
+        {"send": [1, 2]},
+        {"send": -0.5},
+    ],
+)
+def test_bad_costs(bad):
+    with pytest.raises(ConfigError, match="Costs"):
+        Costs(**bad)
+
+
+def test_scaled():
+    assert Costs(2, [2, 4], 1, send=3).scaled(0.5) == Costs(1, [1, 2], 0.5, send=3)
+
+
+def test_timeline_grid():
+    grid = render_timeline(get_schedule("1f1b", 2, 3).simulate())
+    assert grid.splitlines() == [
+        "worker 0: F0 F1  .  . B0 -- F2 B1 --  . B2 --",
+        "worker 1:  . F0 B0 -- F1 B1 -- F2 B2 --  .  .",
+        "makespan 12, bubble 25.0%, peak activations per stage [2 1]",
+    ]
+
+
+def test_timeline_grid_labels_stages_when_a_worker_runs_several():
+    grid = render_timeline(get_schedule("zb-v", 4, 1).simulate())
+    assert grid.splitlines()[0].split()[:3] == ["worker", "0:", "0F0"]
+
+
+def test_timeline_grid_is_cut():
+    grid = render_timeline(get_schedule("gpipe", 2, 50).simulate(), max_columns=10)
+    assert "... (143 more)" in grid.splitlines()[0]
