@@ -53,7 +53,15 @@ def _parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="the time grid of one schedule")
     show.add_argument("--schedule", required=True, help=f"one of: {', '.join(SCHEDULES)}")
     for command in (simulate, show):
-        command.add_argument("--stages", type=int, required=True, metavar="P", help=_WORKERS_HELP)
+        command.add_argument(
+            "--stages",
+            "--workers",
+            dest="workers",
+            type=int,
+            required=True,
+            metavar="P",
+            help=_WORKERS_HELP,
+        )
         command.add_argument(
             "--chunks", type=int, required=True, metavar="M", help="micro-batches per step"
         )
@@ -71,13 +79,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "simulate":
             costs: Costs = args.costs
             print(
-                f"{args.stages} workers, {args.chunks} micro-batches, costs per worker share: "
+                f"{args.workers} workers, {args.chunks} micro-batches, costs per worker share: "
                 f"F={costs.forward} B={costs.backward} W={costs.weight} send={costs.send}"
             )
-            print(format_comparison(compare(args.stages, args.chunks, costs)))
+            print(format_comparison(compare(args.workers, args.chunks, costs)))
         else:
             v = stages_per_worker(args.schedule)
-            schedule = get_schedule(args.schedule, args.stages * v, args.chunks)
+            schedule = get_schedule(args.schedule, args.workers * v, args.chunks)
             timeline = schedule.simulate(args.costs.scaled(1 / v))
             print(
                 f"{schedule.name}: {schedule.num_stages} stages on {schedule.num_workers} "
@@ -85,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             print(render_timeline(timeline))
             if args.order:
-                print(schedule.to_text(max_columns=10**9))
+                print(schedule.to_text(max_columns=10**9).split("\n", 1)[1])
     except PipeschedError as error:
         print(f"pipesched: error: {error}", file=sys.stderr)
         return 2

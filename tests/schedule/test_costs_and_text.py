@@ -54,3 +54,24 @@ def test_timeline_grid_labels_stages_when_a_worker_runs_several():
 def test_timeline_grid_is_cut():
     grid = render_timeline(get_schedule("gpipe", 2, 50).simulate(), max_columns=10)
     assert "... (143 more)" in grid.splitlines()[0]
+
+
+def test_timeline_grid_with_fractional_times_is_exact():
+    grid = render_timeline(get_schedule("1f1b", 2, 2).simulate(Costs(1, 2, 0, send=0.5)))
+    assert grid.splitlines()[:2] == [
+        "worker 0: F0 -- F1 --  .  .  .  .  .  . B0 -- -- --  .  . B1 -- -- --",
+        "worker 1:  .  .  . F0 -- B0 -- -- -- F1 -- B1 -- -- --  .  .  .  .  .  .  .",
+    ]
+
+
+def test_timeline_grid_with_irregular_times_keeps_every_label():
+    grid = render_timeline(get_schedule("1f1b", 2, 3).simulate(Costs(1, 2, 1, send=0.1)))
+    for row in grid.splitlines()[:2]:
+        assert sorted(cell for cell in row.split()[2:] if cell[0] in "FB") == [
+            "B0",
+            "B1",
+            "B2",
+            "F0",
+            "F1",
+            "F2",
+        ]

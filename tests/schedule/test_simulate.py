@@ -39,6 +39,12 @@ def test_zb_h1_idles_p_minus_1_times_f_plus_b_minus_w_per_stage(p, m, F, B, W):
         assert t.bubble_fraction == pytest.approx((p - 1) / (3 * m + p - 1), rel=1e-12, abs=1e-15)
 
 
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in PM if m >= 2 * p - 1])
+def test_zb_v_idles_only_on_the_ramp(p, m):
+    t = get_schedule("zb-v", 2 * p, m).simulate()
+    assert t.bubble_fraction == pytest.approx((p - 1) / (6 * m + p - 1), rel=1e-12, abs=1e-15)
+
+
 @pytest.mark.parametrize(("p", "m"), PM)
 def test_peak_activations_closed_forms(p, m):
     assert get_schedule("gpipe", p, m).simulate().peak_activations == (m,) * p

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from fractions import Fraction
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -46,7 +48,11 @@ def render_timeline(
 
     Args:
         timeline: simulated or measured.
-        resolution: time per column; the shortest action's duration when None.
+        resolution: time per column. When None: the largest step all start
+            and end times are multiples of, so the grid is exact, unless that
+            is under half the shortest action (send latencies, measured
+            times); then the shortest action's duration, and an action starts
+            at the first free column at or after its time.
         max_columns: columns shown before the grid is cut.
 
     Example:
@@ -57,9 +63,12 @@ def render_timeline(
         makespan 9, bubble 33.3%, peak activations per stage [2 2]
     """
     t = timeline
-    events = [e for w in range(t.num_workers) for e in t.worker_events(w) if e.duration > 0]
+    events = [e for e in t.events if e.duration > 0]
     if resolution is None:
-        resolution = min((e.duration for e in events), default=1.0)
+        shortest = min((e.duration for e in events), default=1.0)
+        resolution = _common_step([x - t.start for e in events for x in (e.start, e.end)])
+        if resolution is None or resolution < shortest / 2:
+            resolution = shortest
     with_stage = max(t.placement.count(w) for w in range(t.num_workers)) > 1
 
     def label(e: Event) -> str:
@@ -72,12 +81,27 @@ def render_timeline(
     lines = []
     for w in range(t.num_workers):
         cells = [".".rjust(width)] * shown
+        free = 0  # the first column not yet drawn on
         for e in t.worker_events(w):
-            first = round((e.start - t.start) / resolution)
-            last = max(first + 1, round((e.end - t.start) / resolution))
-            for c in range(first, min(last, shown)):
+            first = max(free, math.floor((e.start - t.start) / resolution + 1e-9))
+            free = max(first + 1, round((e.end - t.start) / resolution))
+            for c in range(first, min(free, shown)):
                 cells[c] = label(e).rjust(width) if c == first else "-" * width
         cut = f" ... ({columns - shown} more)" if columns > shown else ""
         lines.append(f"worker {w}: {' '.join(cells)}{cut}")
     lines.append(t.summary())
     return "\n".join(lines)
+
+
+def _common_step(times: list[float]) -> float | None:
+    """The largest step all ``times`` are whole multiples of, if they are simple fractions."""
+    step = Fraction(0)
+    for x in times:
+        f = Fraction(x).limit_denominator(1000)
+        if abs(float(f) - x) > 1e-9 * max(1.0, abs(x)):
+            return None
+        step = Fraction(
+            math.gcd(step.numerator * f.denominator, f.numerator * step.denominator),
+            step.denominator * f.denominator,
+        )
+    return float(step) if step > 0 else None

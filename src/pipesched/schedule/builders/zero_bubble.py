@@ -15,9 +15,11 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     """ZB-H1 (Qi et al., 2024, "Zero Bubble Pipeline Parallelism").
 
     1F1B with backward split: nothing downstream waits for W, so stage ``s``
-    delays its Ws by ``s`` backwards and runs them where 1F1B would wait. The
-    idle time per stage falls from ``(p-1)(F+B+W)`` to ``(p-1)(F+B-W)``, the
-    activation memory stays 1F1B's peak (``p`` micro-batches).
+    delays its Ws by ``s`` backwards and runs them where 1F1B would wait. For
+    ``m >= p`` and W no longer than F or B, the idle time per stage falls from
+    1F1B's ``(p-1)(F+B+W)`` to ``(p-1)(F+B-W)``. The peak activation memory
+    stays 1F1B's worst, ``p`` micro-batches, but on every stage (1F1B's stage
+    ``s`` holds ``p-s``): the delayed Ws keep their inputs alive.
 
     Example (p=2, m=3; worker rows):
         >>> print(zb_h1(2, 3).to_csv(), end="")
@@ -37,9 +39,12 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
     ``2p-1-w``, so the last stage sits on worker 0 next to the first and the
     loss needs no send. The order is the paper's (as in
     torch.distributed.pipelining's ScheduleZBVZeroBubble): warm-up forwards,
-    a steady ``F B W`` on both stages, and Ws at the end; it has no bubble
-    when ``F = B = W`` and ``m >= 2p - 1``, and runs for any ``m`` (the
-    order for ``2p - 1`` micro-batches with the absent ones removed).
+    a steady ``F B W`` on both stages, and Ws at the end. With equal costs
+    and ``m >= 2p - 1`` the only idle time left is the unavoidable ramp (the
+    first forward crossing the workers, the last backward coming back):
+    ``(p-1)/(6m+p-1)``. Each worker holds at most ``p`` micro-batches of its
+    whole share, 1F1B's peak. Any ``m`` runs (the order for ``2p - 1``
+    micro-batches with the absent ones removed).
 
     Example (4 stages on 2 workers, m=1):
         >>> s = zb_v(4, 1)
