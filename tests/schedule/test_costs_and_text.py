@@ -60,7 +60,7 @@ def test_timeline_grid_with_fractional_times_is_exact():
     grid = render_timeline(get_schedule("1f1b", 2, 2).simulate(Costs(1, 2, 0, send=0.5)))
     assert grid.splitlines()[:2] == [
         "worker 0: F0 -- F1 --  .  .  .  .  .  . B0 -- -- --  .  . B1 -- -- --",
-        "worker 1:  .  .  . F0 -- B0 -- -- -- F1 -- B1 -- -- --  .  .  .  .  .  .  .",
+        "worker 1:  .  .  . F0 -- B0 -- -- -- F1 -- B1 -- -- --  .  .  .  .  .",
     ]
 
 
