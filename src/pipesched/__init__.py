@@ -1,18 +1,47 @@
 """pipesched: pipeline-parallel micro-batch scheduling for PyTorch."""
 
-# Only torch-free names are imported here: `import pipesched.schedule` must not
-# import torch (tests check it). Names that need torch will load lazily.
-from pipesched.errors import ConfigError, PipeschedError, ScheduleError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# The schedule layer is imported eagerly: it is pure Python. Everything that
+# needs torch loads on first use, so `import pipesched.schedule` (and the CLI's
+# schedule commands) never import torch; a test checks it.
+from pipesched.errors import ConfigError, PartitionError, PipeschedError, ScheduleError
 from pipesched.schedule import Action, Costs, Schedule, Timeline, get_schedule
+
+if TYPE_CHECKING:
+    from pipesched.batchnorm import DeferredBatchNorm
+    from pipesched.checkpoint import is_recomputing
+    from pipesched.pipeline import Pipeline
 
 __all__ = [
     "Action",
     "ConfigError",
     "Costs",
+    "DeferredBatchNorm",
+    "PartitionError",
+    "Pipeline",
     "PipeschedError",
     "Schedule",
     "ScheduleError",
     "Timeline",
     "get_schedule",
+    "is_recomputing",
 ]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "Pipeline": "pipesched.pipeline",
+    "DeferredBatchNorm": "pipesched.batchnorm",
+    "is_recomputing": "pipesched.checkpoint",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'pipesched' has no attribute {name!r}")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PipeschedError", "ScheduleError"]
+__all__ = ["ConfigError", "PartitionError", "PipeschedError", "ScheduleError"]
 
 
 class PipeschedError(Exception):
@@ -21,3 +21,7 @@ class ScheduleError(PipeschedError, ValueError):
 
     The message names the offending actions and shows the schedule table.
     """
+
+
+class PartitionError(PipeschedError, ValueError):
+    """A model cannot be cut into the stages asked for (balance, split points, tracing)."""

@@ -1,0 +1,94 @@
+"""Cutting an nn.Sequential into contiguous stages, by a balance or by parameter counts."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from torch import nn
+
+from pipesched.errors import PartitionError
+
+__all__ = ["balance_by_params", "check_balance", "split_sequential"]
+
+
+def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
+    """Checks ``balance`` (layers per stage, torchgpipe's meaning) fits ``module``.
+
+    Raises:
+        PartitionError: a count is not a positive integer, or the counts do not
+            add up to the number of layers.
+    """
+    counts = list(balance)
+    if not counts:
+        raise PartitionError("balance is empty; give the number of layers of each stage")
+    bad = [b for b in counts if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if bad:
+        raise PartitionError(
+            f"balance {counts} has entries {bad}; every stage needs a positive whole "
+            "number of layers"
+        )
+    if sum(counts) != len(module):
+        raise PartitionError(
+            f"module and sum of balance have different length (module: {len(module)}, "
+            f"sum of balance: {sum(counts)}); balance {counts} must add up to the "
+            f"{len(module)} layers of the module"
+        )
+    return counts
+
+
+def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.Sequential]:
+    """The stages: consecutive slices of ``module``, keeping each layer's name.
+
+    The layers are shared, not copied: the stages and ``module`` hold the same
+    parameters, so ``module.state_dict()`` keeps the original names.
+    """
+    counts = check_balance(module, balance)
+    layers = list(module.named_children())
+    stages, start = [], 0
+    for count in counts:
+        stages.append(nn.Sequential(OrderedDict(layers[start : start + count])))
+        start += count
+    return stages
+
+
+def balance_by_params(module: nn.Sequential, num_stages: int) -> list[int]:
+    """Contiguous layer counts that minimize the largest stage's parameter count.
+
+    Exact, by dynamic programming over cut points (``O(n^2 p)`` for ``n``
+    layers; ties go to the earliest cut). Layers without parameters count as
+    one parameter so that stages of parameter-free layers still split.
+
+    Raises:
+        PartitionError: more stages than layers.
+
+    Example:
+        >>> balance_by_params(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), 2)
+        [2, 1]
+    """
+    n = len(module)
+    if not 1 <= num_stages <= n:
+        raise PartitionError(
+            f"cannot cut {n} layers into {num_stages} stages; use between 1 and {n} stages "
+            "or a model with more layers"
+        )
+    sizes = [max(1, sum(p.numel() for p in layer.parameters())) for layer in module]
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    inf = float("inf")
+    # best[k][i]: the smallest possible largest stage when the first i layers form k stages.
+    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for k in range(1, num_stages + 1):
+        for i in range(k, n - (num_stages - k) + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    counts, i = [], n
+    for k in range(num_stages, 0, -1):
+        counts.append(i - cut[k][i])
+        i = cut[k][i]
+    return counts[::-1]

@@ -1,0 +1,288 @@
+"""Pipeline: a model cut into stages on devices, running micro-batches on a schedule."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import torch
+from torch import nn
+
+from pipesched.batchnorm import DeferredBatchNorm, commit_all
+from pipesched.checkpoint import checkpoint_stop
+from pipesched.errors import ConfigError
+from pipesched.microbatch import gather, scatter
+from pipesched.partition import balance_by_params, check_balance, split_sequential
+from pipesched.rng import seed_random_layers
+from pipesched.runtime.local import LocalRuntime, StepInputs
+from pipesched.runtime.tree import tensors
+from pipesched.schedule import Schedule, Timeline, get_schedule, stages_per_worker
+
+__all__ = ["Pipeline"]
+
+Device = torch.device | str | int
+
+
+class Pipeline(nn.Module):
+    """A model cut into stages across devices, fed ``chunks`` micro-batches at a time.
+
+    ``pipe(x)`` is autograd-transparent with GPipe semantics: the output and
+    ``loss.backward()`` are those of the plain model. ``pipe.step(...)`` runs
+    forward and backward of every micro-batch in the order of the chosen
+    schedule (1F1B, interleaved, zero-bubble, ...), each stage on its own
+    worker thread.
+
+    Args:
+        module: an ``nn.Sequential`` (other models arrive with automatic
+            partitioning: ``example_inputs=`` and ``num_stages=``).
+        chunks: micro-batches per mini-batch; a smaller batch runs fewer.
+        balance: layers per stage (torchgpipe's meaning). None: as many stages
+            as the workers need, cut to even out the parameter counts.
+        devices: the device of each worker. None: every CUDA device, or CPU.
+            ``["cpu", "cpu"]`` gives two workers that run in parallel.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``:
+            which micro-batches recompute their forward in backward.
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``
+            or ``"zb-v"``. Schedules with several stages per worker need
+            ``len(balance)`` to be that many times ``len(devices)``.
+        deferred_batch_norm: replace BatchNorm layers by DeferredBatchNorm,
+            whose running statistics equal BatchNorm's on the whole mini-batch.
+
+    Raises:
+        ConfigError: an argument is out of range; the message names the fix.
+        PartitionError: ``balance`` does not fit the module.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        >>> pipe = Pipeline(model, 2, balance=[2, 1], devices=["cpu", "cpu"], schedule="1f1b")
+        >>> x, y = torch.randn(6, 4), torch.randn(6, 2)
+        >>> loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        >>> [name for name, _ in pipe.named_parameters()]
+        ['0.weight', '0.bias', '2.weight', '2.bias']
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        chunks: int = 1,
+        *,
+        balance: Sequence[int] | None = None,
+        devices: Sequence[Device] | None = None,
+        checkpoint: str = "except_last",
+        schedule: str = "gpipe",
+        deferred_batch_norm: bool = False,
+        example_inputs: tuple[Any, ...] | None = None,
+        num_stages: int | None = None,
+    ) -> None:
+        super().__init__()
+        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+            raise ConfigError(f"chunks must be a positive integer, got {chunks!r}")
+        checkpoint_stop(checkpoint, 1)  # checks the mode's name
+        v = stages_per_worker(schedule)  # checks the schedule's name
+        if not isinstance(module, nn.Sequential):
+            hint = (
+                "pass example_inputs=(...) and num_stages= to have it traced and split"
+                if example_inputs is None
+                else "automatic partitioning of other models is not available yet"
+            )
+            raise ConfigError(
+                f"module is a {type(module).__name__}, not an nn.Sequential; {hint}, or wrap "
+                "its layers in an nn.Sequential"
+            )
+        if deferred_batch_norm:
+            DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
+        workers, chosen_devices = _resolve_devices(devices, balance, num_stages, v, schedule)
+        if balance is None:
+            balance = balance_by_params(module, workers * v)
+        balance = check_balance(module, balance)
+        if len(balance) != workers * v:
+            per = f"{v} stages" if v > 1 else "1 stage"
+            raise ConfigError(
+                f"schedule {schedule!r} runs {per} per worker, so {len(balance)} stages need "
+                f"{len(balance) / v:g} devices, but devices has {workers} "
+                f"({[str(d) for d in chosen_devices]}); give a balance of {workers * v} stages, "
+                f"{len(balance) / v:g} devices, or a schedule with more stages per worker "
+                "('interleaved-1f1b')"
+            )
+        for name, layer in module.named_children():
+            self.add_module(name, layer)
+        self.chunks = chunks
+        self.checkpoint = checkpoint
+        self.schedule_name = schedule
+        self.balance = list(balance)
+        self.devices = [torch.device(d) for d in chosen_devices]
+        stages = split_sequential(module, balance)
+        self.placement = get_schedule(schedule, len(balance), 1).placement
+        for s, stage in enumerate(stages):
+            stage.to(self.devices[self.placement[s]])
+        self._stages = stages
+        self._random_layers = seed_random_layers(self)
+        cpu_workers = sum(d.type == "cpu" for d in self.devices)
+        self._runtime = LocalRuntime(stages, self.devices, _threads_per_worker(cpu_workers))
+        self.last_timeline: Timeline | None = None
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages."""
+        return len(self.balance)
+
+    @property
+    def stages(self) -> tuple[nn.Sequential, ...]:
+        """The stage modules, sharing their layers with this Pipeline."""
+        return tuple(self._stages)
+
+    def schedule(self, num_microbatches: int) -> Schedule:
+        """The validated schedule this pipeline runs for ``num_microbatches`` micro-batches."""
+        return _schedule(self.schedule_name, self.num_stages, num_microbatches)
+
+    def forward(self, *inputs: Any) -> Any:
+        """The model's output on ``inputs``, computed micro-batch by micro-batch, stage by stage.
+
+        Autograd-transparent: ``loss_fn(pipe(x), y).backward()`` gives the
+        plain model's gradients. Under ``torch.no_grad()`` it only streams
+        forward.
+        """
+        if len(inputs) != 1:
+            raise ConfigError(
+                f"an nn.Sequential takes one input, got {len(inputs)}; pass a tuple or dict "
+                "as one argument if the first layer takes several tensors"
+            )
+        micro = scatter(inputs[0], self.chunks)
+        stop = checkpoint_stop(self.checkpoint, len(micro))
+        step = StepInputs(micro, checkpoint_stop=stop, seed=self._call_seed())
+        run = self._runtime.run(self.schedule(len(micro)), step, detach=False)
+        self.last_timeline = run.timeline
+        self._commit_batch_norm()
+        return gather([run.outputs[i] for i in range(len(micro))])
+
+    def step(
+        self,
+        inputs: Any,
+        target: Any = None,
+        *,
+        loss_fn: Callable[..., torch.Tensor],
+        num_items: int | float | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch, in the schedule's order.
+
+        The loss is applied per micro-batch on the last stage:
+        ``loss_fn(output, target)`` (``loss_fn(output)`` without a target).
+        Gradients accumulate into ``.grad`` and equal those of the plain
+        model's loss on the whole batch.
+
+        Args:
+            inputs: the model's input (one argument: a tensor, tuple or dict).
+            target: the loss target, cut into micro-batches like ``inputs``.
+            loss_fn: returns a scalar: the mean over its micro-batch's
+                samples when ``num_items`` is None (pipesched weights it by
+                the micro-batch's share of the batch), or a sum over items
+                (e.g. tokens) when ``num_items`` is given.
+            num_items: the batch's total item count; every micro-batch's sum
+                is divided by it.
+
+        Returns:
+            The normalized loss of the batch, detached.
+        """
+        if num_items is not None:
+            count = float(num_items.item() if isinstance(num_items, torch.Tensor) else num_items)
+            if not count > 0:
+                raise ConfigError(
+                    f"num_items must be > 0, got {num_items!r}; it is the number of items "
+                    "(e.g. non-padding tokens) the summed loss is divided by"
+                )
+        micro = scatter((inputs, target), self.chunks)
+        sizes = [_rows(x) for x, _ in micro]
+        total = sum(sizes)
+        weights = [1.0 / count if num_items is not None else n / total for n in sizes]
+        step = StepInputs(
+            inputs=[x for x, _ in micro],
+            targets=None if target is None else [t for _, t in micro],
+            loss_fn=loss_fn,
+            loss_weights=weights,
+            checkpoint_stop=checkpoint_stop(self.checkpoint, len(micro)),
+            seed=self._call_seed(),
+        )
+        run = self._runtime.run(self.schedule(len(micro)), step, detach=True)
+        self.last_timeline = run.timeline
+        self._commit_batch_norm()
+        return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
+
+    def _call_seed(self) -> int:
+        """A seed for this call's random layers, drawn from torch's global generator."""
+        if not (self._random_layers and self.training):
+            return 0
+        return int(torch.randint(0, 2**62, ()).item())
+
+    def _commit_batch_norm(self) -> None:
+        if self.training:
+            commit_all(self)
+
+    def to(self, *args: Any, **kwargs: Any) -> Pipeline:
+        """Only dtype changes: a Pipeline's stages stay on the devices they were given."""
+        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        if device is not None:
+            _deny_move("to(device)")
+        return super().to(dtype=dtype) if dtype is not None else self
+
+    def cuda(self, device: Any = None) -> NoReturn:
+        """Denied: see :meth:`to`."""
+        _deny_move("cuda()")
+
+    def cpu(self) -> NoReturn:
+        """Denied: see :meth:`to`."""
+        _deny_move("cpu()")
+
+
+def _deny_move(call: str) -> NoReturn:
+    raise ConfigError(
+        f"Pipeline.{call} would move every stage to one device; a Pipeline keeps stage s on "
+        "devices[placement[s]]. Move the model before wrapping it, or pass devices="
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
+    return get_schedule(name, num_stages, num_microbatches).validate()
+
+
+def _rows(value: Any) -> int:
+    return next(t.shape[0] for t in tensors(value) if t.ndim > 0)
+
+
+def _threads_per_worker(cpu_workers: int) -> int:
+    return max(1, torch.get_num_threads() // max(1, cpu_workers))
+
+
+def _resolve_devices(
+    devices: Sequence[Device] | None,
+    balance: Sequence[int] | None,
+    num_stages: int | None,
+    v: int,
+    schedule: str,
+) -> tuple[int, list[Device]]:
+    """The number of workers and their devices."""
+    if devices is not None:
+        chosen = list(devices)
+        if not chosen:
+            raise ConfigError("devices is empty; give at least one device, e.g. ['cpu']")
+        return len(chosen), chosen
+    stages = len(balance) if balance is not None else num_stages
+    if stages is None:
+        workers = torch.cuda.device_count() or 1
+    else:
+        if stages % v:
+            raise ConfigError(
+                f"schedule {schedule!r} runs {v} stages per worker, but {stages} stages were "
+                f"asked for; use a multiple of {v}"
+            )
+        workers = stages // v
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        if workers > count:
+            raise ConfigError(
+                f"{workers} workers need {workers} CUDA devices, {count} are visible; "
+                "pass devices= explicitly"
+            )
+        return workers, [f"cuda:{i}" for i in range(workers)]
+    return workers, ["cpu"] * workers

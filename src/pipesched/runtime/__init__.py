@@ -1,0 +1,1 @@
+"""Runtimes execute a Schedule over stage modules: they consume schedules, never build them."""

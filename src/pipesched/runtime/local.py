@@ -1,0 +1,306 @@
+"""The local runtime: one thread per schedule worker, running its actions in the schedule's order.
+
+One worker per schedule worker, not per device: two stages on "cpu" run in
+two threads, truly in parallel (torchgpipe keys its threads by device, so on
+CPU all stages share one thread). Each worker runs exactly the Actions the
+Schedule lists for it, in that order, and waits only for the data an action
+needs; the Schedule was validated, so the order cannot deadlock. Between
+stages the autograd graph is cut (each stage's input is a fresh leaf) so that
+each backward can run on its own stage's thread, when the schedule says;
+the forward-only path keeps the graph whole instead, for autograd-transparent
+``pipe(x)``.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipesched.checkpoint import checkpoint
+from pipesched.errors import ConfigError
+from pipesched.rng import microbatch_seed
+from pipesched.runtime.backward import backward_full, backward_input
+from pipesched.runtime.mailbox import Aborted, Mailbox
+from pipesched.runtime.streams import (
+    Stream,
+    copy_to,
+    new_stream,
+    record_event,
+    use_stream,
+    wait_event,
+)
+from pipesched.runtime.tree import map_tensors, tensors
+from pipesched.schedule import BACKWARD, FORWARD, Action, Event, Schedule, Timeline
+
+__all__ = ["LocalRuntime", "StepInputs", "ThreadState"]
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ThreadState:
+    """What a worker thread must inherit from the caller: grad mode, autocast, intra-op threads.
+
+    autocast and grad mode are thread-local in torch; torchgpipe's workers
+    drop autocast, so its stage outputs come out fp32 under bf16 autocast.
+    """
+
+    grad_enabled: bool
+    inference_mode: bool
+    autocast: tuple[tuple[str, torch.dtype, bool], ...]
+    num_threads: int
+
+    @classmethod
+    def capture(cls, num_threads: int) -> ThreadState:
+        """The calling thread's state, with ``num_threads`` intra-op threads per worker."""
+        autocast = tuple(
+            (device, torch.get_autocast_dtype(device), torch.is_autocast_cache_enabled())
+            for device in ("cpu", "cuda")
+            if torch.is_autocast_enabled(device)
+        )
+        return cls(
+            torch.is_grad_enabled(), torch.is_inference_mode_enabled(), autocast, num_threads
+        )
+
+    def enter(self, stack: ExitStack) -> None:
+        """Applies this state to the current thread until ``stack`` closes."""
+        torch.set_num_threads(self.num_threads)
+        stack.enter_context(torch.inference_mode(self.inference_mode))
+        stack.enter_context(torch.set_grad_enabled(self.grad_enabled))
+        for device, dtype, cache in self.autocast:
+            stack.enter_context(torch.autocast(device, dtype=dtype, cache_enabled=cache))
+
+
+@dataclass
+class StepInputs:
+    """One call's micro-batches and what to do with them.
+
+    Args:
+        inputs: stage 0's input of each micro-batch.
+        targets: the loss target of each micro-batch, or None.
+        loss_fn: applied to the last stage's output (and target); None runs forward only.
+        loss_weights: each micro-batch's loss is multiplied by its weight.
+        checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed.
+        seed: this call's seed for random layers (see :mod:`pipesched.rng`).
+    """
+
+    inputs: list[Any]
+    targets: list[Any] | None = None
+    loss_fn: LossFn | None = None
+    loss_weights: list[float] = field(default_factory=list)
+    checkpoint_stop: int = 0
+    seed: int = 0
+
+
+@dataclass
+class _Run:
+    """State of one call, shared by its worker threads."""
+
+    step: StepInputs
+    detach: bool
+    mailbox: Mailbox = field(default_factory=Mailbox)
+    saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    pending_weights: dict[tuple[int, int], Any] = field(default_factory=dict)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    error: tuple[BaseException, Action, int] | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    timeline: Timeline | None = None
+
+
+class LocalRuntime:
+    """Runs schedules over stage modules placed on devices, in one process.
+
+    Args:
+        stages: the stage modules, ``stages[s]`` already on ``devices[placement[s]]``.
+        devices: the device of each schedule worker.
+        num_threads: intra-op threads each worker may use.
+    """
+
+    def __init__(
+        self, stages: Sequence[nn.Module], devices: Sequence[torch.device], num_threads: int
+    ) -> None:
+        self.stages = list(stages)
+        self.devices = list(devices)
+        self.num_threads = num_threads
+        self._streams: list[Stream] = [new_stream(d) for d in self.devices]
+        self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
+        """Optional: a context manager entered around each forward of stage ``s``
+        (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
+
+    def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> _Run:
+        """Runs ``schedule``'s actions (only its F where ``step.loss_fn`` is None).
+
+        Returns the run's state: per micro-batch outputs (forward only) or
+        weighted losses, and the measured events.
+
+        Raises:
+            BaseException: the first exception of any worker, with a note naming
+                the stage, micro-batch and worker; every other worker has stopped.
+        """
+        run = _Run(step, detach)
+        state = ThreadState.capture(self.num_threads)
+        forward_only = step.loss_fn is None
+        rows = [
+            [a for a in row if a.kind == FORWARD] if forward_only else list(row)
+            for row in schedule.actions
+        ]
+        origin = time.perf_counter()
+        threads = [
+            threading.Thread(
+                target=self._work,
+                args=(w, rows[w], schedule, run, state, origin),
+                name=f"pipesched-worker-{w}",
+                daemon=True,
+            )
+            for w in range(schedule.num_workers)
+        ]
+        previous_threads = torch.get_num_threads()
+        try:
+            for thread in threads:
+                thread.start()
+        finally:
+            for thread in threads:
+                if thread.ident is not None:
+                    thread.join()
+            torch.set_num_threads(previous_threads)
+        if run.error is not None:
+            error, action, worker = run.error
+            error.add_note(
+                f"pipesched: raised by stage {action.stage} on micro-batch {action.microbatch} "
+                f"(action {action} on worker {worker})"
+            )
+            raise error
+        run.timeline = Timeline(tuple(run.events), schedule.placement)
+        return run
+
+    def _work(
+        self,
+        w: int,
+        actions: list[Action],
+        schedule: Schedule,
+        run: _Run,
+        state: ThreadState,
+        origin: float,
+    ) -> None:
+        handlers = {FORWARD: self._forward, BACKWARD: self._backward}
+        events = []
+        action = actions[0] if actions else Action(0, FORWARD, 0)
+        try:
+            with ExitStack() as stack:
+                state.enter(stack)
+                stack.enter_context(use_stream(self._streams[w]))
+                for action in actions:
+                    start = time.perf_counter()
+                    handlers.get(action.kind, self._weight)(action, w, schedule, run)
+                    events.append(Event(action, w, start - origin, time.perf_counter() - origin))
+        except Aborted:
+            pass
+        except BaseException as error:  # a stage's failure stops every worker
+            with run.lock:
+                if run.error is None:
+                    run.error = (error, action, w)
+            run.mailbox.abort()
+        with run.lock:
+            run.events += events
+
+    def _forward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> None:
+        s, i = action.stage, action.microbatch
+        device, stream = self.devices[w], self._streams[w]
+        if s == 0:
+            x = run.step.inputs[i]
+        else:
+            x, event = run.mailbox.take((FORWARD, s, i))
+            wait_event(stream, event)
+        x = map_tensors(x, lambda t: copy_to(t, device, stream))
+        if run.detach and s > 0:
+            x = map_tensors(x, _fresh_leaf)
+        stage = _Seeded(self.stages[s], run.step.seed, i)
+        with self.forward_context(s) if self.forward_context else nullcontext():
+            if i < run.step.checkpoint_stop and torch.is_grad_enabled():
+                # No RNG replay: _Seeded reseeds random layers itself, and torch's
+                # replay sets the process-wide generator unlocked (racing other stages).
+                y = checkpoint(stage, x, preserve_rng_state=False)
+            else:
+                y = stage(x)
+        last = s == schedule.num_stages - 1
+        if not last:
+            run.mailbox.put((FORWARD, s + 1, i), (y, record_event(stream)))
+            if run.step.loss_fn is not None:
+                run.saved[s, i] = (x, y)
+            return
+        if run.step.loss_fn is None:
+            run.outputs[i] = y
+            return
+        target = () if run.step.targets is None else (run.step.targets[i],)
+        target = map_tensors(target, lambda t: copy_to(t, device, stream))
+        loss = run.step.loss_fn(y, *target)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+            raise ConfigError(
+                f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}; "
+                "reduce it with .mean() or .sum() (use num_items= with a sum)"
+            )
+        weighted = loss.reshape(()) * run.step.loss_weights[i]
+        run.losses[i] = weighted.detach()
+        run.saved[s, i] = (x, weighted)
+
+    def _backward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> None:
+        s, i = action.stage, action.microbatch
+        device, stream = self.devices[w], self._streams[w]
+        x, y = run.saved.pop((s, i))
+        if s == schedule.num_stages - 1:
+            outputs, grads = [y], None
+        else:
+            grad_list, event = run.mailbox.take((BACKWARD, s, i))
+            wait_event(stream, event)
+            pairs = [
+                (t, copy_to(g, device, stream))
+                for t, g in zip(tensors(y), grad_list, strict=True)
+                if g is not None and t.requires_grad
+            ]
+            outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
+        inputs = list(tensors(x))
+        if schedule.split_backward:
+            input_grads, pending = backward_input(outputs, grads, inputs)
+            run.pending_weights[s, i] = pending
+        else:
+            input_grads = backward_full(outputs, grads, inputs)
+        if s > 0:
+            run.mailbox.put((BACKWARD, s - 1, i), (list(input_grads), record_event(stream)))
+
+    def _weight(self, action: Action, w: int, schedule: Schedule, run: _Run) -> None:
+        run.pending_weights.pop((action.stage, action.microbatch)).run()
+
+
+class _Seeded(nn.Module):
+    """A stage run for one micro-batch, with its random layers seeded for it.
+
+    Checkpointing recomputes this module, so recomputation (in whichever
+    thread runs it) reseeds exactly as the forward did.
+    """
+
+    def __init__(self, stage: nn.Module, seed: int, microbatch: int) -> None:
+        super().__init__()
+        self.stage = stage
+        self.seed, self.microbatch = seed, microbatch
+
+    def forward(self, x: Any) -> Any:
+        with microbatch_seed(self.seed, self.microbatch):
+            return self.stage(x)
+
+
+def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
+    """A new autograd leaf sharing ``t``'s data; it requires grad if it can carry one."""
+    leaf = t.detach()
+    if torch.is_grad_enabled() and (leaf.is_floating_point() or leaf.is_complex()):
+        leaf.requires_grad_(True)
+    return leaf
