@@ -1,0 +1,263 @@
+"""Pipeline with checkpointing, dropout, BatchNorm and autocast (INVARIANTS 12-19)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+import torch
+from torch import nn
+
+from pipesched import DeferredBatchNorm, Pipeline, is_recomputing
+from pipesched.schedule import SCHEDULES, stages_per_worker
+
+MODES = ["always", "except_last", "never"]
+
+
+@pytest.fixture(autouse=True)
+def _fp64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+class MaskProbe(nn.Module):
+    """Records a hash of which inputs are zero (the dropout mask), in forward and recompute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, str]] = []
+
+    def forward(self, x):
+        digest = hashlib.sha1((x == 0).numpy().tobytes()).hexdigest()
+        self.seen.append((is_recomputing(), digest))
+        return x
+
+
+def _dropout_model(probe: nn.Module | None = None) -> nn.Sequential:
+    torch.manual_seed(0)
+    layers = [
+        nn.Linear(6, 6),
+        nn.Dropout(0.5),
+        nn.ReLU(),
+        nn.Linear(6, 6),
+        nn.Dropout(0.3),
+        nn.Tanh(),
+        nn.Linear(6, 6),
+        probe or nn.Identity(),
+    ]
+    return nn.Sequential(*layers)
+
+
+def _pipe(model, workers, schedule, **kwargs):
+    v = stages_per_worker(schedule)
+    stages = workers * v
+    n = len(model)
+    balance = [n // stages + (s < n % stages) for s in range(stages)]
+    return Pipeline(
+        model,
+        kwargs.pop("chunks", 4),
+        balance=balance,
+        devices=["cpu"] * workers,
+        schedule=schedule,
+        **kwargs,
+    )
+
+
+def _step(pipe, seed=7, batch=10):
+    torch.manual_seed(seed)
+    x, y = torch.randn(batch, 6), torch.randn(batch, 6)
+    loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    return loss, {n: p.grad.clone() for n, p in pipe.named_parameters()}
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+def test_checkpoint_modes_are_bitwise_equal_with_dropout(schedule, workers):
+    # INVARIANT 12.
+    results = [_step(_pipe(_dropout_model(), workers, schedule, checkpoint=m)) for m in MODES]
+    (loss0, grads0), *rest = results
+    for loss, grads in rest:
+        assert torch.equal(loss, loss0)
+        for name in grads0:
+            assert torch.equal(grads[name], grads0[name]), name
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_recomputed_dropout_masks_equal_the_forward_masks(schedule):
+    # INVARIANT 13: a probe after the dropout layers sees the same mask twice.
+    probe = MaskProbe()
+    # The probe feeds a Linear of its own stage, which saves its input: recomputation
+    # (which stops at the last tensor backward needs) runs through the probe.
+    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), probe, nn.Linear(6, 6), nn.Linear(6, 6))
+    pipe = Pipeline(
+        model, 3, balance=[4, 1], devices=["cpu", "cpu"], schedule=schedule, checkpoint="always"
+    )
+    _step(pipe, batch=9)
+    forward = [h for recomputing, h in probe.seen if not recomputing]
+    recompute = [h for recomputing, h in probe.seen if recomputing]
+    assert len(forward) == 3
+    assert sorted(recompute) == sorted(forward)
+
+
+def test_without_seeding_recomputed_masks_differ():
+    # INVARIANT 13, negative control: switch our seeding off and torch's RNG replay
+    # is off too (the runtime relies on seeding), so recomputation draws new masks.
+    probe = MaskProbe()
+    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), probe, nn.Linear(6, 6), nn.Linear(6, 6))
+    pipe = Pipeline(model, 3, balance=[4, 1], devices=["cpu", "cpu"], checkpoint="always")
+    for handle in pipe._random_layers:
+        handle.remove()
+    _step(pipe, batch=9)
+    forward = {h for recomputing, h in probe.seen if not recomputing}
+    recompute = {h for recomputing, h in probe.seen if recomputing}
+    assert forward != recompute
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("mode", MODES)
+def test_first_stage_parameters_get_gradients_from_token_ids(schedule, mode):
+    # INVARIANT 14: the input (token ids) does not require grad.
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 9))
+    piped = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 9))
+    piped.load_state_dict(plain.state_dict())
+    v = stages_per_worker(schedule)
+    pipe = Pipeline(
+        piped,
+        2,
+        balance=[1, 1, 1, 1] if v == 2 else [2, 2],
+        devices=["cpu", "cpu"],
+        schedule=schedule,
+        checkpoint=mode,
+    )
+    tokens, labels = torch.randint(0, 9, (6,)), torch.randint(0, 9, (6,))
+    pipe.step(tokens, labels, loss_fn=nn.functional.cross_entropy)
+    nn.functional.cross_entropy(plain(tokens), labels).backward()
+    assert pipe.get_parameter("0.weight").grad is not None
+    for (name, p), q in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
+
+
+def _bn_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(4, 5),
+        nn.BatchNorm1d(5),
+        nn.ReLU(),
+        nn.Linear(5, 5),
+        nn.BatchNorm1d(5),
+        nn.Linear(5, 3),
+    )
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("mode", ["always", "except_last"])
+def test_checkpointing_does_not_repeat_batch_norm_updates(schedule, mode):
+    # INVARIANT 15.
+    def run(checkpoint):
+        pipe = Pipeline(
+            _bn_model(),
+            3,
+            balance=[3, 3],
+            devices=["cpu", "cpu"],
+            schedule=schedule,
+            checkpoint=checkpoint,
+        )
+        torch.manual_seed(3)
+        for _ in range(2):
+            pipe.step(torch.randn(9, 4), torch.randn(9, 3), loss_fn=nn.functional.mse_loss)
+        return {k: v.clone() for k, v in pipe.state_dict().items() if "running" in k or "num" in k}
+
+    expected, got = run("never"), run(mode)
+    assert expected["1.num_batches_tracked"] == 6  # 2 steps x 3 micro-batches
+    for key in expected:
+        assert torch.equal(got[key], expected[key]), key
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+def test_autocast_reaches_every_stage(schedule):
+    # INVARIANT 16: CPU bf16 autocast inside the stage threads.
+    torch.set_default_dtype(torch.float32)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    dtypes = []
+    for layer in (model[1], model[3], model[4]):
+        layer.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    x, y = torch.randn(6, 8), torch.randn(6, 4)
+
+    def grads(mode):
+        for p in model.parameters():
+            p.grad = None
+        pipe = Pipeline(
+            model, 2, balance=[2, 2, 1], devices=["cpu"] * 3, schedule=schedule, checkpoint=mode
+        )
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = pipe(x)
+            pipe.step(x, y, loss_fn=lambda o, t: nn.functional.mse_loss(o.float(), t))
+        assert out.dtype == torch.bfloat16
+        return [p.grad.clone() for p in model.parameters()]
+
+    never = grads("never")
+    assert set(dtypes) == {torch.bfloat16}
+    always = grads("always")
+    for a, b in zip(never, always, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(
+    ("balance", "schedule", "workers"),
+    [
+        ([4, 4], "gpipe", 2),
+        ([2, 6], "1f1b", 2),
+        ([2, 2, 2, 2], "1f1b", 4),
+        ([2, 2, 2, 2], "interleaved-1f1b", 2),
+        ([1, 3, 3, 1], "zb-v", 2),
+        ([5, 3], "zb-h1", 2),
+    ],
+)
+def test_dropout_gradients_do_not_depend_on_balance_or_schedule(balance, schedule, workers):
+    # INVARIANT 17: masks are seeded per (call, micro-batch, layer).
+    reference = _step(Pipeline(_dropout_model(), 4, balance=[8], devices=["cpu"]))
+    pipe = Pipeline(
+        _dropout_model(),
+        4,
+        balance=balance,
+        devices=["cpu"] * workers,
+        schedule=schedule,
+        checkpoint="except_last",
+    )
+    loss, grads = _step(pipe)
+    torch.testing.assert_close(loss, reference[0], rtol=1e-12, atol=1e-14)
+    for name, g in reference[1].items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-12, atol=1e-14, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize("batch", [10, 16, 3])
+def test_deferred_batch_norm_equals_batch_norm_on_the_whole_batch(schedule, batch):
+    # INVARIANTS 18-19: exact running statistics (mean 3000, uneven splits); a batch of 3
+    # yields 3 micro-batches for chunks=4 and still commits.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(12, 2))
+
+    plain, piped = model(), model()
+    pipe = Pipeline(
+        piped,
+        4,
+        balance=[2, 2],
+        devices=["cpu", "cpu"],
+        schedule=schedule,
+        deferred_batch_norm=True,
+    )
+    assert isinstance(pipe.get_submodule("1"), DeferredBatchNorm)
+    for k in range(3):
+        x = 3000 + torch.randn(batch, 2, 2, 2)
+        pipe.step(x, torch.randn(batch, 2), loss_fn=nn.functional.mse_loss)
+        plain(x)
+        bn, ref = pipe.get_submodule("1"), plain[1]
+        torch.testing.assert_close(bn.running_mean, ref.running_mean, rtol=1e-12, atol=0)
+        torch.testing.assert_close(bn.running_var, ref.running_var, rtol=1e-12, atol=0)
+        assert int(bn.num_batches_tracked) == k + 1
