@@ -566,3 +566,14 @@ def test_inputs_must_be_leaves() -> None:
     h = x * 2
     with pytest.raises(ConfigError, match=r"input 0 is not a leaf.*detach"):
         backward_input([h * 3], [torch.ones(3, dtype=DTYPE)], [h])
+
+
+def test_b_frees_the_graph_when_there_is_no_weight() -> None:
+    x = torch.randn(3, dtype=DTYPE, requires_grad=True)
+    y = torch.tanh(x)
+    g = torch.ones(3, dtype=DTYPE)
+    (dx,), w = backward_input([y], [g], [x])
+    torch.testing.assert_close(dx, 1 - torch.tanh(x.detach()) ** 2, **EXACT)
+    with pytest.raises(RuntimeError, match="second time"):
+        y.backward(g)
+    w.run()

@@ -59,3 +59,11 @@ def test_empty_timeline():
     assert t.makespan == 0.0
     assert t.bubble_fraction == 0.0
     assert t.peak_activations == (0, 0)
+
+
+def test_measured_costs_are_per_stage_means():
+    costs = _timeline().measured_costs(send=0.5)
+    assert costs.forward == (1.0, 1.0)
+    assert costs.backward == (2.0, 2.0)
+    assert costs.weight == (0.0, 0.0)
+    assert costs.send == 0.5

@@ -148,7 +148,7 @@ def backward_input(
     captured: dict[Node, Grads] = {}
     hooks = [node.register_prehook(_capture(captured, node)) for node in plan.intermediates]
     try:
-        if wanted and plan.reaches_inputs:
+        if wanted:
             grads = torch.autograd.grad(
                 roots,
                 [x for _, x in wanted],
@@ -273,7 +273,6 @@ class _Plan:
 
     intermediates: tuple[Node, ...]
     groups: tuple[_Group, ...]
-    reaches_inputs: bool
     retraverses: bool
     """Some W pass re-runs input-gradient nodes (a weight used twice), so no pass may free them."""
 
@@ -292,33 +291,25 @@ class _Plan:
         intermediates = [
             n
             for n in parents
-            if n in to_input and n in to_weight and any(weight_side(c) for c in _children(n))
+            if n in to_input and n in to_weight and any(map(weight_side, _children(n)))
         ]
-        sources = intermediates + [n for n in root_nodes if weight_side(n)]
+        root_only = [n for n in root_nodes if weight_side(n)]
 
-        # Sources and weights joined by weight-side edges run in one autograd call.
+        # A source and the weights it reaches by weight-side edges run in one autograd call.
         sets = _DisjointSets()
-        for n in parents:
-            if weight_side(n) or n in intermediates:
-                for c in _children(n):
-                    if weight_side(c):
-                        sets.union(n, c)
+        for n in [*intermediates, *(n for n in parents if weight_side(n))]:
+            for c in filter(weight_side, _children(n)):
+                sets.union(n, c)
         members: dict[Node, tuple[list[Node], list[Node], list[Tensor]]] = {}
-        for n in sources:
-            members.setdefault(sets.find(n), ([], [], []))
         for n in intermediates:
-            members[sets.find(n)][0].append(n)
-        for n in root_nodes:
-            if weight_side(n):
-                members[sets.find(n)][1].append(n)
-        for n, w in weights.items():
-            if sets.find(n) in members:
-                members[sets.find(n)][2].append(w)
-        groups = tuple(
-            _Group(tuple(mids), frozenset(tops), tuple(ws)) for mids, tops, ws in members.values()
-        )
+            members.setdefault(sets.find(n), ([], [], []))[0].append(n)
+        for n in root_only:
+            members.setdefault(sets.find(n), ([], [], []))[1].append(n)
+        for n, w in weights.items():  # each is reached from a source, so has a group
+            members[sets.find(n)][2].append(w)
+        groups = tuple(_Group(tuple(i), frozenset(r), tuple(w)) for i, r, w in members.values())
         retraverses = any(_retraverses(g.intermediates, to_input) for g in groups)
-        return cls(tuple(intermediates), groups, bool(to_input), retraverses)
+        return cls(tuple(intermediates), groups, retraverses)
 
 
 def _roots(

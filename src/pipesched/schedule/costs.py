@@ -53,6 +53,8 @@ class Costs:
                     f"Costs.{field.name} must be finite and >= 0, got {value!r}; "
                     "costs are durations"
                 )
+            if not isinstance(value, int | float):
+                object.__setattr__(self, field.name, floats)  # a list becomes a tuple
 
     def per_stage(self, num_stages: int, *, split_backward: bool) -> dict[str, tuple[float, ...]]:
         """The duration of F, B and W on each stage.

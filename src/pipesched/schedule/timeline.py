@@ -9,6 +9,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
+from pipesched.schedule.costs import Costs
 
 __all__ = ["Event", "Timeline"]
 
@@ -139,6 +140,25 @@ class Timeline:
     def peak_activations(self) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations it held at once."""
         return tuple(max((n for _, n in s), default=0) for s in self.activations_over_time)
+
+    def measured_costs(self, send: float = 0.0) -> Costs:
+        """Each stage's mean F, B and W duration in this timeline, as Costs for the simulator.
+
+        Simulating the same schedule with these costs gives the plan a
+        measured run should have followed; the gap is overhead and noise.
+        A stage without W gets weight 0 (its B already includes it).
+        """
+        totals: dict[tuple[str, int], list[float]] = defaultdict(list)
+        for e in self.events:
+            totals[e.action.kind, e.action.stage].append(e.duration)
+
+        def mean(kind: str) -> list[float]:
+            return [
+                sum(totals[kind, s]) / len(totals[kind, s]) if totals[kind, s] else 0.0
+                for s in range(self.num_stages)
+            ]
+
+        return Costs(mean(FORWARD), mean(BACKWARD), mean(WEIGHT), send=send)
 
     def summary(self) -> str:
         """One line: makespan, bubble and peak activations."""
