@@ -1,45 +1,34 @@
 """One stage's backward pass, whole or split into input gradients (B) and weight gradients (W).
 
-Zero-bubble schedules run B as soon as the next stage's gradient arrives, since
-the previous stage waits for it, and W later, to fill idle time: no stage waits
-for a weight gradient. B runs autograd from the stage's outputs to its inputs
-only, with the graph retained, and a pre-hook captures the gradient arriving at
-each *intermediate*: a node that B executes and that also leads to a weight
-along an edge B does not follow. W starts from those captured gradients and
-runs the weight side only, so B and W together cost about one full backward.
+Zero-bubble schedules run B as soon as the next stage's gradient arrives (the
+previous stage waits for it) and W later, in idle time (no stage waits for it).
+B runs autograd from the outputs to the inputs only, graph retained, while a
+pre-hook captures the gradient entering each *intermediate*: a node B executes
+that also leads to a weight along an edge B does not follow. W runs from those
+gradients to the weights only, so B and W together cost one full backward.
 
-Why our own and not ``torch.distributed.pipelining._backward``: that module is
-private, untyped, and its W needs the stage's inputs to require grad, so torch
-runs a full backward instead for the first stage. Here:
+Why not ``torch.distributed.pipelining._backward``: it is private and untyped,
+and its W needs the inputs to require grad (torch runs a full backward on the
+first stage instead). Here weights are the leaves found in the graph, so W
+accumulates into exactly the tensors :func:`backward_full` does; an output that
+does not depend on the inputs (every output of a first stage fed token ids) is
+itself a source of W, so there B computes nothing and W does all the work, the
+part that fills bubbles; ``.grad`` is accumulated by autograd's own
+``AccumulateGrad`` (layout, hooks), not by hand; the caller's outputs are not
+detached in place: the graph dies with the caller's last reference to them.
 
-- Weights are the leaves the graph reaches that are not stage inputs, found in
-  the graph, so W accumulates into exactly the tensors ``backward_full`` does.
-- An output that does not depend on the inputs (all outputs of a first stage
-  whose inputs are integer token ids) is a source of W itself, fed with its
-  output gradient. For such a stage B computes nothing and W does the whole
-  backward: B's result has no consumer there, and W is what fills bubbles.
-- W calls ``torch.autograd.backward(..., inputs=weights)``, so ``.grad`` is
-  accumulated by autograd's own ``AccumulateGrad`` (gradient layout, hooks on
-  accumulation) just as in a full backward, rather than assigned by hand.
-- The caller's tensors are not detached in place; the handle holds only what W
-  needs and drops it when W has run. The graph dies with the caller's last
-  reference to the outputs.
+Costs beyond one backward (results stay exact):
 
-Costs and limits, all still exact:
-
-- A weight used at several places of one stage (a tied weight, one layer
-  applied twice): W runs from every use together and re-runs the input-gradient
-  chain between the uses (clamped, so nothing counts twice). Untied weights
-  never re-run it.
-- A node that ignores which gradients autograd asks for (a custom
-  ``autograd.Function``) does its whole work in both B and W.
-- Non-reentrant activation checkpointing (``use_reentrant=False``) works, but B
-  and W are separate autograd calls and each recomputes the checkpointed region:
-  one extra forward of the region. (The passes of one W share a recomputation
-  through ``torch.utils.checkpoint.GraphExecGroup``; B and W cannot, since a
-  node unpacks all its saved tensors whichever gradients it is asked for.)
-  Reentrant checkpointing does not support ``torch.autograd.grad`` at all; use
-  :func:`backward_full` for such stages.
+- A weight used at several places of one stage (tied, or a layer applied twice):
+  W re-runs the input-gradient chain between the uses, clamped so nothing
+  counts twice. A node that ignores which gradients are asked for (a custom
+  ``autograd.Function``) does its whole work in B and again in W.
+- Non-reentrant checkpointing (``use_reentrant=False``) works, but B and W each
+  recompute the checkpointed region: one extra forward of it. The passes of one
+  W share a recomputation (``torch.utils.checkpoint.GraphExecGroup``); B and W
+  cannot, since a node unpacks all its saved tensors whatever it computes.
+  Reentrant checkpointing rejects ``torch.autograd.grad``: use
+  :func:`backward_full` there.
 """
 
 from __future__ import annotations
@@ -57,15 +46,15 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipesched.errors import ConfigError, ScheduleError
 
+__all__ = ["WeightGradients", "backward_full", "backward_input"]
+
+Grads = tuple[Tensor | None, ...]
+"""Gradients, one per input of a stage or of a graph node; None where none flows."""
+
 _one_recomputation: Callable[[], contextlib.AbstractContextManager[Any]] = getattr(
     torch.utils.checkpoint, "GraphExecGroup", contextlib.nullcontext
 )
 """Backward calls inside it recompute each non-reentrant checkpointed region once in all."""
-
-__all__ = ["WeightGradients", "backward_full", "backward_input"]
-
-Grads = tuple[Tensor | None, ...]
-"""Gradients, one per stage input; None where the input is not a tensor requiring grad."""
 
 
 def backward_full(
