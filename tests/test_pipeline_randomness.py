@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import hashlib
 
 import pytest
@@ -65,6 +66,23 @@ def _pipe(model, workers, schedule, **kwargs):
     )
 
 
+ALL = [(schedule, workers) for schedule in SCHEDULES for workers in (2, 4)]
+
+
+def _tail_pipe(head: list[nn.Module], width: int, schedule: str, workers: int, **kwargs):
+    """``head`` as stage 0, then one Linear(width, width) per further stage."""
+    stages = workers * stages_per_worker(schedule)
+    layers = [*head, *(nn.Linear(width, width) for _ in range(stages - 1))]
+    return Pipeline(
+        nn.Sequential(*layers),
+        kwargs.pop("chunks", 3),
+        balance=[len(head)] + [1] * (stages - 1),
+        devices=["cpu"] * workers,
+        schedule=schedule,
+        **kwargs,
+    )
+
+
 def _step(pipe, seed=7, batch=10):
     torch.manual_seed(seed)
     x, y = torch.randn(batch, 6), torch.randn(batch, 6)
@@ -84,16 +102,15 @@ def test_checkpoint_modes_are_bitwise_equal_with_dropout(schedule, workers):
             assert torch.equal(grads[name], grads0[name]), name
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_recomputed_dropout_masks_equal_the_forward_masks(schedule):
+@pytest.mark.parametrize(("schedule", "workers"), ALL)
+def test_recomputed_dropout_masks_equal_the_forward_masks(schedule, workers):
     # INVARIANT 13: a probe after the dropout layers sees the same mask twice.
     probe = MaskProbe()
     # The probe feeds a Linear of its own stage, which saves its input: recomputation
     # (which stops at the last tensor backward needs) runs through the probe.
-    model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), probe, nn.Linear(6, 6), nn.Linear(6, 6))
-    pipe = Pipeline(
-        model, 3, balance=[4, 1], devices=["cpu", "cpu"], schedule=schedule, checkpoint="always"
-    )
+    torch.manual_seed(0)
+    head = [nn.Linear(6, 6), nn.Dropout(0.5), probe, nn.Linear(6, 6)]
+    pipe = _tail_pipe(head, 6, schedule, workers, checkpoint="always")
     _step(pipe, batch=9)
     forward = [h for recomputing, h in probe.seen if not recomputing]
     recompute = [h for recomputing, h in probe.seen if recomputing]
@@ -115,26 +132,18 @@ def test_without_seeding_recomputed_masks_differ():
     assert forward != recompute
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize(("schedule", "workers"), ALL)
 @pytest.mark.parametrize("mode", MODES)
-def test_first_stage_parameters_get_gradients_from_token_ids(schedule, mode):
+def test_first_stage_parameters_get_gradients_from_token_ids(schedule, workers, mode):
     # INVARIANT 14: the input (token ids) does not require grad.
-    torch.manual_seed(0)
-    plain = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 9))
-    piped = nn.Sequential(nn.Embedding(9, 6), nn.Linear(6, 6), nn.ReLU(), nn.Linear(6, 9))
-    piped.load_state_dict(plain.state_dict())
-    v = stages_per_worker(schedule)
-    pipe = Pipeline(
-        piped,
-        2,
-        balance=[1, 1, 1, 1] if v == 2 else [2, 2],
-        devices=["cpu", "cpu"],
-        schedule=schedule,
-        checkpoint=mode,
+    pipe = _tail_pipe(
+        [nn.Embedding(9, 6), nn.Linear(6, 6), nn.ReLU()], 6, schedule, workers, checkpoint=mode
     )
-    tokens, labels = torch.randint(0, 9, (6,)), torch.randint(0, 9, (6,))
-    pipe.step(tokens, labels, loss_fn=nn.functional.cross_entropy)
-    nn.functional.cross_entropy(plain(tokens), labels).backward()
+    plain = nn.Sequential(*[m for stage in pipe.stages for m in stage])
+    plain = copy.deepcopy(plain)
+    tokens, labels = torch.randint(0, 9, (6,)), torch.randn(6, 6)
+    pipe.step(tokens, labels, loss_fn=nn.functional.mse_loss)
+    nn.functional.mse_loss(plain(tokens), labels).backward()
     assert pipe.get_parameter("0.weight").grad is not None
     for (name, p), q in zip(pipe.named_parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
@@ -152,22 +161,17 @@ def _bn_model() -> nn.Sequential:
     )
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize(("schedule", "workers"), ALL)
 @pytest.mark.parametrize("mode", ["always", "except_last"])
-def test_checkpointing_does_not_repeat_batch_norm_updates(schedule, mode):
+def test_checkpointing_does_not_repeat_batch_norm_updates(schedule, workers, mode):
     # INVARIANT 15.
     def run(checkpoint):
-        pipe = Pipeline(
-            _bn_model(),
-            3,
-            balance=[3, 3],
-            devices=["cpu", "cpu"],
-            schedule=schedule,
-            checkpoint=checkpoint,
-        )
+        torch.manual_seed(0)
+        head = [nn.Linear(4, 5), nn.BatchNorm1d(5), nn.ReLU(), nn.Linear(5, 5)]
+        pipe = _tail_pipe(head, 5, schedule, workers, checkpoint=checkpoint)
         torch.manual_seed(3)
         for _ in range(2):
-            pipe.step(torch.randn(9, 4), torch.randn(9, 3), loss_fn=nn.functional.mse_loss)
+            pipe.step(torch.randn(9, 4), torch.randn(9, 5), loss_fn=nn.functional.mse_loss)
         return {k: v.clone() for k, v in pipe.state_dict().items() if "running" in k or "num" in k}
 
     expected, got = run("never"), run(mode)
@@ -176,31 +180,30 @@ def test_checkpointing_does_not_repeat_batch_norm_updates(schedule, mode):
         assert torch.equal(got[key], expected[key]), key
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
-def test_autocast_reaches_every_stage(schedule):
+@pytest.mark.parametrize(("schedule", "workers"), ALL)
+def test_autocast_reaches_every_stage(schedule, workers):
     # INVARIANT 16: CPU bf16 autocast inside the stage threads.
     torch.set_default_dtype(torch.float32)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    pipe = _tail_pipe([nn.Linear(8, 8), nn.ReLU()], 8, schedule, workers, chunks=2)
     dtypes = []
-    for layer in (model[1], model[3], model[4]):
-        layer.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
-    x, y = torch.randn(6, 8), torch.randn(6, 4)
+    for stage in pipe.stages:
+        stage[-1].register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    x, y = torch.randn(6, 8), torch.randn(6, 8)
 
     def grads(mode):
-        for p in model.parameters():
+        pipe.checkpoint = mode
+        for p in pipe.parameters():
             p.grad = None
-        pipe = Pipeline(
-            model, 2, balance=[2, 2, 1], devices=["cpu"] * 3, schedule=schedule, checkpoint=mode
-        )
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = pipe(x)
             pipe.step(x, y, loss_fn=lambda o, t: nn.functional.mse_loss(o.float(), t))
         assert out.dtype == torch.bfloat16
-        return [p.grad.clone() for p in model.parameters()]
+        return [p.grad.clone() for p in pipe.parameters()]
 
     never = grads("never")
     assert set(dtypes) == {torch.bfloat16}
+    assert len(dtypes) >= 2 * len(pipe.stages)
     always = grads("always")
     for a, b in zip(never, always, strict=True):
         assert torch.equal(a, b)
@@ -234,21 +237,23 @@ def test_dropout_gradients_do_not_depend_on_balance_or_schedule(balance, schedul
         torch.testing.assert_close(grads[name], g, rtol=1e-12, atol=1e-14, msg=name)
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "zb-h1"])
+@pytest.mark.parametrize(("schedule", "workers"), ALL)
 @pytest.mark.parametrize("batch", [10, 16, 3])
-def test_deferred_batch_norm_equals_batch_norm_on_the_whole_batch(schedule, batch):
+def test_deferred_batch_norm_equals_batch_norm_on_the_whole_batch(schedule, workers, batch):
     # INVARIANTS 18-19: exact running statistics (mean 3000, uneven splits); a batch of 3
     # yields 3 micro-batches for chunks=4 and still commits.
     def model():
         torch.manual_seed(0)
         return nn.Sequential(nn.Conv2d(2, 3, 1), nn.BatchNorm2d(3), nn.Flatten(), nn.Linear(12, 2))
 
-    plain, piped = model(), model()
+    plain = model()
+    stages = workers * stages_per_worker(schedule)
+    piped = nn.Sequential(*model(), *(nn.Identity() for _ in range(stages - 2)))
     pipe = Pipeline(
         piped,
         4,
-        balance=[2, 2],
-        devices=["cpu", "cpu"],
+        balance=[2, 2] + [1] * (stages - 2),
+        devices=["cpu"] * workers,
         schedule=schedule,
         deferred_batch_norm=True,
     )

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 def _model() -> nn.Sequential:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(),
-                         nn.Linear(32, 8)).double()
+    return nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 8)
+    ).double()
 
 
 def _devices(n: int) -> list[str]:
@@ -31,8 +32,14 @@ def test_gradients_on_cuda_equal_the_plain_model(schedule, checkpoint):
     balance = [5 // stages + (s < 5 % stages) for s in range(stages)]
     if 0 in balance:
         pytest.skip("more stages than layers")
-    pipe = Pipeline(_model(), 4, balance=balance, devices=_devices(workers), schedule=schedule,
-                    checkpoint=checkpoint)
+    pipe = Pipeline(
+        _model(),
+        4,
+        balance=balance,
+        devices=_devices(workers),
+        schedule=schedule,
+        checkpoint=checkpoint,
+    )
     x = torch.randn(10, 16, dtype=torch.float64, device="cuda")
     y = torch.randn(10, 8, dtype=torch.float64, device="cuda")
     loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)

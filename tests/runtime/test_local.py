@@ -30,8 +30,12 @@ class Record(nn.Module):
 
 def test_one_thread_per_stage_on_one_device_with_threads_shared_out():
     first, second = Record(), Record()
-    pipe = Pipeline(nn.Sequential(nn.Linear(3, 3), first, nn.Linear(3, 3), second), 2,
-                    balance=[2, 2], devices=["cpu", "cpu"])
+    pipe = Pipeline(
+        nn.Sequential(nn.Linear(3, 3), first, nn.Linear(3, 3), second),
+        2,
+        balance=[2, 2],
+        devices=["cpu", "cpu"],
+    )
     cores = torch.get_num_threads()
     pipe(torch.randn(4, 3))
     assert {name for name, _, _ in first.seen} == {"pipesched-worker-0"}
@@ -46,8 +50,13 @@ def test_two_cpu_stages_overlap_in_time():
             time.sleep(0.02)  # releases the GIL, like a torch kernel
             return x
 
-    pipe = Pipeline(nn.Sequential(nn.Linear(3, 3), Sleep(), nn.Linear(3, 3), Sleep()), 8,
-                    balance=[2, 2], devices=["cpu", "cpu"], schedule="1f1b")
+    pipe = Pipeline(
+        nn.Sequential(nn.Linear(3, 3), Sleep(), nn.Linear(3, 3), Sleep()),
+        8,
+        balance=[2, 2],
+        devices=["cpu", "cpu"],
+        schedule="1f1b",
+    )
     pipe.step(torch.randn(8, 3), torch.randn(8, 3), loss_fn=nn.functional.mse_loss)
     timeline = pipe.last_timeline
     assert isinstance(timeline, Timeline)
@@ -58,8 +67,9 @@ def test_two_cpu_stages_overlap_in_time():
 
 def test_grad_mode_reaches_the_workers():
     record = Record()
-    pipe = Pipeline(nn.Sequential(nn.Linear(3, 3), record), 1, balance=[1, 1],
-                    devices=["cpu", "cpu"])
+    pipe = Pipeline(
+        nn.Sequential(nn.Linear(3, 3), record), 1, balance=[1, 1], devices=["cpu", "cpu"]
+    )
     with torch.no_grad():
         pipe(torch.randn(2, 3))
     pipe(torch.randn(2, 3))
@@ -74,8 +84,13 @@ def test_thread_state_captures_autocast():
 
 
 def test_measured_timeline_has_every_action_in_order():
-    pipe = Pipeline(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)), 3, balance=[1, 1],
-                    devices=["cpu", "cpu"], schedule="zb-h1")
+    pipe = Pipeline(
+        nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3)),
+        3,
+        balance=[1, 1],
+        devices=["cpu", "cpu"],
+        schedule="zb-h1",
+    )
     pipe.step(torch.randn(6, 3), torch.randn(6, 3), loss_fn=nn.functional.mse_loss)
     schedule = pipe.schedule(3)
     for w in range(2):
