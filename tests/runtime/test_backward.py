@@ -158,6 +158,7 @@ CASES = [
     Case("multi-output", MultiOutput, lambda i: (_floats(i, 4, 6),)),
     Case("last", Last, lambda i: (_floats(i, 4, 6), _floats(100 + i, 4, 3)), is_last=True),
 ]
+CASE = {case.name: case for case in CASES}
 
 
 # ---------------------------------------------------------------- running a stage
@@ -286,17 +287,15 @@ def test_split_equals_full_and_plain(case: Case) -> None:
         assert_grads(p, s, exact=False)
 
 
-def test_cases_cover_what_they_claim() -> None:
-    unused = _build(CASES[4])
-    run_split(CASES[4], unused, ZB_ORDER.split())
+def test_the_cases_exercise_what_they_are_named_after() -> None:
+    unused = _build(CASE["unused"])
+    run_split(CASE["unused"], unused, ZB_ORDER.split())
     assert isinstance(unused, Unused)
     assert unused.never.weight.grad is None
     assert unused.sometimes.grad is not None
-    embedding = CASES[3]
-    grads = run_split(embedding, _build(embedding), ZB_ORDER.split())
+    grads = run_split(CASE["embedding"], _build(CASE["embedding"]), ZB_ORDER.split())
     assert all(g == (None,) for g in grads)
-    multi = CASES[7]
-    grads = run_split(multi, _build(multi), ZB_ORDER.split())
+    grads = run_split(CASE["multi-output"], _build(CASE["multi-output"]), ZB_ORDER.split())
     assert all(g[0] is not None for g in grads)
 
 
@@ -315,7 +314,7 @@ def test_weight_unused_by_the_microbatch_keeps_grad_none() -> None:
 @given(data=st.data())
 @pytest.mark.parametrize("name", ["mlp", "tied", "checkpointed", "multi-output"])
 def test_any_order_of_f_b_w_gives_the_same_gradients(name: str, data: st.DataObject) -> None:
-    case = next(c for c in CASES if c.name == name)
+    case = CASE[name]
     # Each micro-batch's k-th action is F, B, W in turn; micro-batches interleave freely.
     slots = data.draw(st.permutations([i for i in range(3) for _ in range(3)]))
     seen: Counter[int] = Counter()
@@ -517,8 +516,26 @@ def test_b_and_w_together_run_the_ops_of_one_full_backward(build: Callable[[], n
     assert w_ops.counts["aten.mm.default"] > 0
 
 
+def test_first_stage_b_computes_nothing_and_w_everything() -> None:
+    module = _build(CASE["embedding"])
+    tokens = CASE["embedding"].inputs(0)
+    g = _floats(0, 4, 5, 6)
+    outputs = module(*tokens)
+    with _CountOps() as full:
+        backward_full(outputs, [g], tokens)
+    module.zero_grad(set_to_none=True)
+    outputs = module(*tokens)
+    with _CountOps() as b:
+        grads, w = backward_input(outputs, [g], tokens)
+    with _CountOps() as w_ops:
+        w.run()
+    assert grads == (None,)
+    assert not b.counts
+    assert w_ops.counts == full.counts
+
+
 def test_checkpointed_region_is_recomputed_once_by_b_and_once_by_w() -> None:
-    case = next(c for c in CASES if c.name == "checkpointed")
+    case = CASE["checkpointed"]
     full, split = _build(case), _build(case)
     assert isinstance(full, Checkpointed)
     assert isinstance(split, Checkpointed)

@@ -111,7 +111,8 @@ def backward_input(
     accumulates into ``.grad`` exactly what :func:`backward_full` would have.
 
     Returns:
-        ``(input gradients, W handle)``.
+        ``(input gradients, W handle)``. Where no input requires grad (a first
+        stage fed token ids) B computes nothing and W runs the whole backward.
 
     Raises:
         ConfigError: as :func:`backward_full`.
