@@ -15,12 +15,14 @@ if TYPE_CHECKING:
     from pipesched.batchnorm import DeferredBatchNorm
     from pipesched.checkpoint import is_recomputing
     from pipesched.pipeline import Pipeline
+    from pipesched.train import GradientAccumulator
 
 __all__ = [
     "Action",
     "ConfigError",
     "Costs",
     "DeferredBatchNorm",
+    "GradientAccumulator",
     "PartitionError",
     "Pipeline",
     "PipeschedError",
@@ -36,6 +38,7 @@ _LAZY = {
     "Pipeline": "pipesched.pipeline",
     "DeferredBatchNorm": "pipesched.batchnorm",
     "is_recomputing": "pipesched.checkpoint",
+    "GradientAccumulator": "pipesched.train",
 }
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.errors import ConfigError
-from pipesched.microbatch import gather, scatter
+from pipesched.microbatch import batch_size, gather, scatter
 from pipesched.partition import balance_by_params, check_balance, split_sequential
 from pipesched.rng import seed_random_layers
 from pipesched.runtime.local import LocalRuntime, StepInputs
@@ -184,17 +184,64 @@ class Pipeline(nn.Module):
         Returns:
             The normalized loss of the batch, detached.
         """
-        if num_items is not None:
-            count = float(num_items.item() if isinstance(num_items, torch.Tensor) else num_items)
-            if not count > 0:
-                raise ConfigError(
-                    f"num_items must be > 0, got {num_items!r}; it is the number of items "
-                    "(e.g. non-padding tokens) the summed loss is divided by"
-                )
+        if num_items is None:
+            return self._run_step(
+                inputs, target, loss_fn, summed=False, scale=1.0 / batch_size((inputs, target))
+            )
+        count = _item_count(num_items)
+        if not count > 0:
+            raise ConfigError(
+                f"num_items must be > 0, got {num_items!r}; it is the number of items "
+                "(e.g. non-padding tokens) the summed loss is divided by"
+            )
+        return self._run_step(inputs, target, loss_fn, summed=True, scale=1.0 / count)
+
+    def accumulate(
+        self,
+        inputs: Any,
+        target: Any = None,
+        *,
+        loss_fn: Callable[..., torch.Tensor],
+        num_items: int | float | torch.Tensor | None = None,
+        scale: float = 1.0,
+    ) -> tuple[torch.Tensor, float]:
+        """Like :meth:`step`, but adds the gradients of the batch's *summed* loss, not its mean.
+
+        The building block of accumulation windows (see
+        :class:`pipesched.GradientAccumulator`): gradients of sums accumulate
+        across calls and are divided once, at the window's end, by the
+        window's item count. Nothing is normalized here.
+
+        Args:
+            inputs, target, loss_fn: as in :meth:`step`.
+            num_items: None when ``loss_fn`` returns a mean over samples (it is
+                then multiplied by the micro-batch's sample count); otherwise
+                ``loss_fn`` returns a sum over items and this is their count
+                (0 is allowed: a batch of padding).
+            scale: multiplies every loss before backward (a GradScaler's scale).
+
+        Returns:
+            ``(summed loss, item count)``, the loss detached and unscaled.
+        """
+        items = float(batch_size((inputs, target))) if num_items is None else _item_count(num_items)
+        if items < 0:
+            raise ConfigError(f"num_items must be >= 0, got {num_items!r}")
+        total = self._run_step(inputs, target, loss_fn, summed=num_items is not None, scale=scale)
+        return total / scale, items
+
+    def _run_step(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        summed: bool,
+        scale: float,
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch; micro-batch i's loss weighs
+        ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
         micro = scatter((inputs, target), self.chunks)
-        sizes = [_rows(x) for x, _ in micro]
-        total = sum(sizes)
-        weights = [1.0 / count if num_items is not None else n / total for n in sizes]
+        weights = [scale if summed else scale * _rows(x) for x, _ in micro]
         step = StepInputs(
             inputs=[x for x, _ in micro],
             targets=None if target is None else [t for _, t in micro],
@@ -244,6 +291,10 @@ def _deny_move(call: str) -> NoReturn:
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     return get_schedule(name, num_stages, num_microbatches).validate()
+
+
+def _item_count(num_items: int | float | torch.Tensor) -> float:
+    return float(num_items.item() if isinstance(num_items, torch.Tensor) else num_items)
 
 
 def _rows(value: Any) -> int:

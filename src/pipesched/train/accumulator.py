@@ -1,0 +1,290 @@
+"""GradientAccumulator: the accumulation window users get wrong, done exactly, once per window.
+
+Why its own class: the common recipe, ``(loss / accumulation_steps).backward()``
+with ``optimizer.step()`` every k-th call, is only right when every
+micro-batch holds the same number of items. Here every micro-batch's loss is
+a SUM over its items, sums accumulate across the window, and at the window's
+end the gradients are divided once by the window's item count (../DESIGN.md,
+"Gradient normalization"), then unscaled, checked for inf/NaN over every
+stage, clipped by one global norm, stepped, scheduled and zeroed: each once.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipesched.errors import ConfigError
+from pipesched.microbatch import batch_size
+from pipesched.train.gradients import all_finite, clip_, grads_of, scale_
+from pipesched.train.loss_scale import LossScale
+from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+
+if TYPE_CHECKING:
+    from pipesched.pipeline import Pipeline
+
+__all__ = ["GradientAccumulator", "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one :meth:`GradientAccumulator.step` did.
+
+    Attributes:
+        loss: this step's loss, normalized by its own item count (NaN for 0 items).
+        window_loss: at a window's end, the window's loss normalized by its item count.
+        stepped: the window ended and the optimizer stepped.
+        skipped: the window ended with an inf/NaN gradient and nothing stepped.
+        grad_norm: at a stepped window's end, the global gradient norm before clipping.
+        effective_batch: samples in the window so far, over all replicas.
+        step: steps (calls) done so far; window: windows finished so far.
+        lr: the first parameter group's learning rate after this step.
+    """
+
+    loss: float
+    window_loss: float | None
+    stepped: bool
+    skipped: bool
+    grad_norm: float | None
+    effective_batch: int
+    step: int
+    window: int
+    lr: float
+
+
+class GradientAccumulator:
+    """Runs pipeline steps in accumulation windows and finishes each window exactly once.
+
+    Args:
+        pipe: the Pipeline.
+        optimizer: one optimizer over ``pipe.parameters()``, or one per stage.
+        accumulation_steps: pipeline steps (calls to :meth:`step`) per window.
+        max_grad_norm: clip the global gradient norm (all stages) to this.
+        scaler: a ``torch.amp.GradScaler`` for the pipeline's device type.
+        lr_scheduler: one scheduler or a list, stepped once per stepped window.
+
+    Example:
+        >>> from torch import nn
+        >>> from pipesched import Pipeline
+        >>> pipe = Pipeline(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), 2,
+        ...                 balance=[1, 1], devices=["cpu", "cpu"])
+        >>> acc = GradientAccumulator(pipe, torch.optim.SGD(pipe.parameters(), lr=0.1),
+        ...                           accumulation_steps=2)
+        >>> for _ in range(4):
+        ...     result = acc.step(torch.randn(6, 4), torch.randn(6, 1),
+        ...                       loss_fn=nn.functional.mse_loss)
+        >>> result.stepped, result.window, result.effective_batch
+        (True, 2, 12)
+    """
+
+    def __init__(
+        self,
+        pipe: Pipeline,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        *,
+        accumulation_steps: int,
+        max_grad_norm: float | None = None,
+        scaler: Any = None,
+        lr_scheduler: Any = None,
+    ) -> None:
+        if (
+            isinstance(accumulation_steps, bool)
+            or not isinstance(accumulation_steps, int)
+            or accumulation_steps < 1
+        ):
+            raise ConfigError(
+                f"accumulation_steps must be a positive integer, got {accumulation_steps!r}"
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(
+                f"max_grad_norm must be > 0, got {max_grad_norm!r}; use None to not clip"
+            )
+        self.pipe = pipe
+        self.optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
+        if not self.optimizers:
+            raise ConfigError("optimizer is an empty list; give one optimizer or one per stage")
+        self.schedulers = (
+            []
+            if lr_scheduler is None
+            else list(lr_scheduler)
+            if isinstance(lr_scheduler, Sequence)
+            else [lr_scheduler]
+        )
+        self.accumulation_steps = accumulation_steps
+        self.max_grad_norm = max_grad_norm
+        self.loss_scale = LossScale(scaler, list(pipe.devices))
+        self.steps = 0
+        self.windows = 0
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self.position = 0  # steps done in the current window
+        self._items = 0.0
+        self._samples = 0
+        self._loss_sum = 0.0
+        self._scale = 1.0
+
+    def step(
+        self,
+        inputs: Any,
+        target: Any = None,
+        *,
+        loss_fn: Callable[..., torch.Tensor],
+        num_items: int | float | torch.Tensor | None = None,
+    ) -> StepResult:
+        """Runs one pipeline step into the window; on the window's last step, finishes it.
+
+        Args:
+            inputs, target, loss_fn: as in :meth:`Pipeline.step`.
+            num_items: None when ``loss_fn`` returns a mean over samples;
+                otherwise ``loss_fn`` returns a sum over items (e.g. tokens)
+                and this counts them. The window is normalized by the sum of
+                its steps' counts.
+        """
+        if self.position == 0:
+            self.pipe.zero_grad(set_to_none=True)
+            self._scale = self.loss_scale.value()  # constant through the window
+        loss_sum, items = self.pipe.accumulate(
+            inputs, target, loss_fn=loss_fn, num_items=num_items, scale=self._scale
+        )
+        loss = float(loss_sum)
+        self._loss_sum += loss
+        self._items += items
+        self._samples += batch_size(inputs)
+        self.position += 1
+        self.steps += 1
+        step_loss = loss / items if items > 0 else math.nan
+        if self.position == self.accumulation_steps:
+            return self._finish(step_loss)
+        return self._result(step_loss, None, stepped=False, skipped=False, norm=None)
+
+    def flush(self) -> StepResult | None:
+        """Finishes an incomplete window, normalized by its own content; None if empty."""
+        if self.position == 0:
+            return None
+        return self._finish(math.nan)
+
+    def _finish(self, step_loss: float) -> StepResult:
+        parameters = list(self.pipe.parameters())
+        items, samples = self._items, self._samples
+        if items <= 0:
+            self.pipe.zero_grad(set_to_none=True)
+            self._reset_window()
+            raise ConfigError(
+                f"the window's num_items add up to {items:g}: there is nothing to normalize "
+                "by; pass each step's count of non-padding items (the window was dropped, "
+                "parameters untouched)"
+            )
+        grads = grads_of(parameters)
+        scale_(grads, 1.0 / (self._scale * items))  # the one normalization (and unscale)
+        window_loss = self._loss_sum / items
+        finite = math.isfinite(window_loss) and all_finite(grads)
+        norm = clip_(parameters, self.max_grad_norm) if finite else None
+        if finite:
+            for optimizer in self.optimizers:
+                optimizer.step()
+            for scheduler in self.schedulers:
+                scheduler.step()
+            self.windows += 1
+        self.loss_scale.update(found_inf=not finite)
+        self.pipe.zero_grad(set_to_none=True)
+        result = self._result(
+            step_loss, window_loss, stepped=finite, skipped=not finite, norm=norm, samples=samples
+        )
+        self._reset_window()
+        return result
+
+    def _result(
+        self,
+        loss: float,
+        window_loss: float | None,
+        *,
+        stepped: bool,
+        skipped: bool,
+        norm: float | None,
+        samples: int | None = None,
+    ) -> StepResult:
+        return StepResult(
+            loss=loss,
+            window_loss=window_loss,
+            stepped=stepped,
+            skipped=skipped,
+            grad_norm=norm,
+            effective_batch=self._samples if samples is None else samples,
+            step=self.steps,
+            window=self.windows,
+            lr=float(self.optimizers[0].param_groups[0]["lr"]),
+        )
+
+    def log_line(self, result: StepResult) -> str:
+        """``step 12 | loss 1.23 | lr 1e-3 | eff. batch 256 (16 x 4 chunks x 4 steps)``."""
+        loss = result.window_loss if result.window_loss is not None else result.loss
+        steps = self.accumulation_steps if result.window_loss is not None else self.position
+        chunks = self.pipe.chunks
+        micro = result.effective_batch / max(1, chunks * max(1, steps))
+        state = " | skipped (inf/NaN)" if result.skipped else ""
+        return (
+            f"step {result.step} | loss {loss:.4g} | lr {result.lr:.3g} | eff. batch "
+            f"{result.effective_batch} ({micro:g} x {chunks} chunks x {steps} steps){state}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a bit-identical resume needs, mid-window included.
+
+        Like torch's own ``state_dict``s, the model and optimizer entries
+        alias live tensors: save it (:meth:`save`) or deep-copy it to keep it.
+
+        The model under its original parameter names, the optimizers,
+        schedulers, scaler, RNG states, counters, and the window so far: its
+        position, item and sample counts, loss, scale and accumulated gradients.
+        """
+        return {
+            "model": self.pipe.state_dict(),
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": [s.state_dict() for s in self.schedulers],
+            "loss_scale": self.loss_scale.state_dict(),
+            "rng": rng_state(),
+            "counters": {"steps": self.steps, "windows": self.windows},
+            "window": {
+                "position": self.position,
+                "items": self._items,
+                "samples": self._samples,
+                "loss_sum": self._loss_sum,
+                "scale": self._scale,
+                "grads": {
+                    n: p.grad.detach().clone()
+                    for n, p in self.pipe.named_parameters()
+                    if p.grad is not None
+                },
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores :meth:`state_dict` into this accumulator, its pipeline and optimizers."""
+        self.pipe.load_state_dict(state["model"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
+            scheduler.load_state_dict(saved)
+        self.loss_scale.load_state_dict(state["loss_scale"])
+        set_rng_state(state["rng"])
+        self.steps, self.windows = state["counters"]["steps"], state["counters"]["windows"]
+        window = state["window"]
+        self.position, self._items = window["position"], window["items"]
+        self._samples, self._loss_sum = window["samples"], window["loss_sum"]
+        self._scale = window["scale"]
+        for name, p in self.pipe.named_parameters():
+            grad = window["grads"].get(name)
+            p.grad = None if grad is None else grad.to(p.device).clone()
+
+    def save(self, path: str) -> None:
+        """Writes :meth:`state_dict` to ``path`` atomically (a crash mid-save loses nothing)."""
+        save_checkpoint(self.state_dict(), path)
+
+    def load(self, path: str) -> None:
+        """Resumes from a file written by :meth:`save`."""
+        self.load_state_dict(load_checkpoint(path))

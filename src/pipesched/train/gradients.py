@@ -1,0 +1,50 @@
+"""Whole-model gradient operations across every stage and device: scale, check, measure, clip."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+__all__ = ["all_finite", "clip_", "grads_of", "scale_"]
+
+
+def grads_of(parameters: Iterable[nn.Parameter]) -> list[torch.Tensor]:
+    """The gradients that exist (parameters whose ``.grad`` is None are left out)."""
+    return [p.grad for p in parameters if p.grad is not None]
+
+
+def scale_(grads: list[torch.Tensor], factor: float) -> None:
+    """Multiplies every gradient by ``factor`` in place, once."""
+    if factor != 1.0:
+        torch._foreach_mul_(grads, factor)
+
+
+def all_finite(grads: list[torch.Tensor]) -> bool:
+    """Whether no gradient on any device holds an inf or a NaN (one host sync per device)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    return all(
+        bool(torch.stack([torch.isfinite(g).all() for g in group]).all())
+        for group in by_device.values()
+    )
+
+
+def clip_(parameters: list[nn.Parameter], max_norm: float | None) -> float:
+    """The global 2-norm of all gradients; scaled down in place to ``max_norm`` if above it.
+
+    One norm over every stage's gradients, on whatever devices they live:
+    the same two steps (``get_total_norm``, ``clip_grads_with_norm_``) as
+    ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model.
+    """
+    grads = grads_of(parameters)
+    if not grads:
+        return 0.0
+    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
+    if max_norm is not None and math.isfinite(float(norm)):
+        with_grads = [p for p in parameters if p.grad is not None]
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
+    return float(norm)
