@@ -3,9 +3,11 @@
 Run: make demo          (or: .venv/bin/python examples/demo.py)
 
 1. A 6-layer MLP classifier is cut into 2 stages, one worker thread each
-   (devices=["cpu", "cpu"]), and trained for a few steps on synthetic data
-   (labels from a fixed random "teacher" network) with the 1F1B schedule,
-   8 micro-batches per step, behind a progress bar.
+   (devices=["cpu", "cpu"]), and trained on synthetic data (labels from a
+   fixed random "teacher" network) with the 1F1B schedule, 8 micro-batches
+   per step and 2 steps per accumulation window (GradientAccumulator: one
+   normalization, clip and optimizer step per window), behind a progress bar
+   that shows the one-line log.
 2. The last step's measured timeline is printed as a grid, beside the plan:
    the same schedule simulated with the per-stage costs measured in that step.
 3. Every built-in schedule is simulated for 4 workers and 8 micro-batches.
@@ -17,11 +19,11 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from pipesched import Pipeline
+from pipesched import GradientAccumulator, Pipeline
 from pipesched.schedule import Costs, compare, render_timeline
 from pipesched.schedule.compare import format_comparison
 
-STEPS, BATCH, CHUNKS, WIDTH, CLASSES = 60, 256, 8, 512, 10
+STEPS, WINDOW, BATCH, CHUNKS, WIDTH, CLASSES = 80, 2, 128, 8, 512, 10
 
 
 def model() -> nn.Sequential:
@@ -40,16 +42,20 @@ def main() -> None:
         f"by parameters), devices {[str(d) for d in pipe.devices]}, schedule "
         f"{pipe.schedule_name}, {CHUNKS} micro-batches of {BATCH // CHUNKS}"
     )
-    optimizer = torch.optim.Adam(pipe.parameters(), lr=2e-3)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=2e-3)
+    schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=STEPS // WINDOW)
+    accumulator = GradientAccumulator(
+        pipe, optimizer, accumulation_steps=WINDOW, max_grad_norm=1.0, lr_scheduler=schedule
+    )
     progress = tqdm(range(STEPS), desc="training", unit="step")
     for _ in progress:
         x = torch.randn(BATCH, 64)
         with torch.no_grad():
             y = teacher(x).argmax(dim=1)
-        loss = pipe.step(x, y, loss_fn=nn.functional.cross_entropy)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        progress.set_postfix(loss=f"{loss.item():.3f}")
+        result = accumulator.step(x, y, loss_fn=nn.functional.cross_entropy)
+        if result.stepped:
+            progress.set_description(accumulator.log_line(result))
+    print(accumulator.log_line(result))
     measured = pipe.last_timeline  # the last training step's
     with torch.no_grad():
         x = torch.randn(1024, 64)
