@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PartitionError", "PipeschedError", "ScheduleError"]
+__all__ = ["ConfigError", "PartitionError", "PipeschedError", "RemoteError", "ScheduleError"]
 
 
 class PipeschedError(Exception):
@@ -25,3 +25,7 @@ class ScheduleError(PipeschedError, ValueError):
 
 class PartitionError(PipeschedError, ValueError):
     """A model cannot be cut into the stages asked for (balance, split points, tracing)."""
+
+
+class RemoteError(PipeschedError, RuntimeError):
+    """Another rank of a distributed pipeline failed or died; the message names it."""

@@ -7,14 +7,19 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
+from pipesched.distributed.mesh import MeshInfo
+from pipesched.distributed.placement import keep_own_stages
 from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size, gather, scatter
 from pipesched.partition import balance_by_params, check_balance, split_sequential
 from pipesched.rng import seed_random_layers
+from pipesched.runtime.distributed import DistributedRuntime
+from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
 from pipesched.runtime.local import LocalRuntime, StepInputs
 from pipesched.runtime.tree import tensors
 from pipesched.schedule import Schedule, Timeline, get_schedule, stages_per_worker
@@ -74,6 +79,7 @@ class Pipeline(nn.Module):
         deferred_batch_norm: bool = False,
         example_inputs: tuple[Any, ...] | None = None,
         num_stages: int | None = None,
+        mesh: Any = None,
     ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
@@ -92,7 +98,18 @@ class Pipeline(nn.Module):
             )
         if deferred_batch_norm:
             DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
-        workers, chosen_devices = _resolve_devices(devices, balance, num_stages, v, schedule)
+        info = None
+        if mesh is not None:
+            info = MeshInfo.of(mesh)
+            if devices is not None:
+                raise ConfigError(
+                    "pass either mesh= or devices=, not both: with a mesh each rank runs its "
+                    "stages on its own device"
+                )
+            workers = info.pp_size
+            chosen_devices: list[Device] = [info.device] * info.pp_size
+        else:
+            workers, chosen_devices = _resolve_devices(devices, balance, num_stages, v, schedule)
         if balance is None:
             balance = balance_by_params(module, workers * v)
         balance = check_balance(module, balance)
@@ -105,8 +122,6 @@ class Pipeline(nn.Module):
                 f"{len(balance) / v:g} devices, or a schedule with more stages per worker "
                 "('interleaved-1f1b')"
             )
-        for name, layer in module.named_children():
-            self.add_module(name, layer)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.schedule_name = schedule
@@ -114,12 +129,27 @@ class Pipeline(nn.Module):
         self.devices = [torch.device(d) for d in chosen_devices]
         stages = split_sequential(module, balance)
         self.placement = get_schedule(schedule, len(balance), 1).placement
-        for s, stage in enumerate(stages):
-            stage.to(self.devices[self.placement[s]])
+        self.mesh = info
+        self.sync: Sync = LocalSync()
+        self._runtime: LocalRuntime
+        if info is None:
+            own = list(range(len(stages)))
+            for s, stage in enumerate(stages):
+                stage.to(self.devices[self.placement[s]])
+            cpu_workers = sum(d.type == "cpu" for d in self.devices)
+            self._runtime = LocalRuntime(stages, self.devices, _threads_per_worker(cpu_workers))
+        else:
+            own, tied = keep_own_stages(stages, self.placement, info.pp_rank, info.device)
+            kept = [stage if s in own else None for s, stage in enumerate(stages)]
+            self._runtime = DistributedRuntime(kept, self.placement, info, torch.get_num_threads())
+        for s in own:  # this process's layers, under the plain model's names
+            for name, layer in stages[s].named_children():
+                self.add_module(name, layer)
+        if info is not None:
+            self.sync = GradientSync(info, self.parameters(), tied)
         self._stages = stages
+        self._own_stages = own
         self._random_layers = seed_random_layers(self)
-        cpu_workers = sum(d.type == "cpu" for d in self.devices)
-        self._runtime = LocalRuntime(stages, self.devices, _threads_per_worker(cpu_workers))
         self.last_timeline: Timeline | None = None
 
     @property
@@ -253,7 +283,9 @@ class Pipeline(nn.Module):
         run = self._runtime.run(self.schedule(len(micro)), step, detach=True)
         self.last_timeline = run.timeline
         self._commit_batch_norm()
-        return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
+        if self.mesh is None:
+            return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
+        return _broadcast_loss(run.losses, len(micro), self.placement[-1], self.mesh)
 
     def _call_seed(self) -> int:
         """A seed for this call's random layers, drawn from torch's global generator."""
@@ -291,6 +323,17 @@ def _deny_move(call: str) -> NoReturn:
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     return get_schedule(name, num_stages, num_microbatches).validate()
+
+
+def _broadcast_loss(
+    losses: dict[int, torch.Tensor], count: int, last_rank: int, info: MeshInfo
+) -> torch.Tensor:
+    """The step's loss, computed on the last stage's rank, on every rank of the pipeline."""
+    total = torch.zeros((), dtype=torch.float64, device=info.device)
+    if losses:
+        total += torch.stack([losses[i] for i in range(count)]).sum().double()
+    dist.broadcast(total, src=info.pp_ranks[last_rank], group=info.pp_group)
+    return total
 
 
 def _item_count(num_items: int | float | torch.Tensor) -> float:

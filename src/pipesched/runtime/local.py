@@ -161,7 +161,7 @@ class LocalRuntime:
                 name=f"pipesched-worker-{w}",
                 daemon=True,
             )
-            for w in range(schedule.num_workers)
+            for w in self.workers(schedule)
         ]
         previous_threads = torch.get_num_threads()
         try:
@@ -172,6 +172,7 @@ class LocalRuntime:
                 if thread.ident is not None:
                     thread.join()
             torch.set_num_threads(previous_threads)
+        self.finish_step(run)
         if run.error is not None:
             error, action, worker = run.error
             error.add_note(
@@ -206,20 +207,19 @@ class LocalRuntime:
             pass
         except BaseException as error:  # a stage's failure stops every worker
             with run.lock:
-                if run.error is None:
+                first = run.error is None
+                if first:
                     run.error = (error, action, w)
             run.mailbox.abort()
+            if first:
+                self.on_failure(error, action)
         with run.lock:
             run.events += events
 
     def _forward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> None:
         s, i = action.stage, action.microbatch
         device, stream = self.devices[w], self._streams[w]
-        if s == 0:
-            x = run.step.inputs[i]
-        else:
-            x, event = run.mailbox.take((FORWARD, s, i))
-            wait_event(stream, event)
+        x = run.step.inputs[i] if s == 0 else self.take(run, FORWARD, s, i, stream)
         x = map_tensors(x, lambda t: copy_to(t, device, stream))
         if run.detach and s > 0:
             x = map_tensors(x, _fresh_leaf)
@@ -233,7 +233,7 @@ class LocalRuntime:
                 y = stage(x)
         last = s == schedule.num_stages - 1
         if not last:
-            run.mailbox.put((FORWARD, s + 1, i), (y, record_event(stream)))
+            self.put(run, FORWARD, s + 1, i, y, stream)
             if run.step.loss_fn is not None:
                 run.saved[s, i] = (x, y)
             return
@@ -260,8 +260,7 @@ class LocalRuntime:
         if s == schedule.num_stages - 1:
             outputs, grads = [y], None
         else:
-            grad_list, event = run.mailbox.take((BACKWARD, s, i))
-            wait_event(stream, event)
+            grad_list = self.take(run, BACKWARD, s, i, stream)
             pairs = [
                 (t, copy_to(g, device, stream))
                 for t, g in zip(tensors(y), grad_list, strict=True)
@@ -275,7 +274,32 @@ class LocalRuntime:
         else:
             input_grads = backward_full(outputs, grads, inputs)
         if s > 0:
-            run.mailbox.put((BACKWARD, s - 1, i), (list(input_grads), record_event(stream)))
+            self.put(run, BACKWARD, s - 1, i, list(input_grads), stream)
+
+    # Hooks a runtime across processes overrides: which workers run here, how values
+    # travel between stages, and what a failure and the end of a step do.
+
+    def workers(self, schedule: Schedule) -> list[int]:
+        """The schedule workers this process runs: all of them."""
+        return list(range(schedule.num_workers))
+
+    def take(self, run: _Run, kind: str, stage: int, microbatch: int, stream: Stream) -> Any:
+        """The input (F) or output gradient (B) of ``stage`` for ``microbatch``."""
+        value, event = run.mailbox.take((kind, stage, microbatch))
+        wait_event(stream, event)
+        return value
+
+    def put(
+        self, run: _Run, kind: str, stage: int, microbatch: int, value: Any, stream: Stream
+    ) -> None:
+        """Hands ``value`` to ``stage``: its input (F) or its output gradient (B)."""
+        run.mailbox.put((kind, stage, microbatch), (value, record_event(stream)))
+
+    def on_failure(self, error: BaseException, action: Action) -> None:
+        """Called once, in the failing worker, after every local worker was told to stop."""
+
+    def finish_step(self, run: _Run) -> None:
+        """Called after the workers of a step have stopped."""
 
     def _weight(self, action: Action, w: int, schedule: Schedule, run: _Run) -> None:
         run.pending_weights.pop((action.stage, action.microbatch)).run()

@@ -20,7 +20,7 @@ import torch
 
 from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size
-from pipesched.train.gradients import all_finite, clip_, grads_of, scale_
+from pipesched.train.gradients import all_finite, clip_to_, grads_of, scale_
 from pipesched.train.loss_scale import LossScale
 from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 
@@ -169,8 +169,9 @@ class GradientAccumulator:
         return self._finish(math.nan)
 
     def _finish(self, step_loss: float) -> StepResult:
+        sync = self.pipe.sync  # the identity locally; reductions over the mesh otherwise
         parameters = list(self.pipe.parameters())
-        items, samples = self._items, self._samples
+        items, samples, loss_sum = sync.sum([self._items, float(self._samples), self._loss_sum])
         if items <= 0:
             self.pipe.zero_grad(set_to_none=True)
             self._reset_window()
@@ -179,12 +180,15 @@ class GradientAccumulator:
                 "by; pass each step's count of non-padding items (the window was dropped, "
                 "parameters untouched)"
             )
+        sync.gradients()  # once per window: sum over replicas
         grads = grads_of(parameters)
         scale_(grads, 1.0 / (self._scale * items))  # the one normalization (and unscale)
-        window_loss = self._loss_sum / items
-        finite = math.isfinite(window_loss) and all_finite(grads)
-        norm = clip_(parameters, self.max_grad_norm) if finite else None
+        window_loss = loss_sum / items
+        finite = sync.all_true(math.isfinite(window_loss) and all_finite(grads))
+        norm = None
         if finite:
+            norm = sync.norm(parameters)
+            clip_to_(parameters, self.max_grad_norm, norm)
             for optimizer in self.optimizers:
                 optimizer.step()
             for scheduler in self.schedulers:
@@ -193,7 +197,12 @@ class GradientAccumulator:
         self.loss_scale.update(found_inf=not finite)
         self.pipe.zero_grad(set_to_none=True)
         result = self._result(
-            step_loss, window_loss, stepped=finite, skipped=not finite, norm=norm, samples=samples
+            step_loss,
+            window_loss,
+            stepped=finite,
+            skipped=not finite,
+            norm=norm,
+            samples=int(samples),
         )
         self._reset_window()
         return result

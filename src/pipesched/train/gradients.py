@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-__all__ = ["all_finite", "clip_", "grads_of", "scale_"]
+__all__ = ["all_finite", "clip_to_", "grads_of", "scale_"]
 
 
 def grads_of(parameters: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -33,18 +33,15 @@ def all_finite(grads: list[torch.Tensor]) -> bool:
     )
 
 
-def clip_(parameters: list[nn.Parameter], max_norm: float | None) -> float:
-    """The global 2-norm of all gradients; scaled down in place to ``max_norm`` if above it.
+def clip_to_(parameters: list[nn.Parameter], max_norm: float | None, norm: float) -> None:
+    """Scales all gradients down in place so their global norm ``norm`` becomes ``max_norm``.
 
-    One norm over every stage's gradients, on whatever devices they live:
-    the same two steps (``get_total_norm``, ``clip_grads_with_norm_``) as
-    ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model.
+    With ``norm`` the global norm over every stage (and rank), this is
+    ``torch.nn.utils.clip_grad_norm_`` on the unpipelined model: the same
+    coefficient, ``max_norm / (norm + 1e-6)``, clamped to 1.
     """
-    grads = grads_of(parameters)
-    if not grads:
-        return 0.0
-    norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-    if max_norm is not None and math.isfinite(float(norm)):
-        with_grads = [p for p in parameters if p.grad is not None]
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, norm)
-    return float(norm)
+    if max_norm is None or not math.isfinite(norm):
+        return
+    with_grads = [p for p in parameters if p.grad is not None]
+    if with_grads:
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, torch.tensor(norm))

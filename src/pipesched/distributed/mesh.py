@@ -1,0 +1,110 @@
+"""The ("dp", "pp") device mesh of a torchrun job, and this rank's place in it."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from pipesched.errors import ConfigError
+
+__all__ = ["MeshInfo", "init_mesh"]
+
+
+def init_mesh(pp: int, dp: int = 1, *, timeout: float = 600.0) -> DeviceMesh:
+    """The ("dp", "pp") mesh of this job, initializing the process group if needed.
+
+    Ranks are laid out ``rank = dp_index * pp + pp_index``: the ``pp`` ranks of
+    one pipeline are consecutive (on one node, when ``pp`` divides the GPUs per
+    node, so that the heavy point-to-point traffic stays inside it).
+
+    Args:
+        pp: pipeline workers (ranks per pipeline).
+        dp: data-parallel replicas of the pipeline.
+        timeout: seconds any collective or transfer may wait before the job
+            fails; also bounds how long the other ranks wait after one dies.
+
+    Raises:
+        ConfigError: ``pp * dp`` is not the job's world size.
+
+    Example (under ``torchrun --nproc_per_node 4``)::
+
+        mesh = pipesched.distributed.init_mesh(pp=2, dp=2)
+        pipe = pipesched.Pipeline(model, chunks=8, mesh=mesh, schedule="1f1b")
+    """
+    for name, value in (("pp", pp), ("dp", dp)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    cuda = torch.cuda.is_available()
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise ConfigError(
+                "init_mesh found no process group and no torchrun environment (RANK is not "
+                "set); launch with `torchrun --nproc_per_node N script.py`"
+            )
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout))
+    world = dist.get_world_size()
+    if pp * dp != world:
+        raise ConfigError(
+            f"pp x dp must equal the world size: pp={pp} x dp={dp} = {pp * dp}, but the job "
+            f"has {world} ranks; use dp={world // pp if world % pp == 0 else '?'} or launch "
+            f"{pp * dp} processes"
+        )
+    device_type = "cuda" if cuda and dist.get_backend() == "nccl" else "cpu"
+    return init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
+
+
+@dataclass(frozen=True)
+class MeshInfo:
+    """This rank's view of a ("dp", "pp") mesh.
+
+    Attributes:
+        pp_rank, pp_size: this rank's index in its pipeline, and the pipeline's length.
+        dp_rank, dp_size: this rank's replica, and the number of replicas.
+        pp_group, dp_group: the process groups along each dimension.
+        pp_ranks: the global ranks of this rank's pipeline, by pp index.
+        device: this rank's device.
+    """
+
+    pp_rank: int
+    pp_size: int
+    dp_rank: int
+    dp_size: int
+    pp_group: Any
+    dp_group: Any
+    pp_ranks: tuple[int, ...]
+    device: torch.device
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> MeshInfo:
+        """Reads this rank's place from ``mesh`` (dims named "dp" and "pp")."""
+        names = tuple(mesh.mesh_dim_names or ())
+        if names != ("dp", "pp"):
+            raise ConfigError(
+                f"mesh must have dims ('dp', 'pp'), got {names}; build it with "
+                "pipesched.distributed.init_mesh(pp, dp)"
+            )
+        pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        dp_rank = mesh.get_local_rank("dp")
+        pp_ranks = tuple(int(r) for r in mesh.mesh[dp_rank].tolist())
+        if mesh.device_type == "cuda":
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = torch.device("cpu")
+        return cls(
+            pp_rank=mesh.get_local_rank("pp"),
+            pp_size=mesh.size(1),
+            dp_rank=dp_rank,
+            dp_size=mesh.size(0),
+            pp_group=pp_group,
+            dp_group=dp_group,
+            pp_ranks=pp_ranks,
+            device=device,
+        )

@@ -1,0 +1,94 @@
+"""The runtime across processes: each rank runs its own worker's actions; values cross by p2p.
+
+It is the local runtime with three hooks changed: only this rank's schedule
+worker runs here; a value for a stage on another rank travels by
+point-to-point (:mod:`pipesched.runtime.p2p`), one for a stage on this rank
+(interleaved and V schedules) stays in memory; and a failure is reported to
+every rank before this one stops.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch.distributed as dist
+from torch import nn
+
+from pipesched.distributed.mesh import MeshInfo
+from pipesched.runtime.local import LocalRuntime, _Run
+from pipesched.runtime.p2p import FailureChannel, Transport
+from pipesched.runtime.streams import Stream
+from pipesched.schedule import BACKWARD, FORWARD, Action, Schedule
+
+__all__ = ["DistributedRuntime"]
+
+
+class DistributedRuntime(LocalRuntime):
+    """Runs pp rank ``info.pp_rank``'s actions of each schedule.
+
+    Args:
+        stages: every stage index's module; only this rank's are used (others None).
+        placement: the worker (pp rank) of each stage.
+        info: this rank's place in the mesh.
+        num_threads: intra-op threads for this rank's worker.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module | None],
+        placement: tuple[int, ...],
+        info: MeshInfo,
+        num_threads: int,
+    ) -> None:
+        super().__init__(stages, [info.device] * info.pp_size, num_threads)  # type: ignore[arg-type]
+        self.placement = placement
+        self.info = info
+        self.failures = FailureChannel()
+        self.transport = Transport(info.pp_ranks, info.device, self.failures)
+        self._num_stages = len(placement)
+
+    def workers(self, schedule: Schedule) -> list[int]:
+        return [self.info.pp_rank]
+
+    def _local(self, stage: int) -> bool:
+        return self.placement[stage] == self.info.pp_rank
+
+    def _tag(self, kind: str, stage: int, microbatch: int) -> int:
+        return (microbatch * self._num_stages + stage) * 2 + (kind == BACKWARD)
+
+    def take(self, run: _Run, kind: str, stage: int, microbatch: int, stream: Stream) -> Any:
+        source = stage - 1 if kind == FORWARD else stage + 1
+        if self._local(source):
+            return super().take(run, kind, stage, microbatch, stream)
+        what = (
+            f"the activation of micro-batch {microbatch} for stage {stage}"
+            if kind == FORWARD
+            else f"the gradient of micro-batch {microbatch} for stage {stage}"
+        )
+        return self.transport.recv(self.placement[source], self._tag(kind, stage, microbatch), what)
+
+    def put(
+        self, run: _Run, kind: str, stage: int, microbatch: int, value: Any, stream: Stream
+    ) -> None:
+        if self._local(stage):
+            super().put(run, kind, stage, microbatch, value, stream)
+            return
+        self.transport.send(value, self.placement[stage], self._tag(kind, stage, microbatch))
+
+    def on_failure(self, error: BaseException, action: Action) -> None:
+        if not isinstance(error, Exception) or type(error).__name__ == "RemoteError":
+            return  # a remote failure was reported by whoever saw it first
+        rank = dist.get_rank()
+        self.failures.report(
+            f"rank {rank} (pp {self.info.pp_rank}, dp {self.info.dp_rank}) failed in action "
+            f"{action} (stage {action.stage}, micro-batch {action.microbatch}): "
+            f"{type(error).__name__}: {error}"
+        )
+        # Close this rank's connections so that every rank blocked on it fails now
+        # instead of at the process group's timeout.
+        dist.destroy_process_group()
+
+    def finish_step(self, run: _Run) -> None:
+        if run.error is None:
+            self.transport.finish()

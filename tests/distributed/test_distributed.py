@@ -1,0 +1,80 @@
+"""The distributed runtime on 2 and 4 gloo processes against one process (INVARIANTS 20-22)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed import worker
+from tests.distributed.launch import launch
+
+
+def _reference(scenario: str) -> tuple[nn.Module, list[float], list[float]]:
+    """The whole model in one process, trained on each window's data from every replica."""
+    _, dp, _, _ = worker.SCENARIOS[scenario]
+    model = worker.token_model() if scenario == "tokens" else worker.mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, norms = [], []
+    for window in range(worker.WINDOWS):
+        batches = [
+            (worker.tokens if scenario == "tokens" else worker.data)(window, step, replica)
+            for step in range(worker.STEPS)
+            for replica in range(dp)
+        ]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        out = model(x)
+        if scenario == "tokens":
+            loss = nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+        else:
+            loss = nn.functional.mse_loss(out, y)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+        losses.append(float(loss.detach()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return model, losses, norms
+
+
+@pytest.mark.parametrize(
+    ("scenario", "world"),
+    [("pp2", 2), ("pp2dp2", 4), ("interleaved", 2), ("zbv", 2), ("tokens", 4)],
+)
+def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_path):
+    exits = launch(scenario, world, tmp_path, timeout=120)
+    for e in exits:
+        assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-3000:]}"
+    reference, losses, norms = _reference(scenario)
+    expected = dict(reference.named_parameters())
+    _, dp, _, _ = worker.SCENARIOS[scenario]
+    seen = set()
+    for rank in range(world):
+        result = torch.load(tmp_path / f"rank{rank}.pt")
+        assert result["foreign_devices"] in ([], ["meta"])  # other stages' tensors freed
+        for name, value in result["params"].items():
+            torch.testing.assert_close(
+                value, expected[name], rtol=1e-12, atol=1e-14, msg=f"rank {rank}: {name}"
+            )
+            seen.add(name)
+        assert result["window_losses"] == pytest.approx(losses, rel=1e-12)
+        assert result["norms"] == pytest.approx(norms, rel=1e-12)
+        # INVARIANT 20: one all-reduce per bucket (one bucket here) per window.
+        assert result["all_reduces"] == (worker.WINDOWS if dp > 1 else 0)
+    assert seen == set(expected)  # every parameter lives on some rank
+
+
+def test_an_exception_on_one_rank_stops_every_rank(tmp_path):
+    exits = launch("raise", 2, tmp_path, timeout=60)
+    for e in exits:
+        assert e.code not in (0, None), f"rank {e.rank}: {e.code}\n{e.output[-2000:]}"
+    assert "ValueError: boom in a stage" in exits[1].output
+    assert "rank 1 (pp 1, dp 0) failed in action 1F2 (stage 1, micro-batch 2)" in exits[0].output
+
+
+def test_a_killed_rank_makes_the_others_exit_with_a_clear_error(tmp_path):
+    exits = launch("kill", 3, tmp_path, timeout=60)
+    assert exits[1].code == -9  # SIGKILL
+    for e in (exits[0], exits[2]):
+        assert e.code not in (0, None), f"rank {e.rank} did not stop:\n{e.output[-2000:]}"
+        assert "lost pp rank 1" in e.output, e.output[-2000:]

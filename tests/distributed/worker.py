@@ -1,0 +1,140 @@
+"""One rank of a distributed test: `python worker.py SCENARIO OUT_DIR` under torchrun-like env."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+import torch
+from torch import nn
+
+from pipesched import GradientAccumulator, Pipeline
+from pipesched.distributed import init_mesh
+
+# name: (pp, dp, schedule, balance)
+SCENARIOS = {
+    "pp2": (2, 1, "1f1b", [3, 4]),
+    "pp2dp2": (2, 2, "zb-h1", [3, 4]),
+    "interleaved": (2, 1, "interleaved-1f1b", [2, 2, 2, 1]),
+    "zbv": (2, 1, "zb-v", [2, 2, 2, 1]),
+    "tokens": (2, 2, "1f1b", [2, 3]),
+    "raise": (2, 1, "1f1b", [3, 4]),
+    "kill": (3, 1, "1f1b", [2, 2, 3]),
+}
+WINDOWS, STEPS, CHUNKS = 2, 2, 4
+ROWS = (10, 7)  # rows per step of replica 0 and replica 1: uneven on purpose
+VOCAB = 11
+
+
+def mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8),
+        nn.Tanh(),
+        nn.Linear(8, 8),
+        nn.ReLU(),
+        nn.Linear(8, 8),
+        nn.Tanh(),
+        nn.Linear(8, 3),
+    ).double()
+
+
+def token_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, VOCAB)
+    ).double()
+
+
+def data(window: int, step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * window + 10 * step + replica)
+    rows = ROWS[replica]
+    return (
+        torch.randn(rows, 6, generator=g, dtype=torch.float64),
+        torch.randn(rows, 3, generator=g, dtype=torch.float64),
+    )
+
+
+def tokens(window: int, step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    g = torch.Generator().manual_seed(1000 * window + 10 * step + replica)
+    x = torch.randint(0, VOCAB, (6, 5), generator=g)
+    y = torch.randint(0, VOCAB, (6, 5), generator=g)
+    keep = 1 + (replica * 3 + step) % 5  # uneven token counts across steps and replicas
+    y[:, keep:] = -100
+    return x, y, int((y != -100).sum())
+
+
+def token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
+class Boom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 2:  # micro-batch 2 of a 10-row batch in 4 chunks (3, 3, 2, 2)
+            raise ValueError("boom in a stage")
+        return x
+
+
+class Die(nn.Module):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Die.calls += 1
+        if Die.calls == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return x
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], sys.argv[2]
+    pp, dp, schedule, balance = SCENARIOS[scenario]
+    mesh = init_mesh(pp=pp, dp=dp, timeout=30)
+    model = token_model() if scenario == "tokens" else mlp()
+    if scenario == "raise":
+        model = nn.Sequential(*model[:3], Boom(), *model[3:])
+        balance = [3, 5]
+    if scenario == "kill":
+        model = nn.Sequential(*model[:2], Die(), *model[2:])
+        balance = [2, 3, 3]
+    pipe = Pipeline(
+        model, CHUNKS, balance=balance, mesh=mesh, schedule=schedule, checkpoint="except_last"
+    )
+    acc = GradientAccumulator(
+        pipe,
+        torch.optim.SGD(pipe.parameters(), lr=0.1),
+        accumulation_steps=STEPS,
+        max_grad_norm=0.5,
+    )
+    replica = pipe.mesh.dp_rank
+    losses, norms = [], []
+    for window in range(WINDOWS):
+        for step in range(STEPS):
+            if scenario == "tokens":
+                x, y, n = tokens(window, step, replica)
+                result = acc.step(x, y, loss_fn=token_sum, num_items=n)
+            else:
+                x, y = data(window, step, replica)
+                result = acc.step(x, y, loss_fn=nn.functional.mse_loss)
+        losses.append(result.window_loss)
+        norms.append(result.grad_norm)
+    torch.save(
+        {
+            "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+            "all_reduces": pipe.sync.all_reduces,
+            "window_losses": losses,
+            "norms": norms,
+            "effective_batch": result.effective_batch,
+            "foreign_devices": sorted(
+                {str(p.device) for p in model.parameters()} - {str(pipe.mesh.device)}
+            ),
+        },
+        os.path.join(out, f"rank{torch.distributed.get_rank()}.pt"),
+    )
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
