@@ -19,6 +19,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+import pipesched.viz
 from pipesched import GradientAccumulator, Pipeline
 from pipesched.schedule import Costs, compare, render_timeline
 from pipesched.schedule.compare import format_comparison
@@ -78,6 +79,27 @@ def main() -> None:
     print("\nall built-in schedules on paper, 4 workers, 8 micro-batches, F = B = W = 1:")
     print(format_comparison(compare(4, 8, Costs(1, 1, 1))))
     print("\nTry: .venv/bin/pipesched show --schedule zb-h1 --stages 4 --chunks 8")
+    write_pictures(measured, planned)
+
+
+def write_pictures(measured: pipesched.Timeline, planned: pipesched.Timeline) -> None:
+    """Draws the last step as measured (its plan under it) and as planned; writes its trace."""
+    folder = "out/demo"
+    try:
+        pipesched.viz.gantt(measured, f"{folder}/measured.png", overlay=planned)
+        pipesched.viz.gantt(planned, f"{folder}/planned.png", title="last step: the plan")
+    except ModuleNotFoundError as error:  # matplotlib comes with `make`, not with pip install -e .
+        print(f"\nno pictures: {error}")
+        return
+    measured.save(f"{folder}/run.json")
+    pipesched.viz.chrome_trace(measured, f"{folder}/trace.json")
+    print(
+        f"\npictures of the last step, in {folder}/:\n"
+        "  measured.png  the measured step, with the plan under each worker\n"
+        "  planned.png   the plan alone (the schedule with the measured per-stage costs)\n"
+        "  trace.json    a Chrome trace: open it in https://ui.perfetto.dev or chrome://tracing\n"
+        f"  run.json      the timeline: .venv/bin/pipesched trace {folder}/run.json -o run.png"
+    )
 
 
 if __name__ == "__main__":

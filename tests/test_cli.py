@@ -59,3 +59,56 @@ def test_console_script_is_installed():
     )
     assert result.returncode == 0, result.stderr
     assert "zb-v" in result.stdout
+
+
+# The drawing commands: viz, compare, trace.
+
+
+def _png(path):
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    return path
+
+
+def test_viz_draws_one_schedule(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "zb-v.png"
+    argv = ["viz", "--schedule", "zb-v", "--stages", "2", "--chunks", "3", "--costs", "1,2,1"]
+    assert main([*argv, "-o", str(out)]) == 0
+    _png(out)
+    assert f"wrote {out}" in capsys.readouterr().out
+
+
+def test_compare_draws_every_schedule(tmp_path):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "all.svg"
+    assert main(["compare", "--workers", "2", "--chunks", "2", "-o", str(out)]) == 0
+    text = out.read_text()
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"):
+        assert name in text
+
+
+def test_trace_draws_a_saved_timeline(tmp_path):
+    pytest.importorskip("matplotlib")
+    from pipesched.schedule import Costs, get_schedule
+
+    plan = get_schedule("1f1b", 2, 3).simulate(Costs(0.0012, 0.0021, 0.0))
+    saved = plan.save(tmp_path / "r.json")
+    assert main(["trace", str(saved), "-o", str(tmp_path / "run.png"), "--plan", "1f1b"]) == 0
+    _png(tmp_path / "run.png")
+    assert main(["trace", str(saved), "-o", str(tmp_path / "run.trace.json")]) == 0
+    events = __import__("json").loads((tmp_path / "run.trace.json").read_text())["traceEvents"]
+    assert sum(e["ph"] == "X" for e in events) == 12
+
+
+def test_drawing_errors_exit_2(tmp_path, capsys):
+    assert main(["trace", str(tmp_path / "none.json"), "-o", str(tmp_path / "x.png")]) == 2
+    assert "none.json" in capsys.readouterr().err
+    argv = ["viz", "--schedule", "1f1b", "--stages", "2", "--chunks", "2"]
+    assert main([*argv, "-o", str(tmp_path / "x.jpg")]) == 2
+    assert "must end in .png or .svg" in capsys.readouterr().err
+    from pipesched.schedule import get_schedule
+
+    saved = get_schedule("1f1b", 2, 2).simulate().save(tmp_path / "r.json")
+    assert main(["trace", str(saved), "-o", str(tmp_path / "x.png"), "--plan", "zb-v"]) == 2
+    assert "name the schedule the run used" in capsys.readouterr().err
+    assert not list(tmp_path.glob("x.*"))

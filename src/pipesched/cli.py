@@ -1,13 +1,19 @@
-"""The ``pipesched`` command: compare schedules and show their grids from the terminal."""
+"""The ``pipesched`` command: compare schedules, show their grids, draw them and saved runs.
+
+The schedule commands (``simulate``, ``show``) import neither torch nor
+matplotlib; the drawing commands (``viz``, ``compare``, ``trace``) import
+:mod:`pipesched.viz`, and matplotlib with it, only when they run.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
-from pipesched.errors import PipeschedError
-from pipesched.schedule import Costs, get_schedule, render_timeline, stages_per_worker
+from pipesched.errors import ConfigError, PipeschedError
+from pipesched.schedule import Costs, Timeline, get_schedule, render_timeline, stages_per_worker
 from pipesched.schedule.builders import SCHEDULES
 from pipesched.schedule.compare import compare, format_comparison
 
@@ -43,7 +49,8 @@ def _costs(text: str) -> Costs:
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="pipesched", description="Pipeline-parallel schedules: compare, show, simulate."
+        prog="pipesched",
+        description="Pipeline-parallel schedules: compare, show, simulate, draw.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
 
@@ -51,8 +58,15 @@ def _parser() -> argparse.ArgumentParser:
         "simulate", help="makespan, bubble and peak activations of every built-in schedule"
     )
     show = commands.add_parser("show", help="the time grid of one schedule")
-    show.add_argument("--schedule", required=True, help=f"one of: {', '.join(SCHEDULES)}")
-    for command in (simulate, show):
+    viz = commands.add_parser(
+        "viz", help="draw one schedule's simulated timeline (PNG or SVG, by the suffix of -o)"
+    )
+    drawn = commands.add_parser(
+        "compare", help="draw every built-in schedule stacked on one time axis (PNG or SVG)"
+    )
+    for command in (show, viz):
+        command.add_argument("--schedule", required=True, help=f"one of: {', '.join(SCHEDULES)}")
+    for command in (simulate, show, viz, drawn):
         command.add_argument(
             "--stages",
             "--workers",
@@ -69,6 +83,30 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument(
         "--order", action="store_true", help="also print each worker's actions in order"
     )
+    for command in (viz, drawn):
+        command.add_argument(
+            "-o", "--output", required=True, type=Path, metavar="FILE", help="out.png or out.svg"
+        )
+    trace = commands.add_parser(
+        "trace",
+        help="draw a timeline saved with Timeline.save (e.g. pipe.last_timeline.save('run.json'))",
+    )
+    trace.add_argument("timeline", type=Path, metavar="TIMELINE.json", help="a saved timeline")
+    trace.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        type=Path,
+        metavar="FILE",
+        help="run.png or run.svg for a picture; run.trace.json for a Chrome trace "
+        "(open in https://ui.perfetto.dev or chrome://tracing)",
+    )
+    trace.add_argument(
+        "--plan",
+        metavar="SCHEDULE",
+        help="also draw this schedule's plan under the run, simulated with the per-stage "
+        "costs measured in it (the schedule the run used, e.g. 1f1b)",
+    )
     return parser
 
 
@@ -76,7 +114,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
-        if args.command == "simulate":
+        if args.command in ("viz", "compare", "trace"):
+            _draw(args)
+        elif args.command == "simulate":
             costs: Costs = args.costs
             print(
                 f"{args.workers} workers, {args.chunks} micro-batches, costs per worker share: "
@@ -94,10 +134,61 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(render_timeline(timeline))
             if args.order:
                 print(schedule.to_text(max_columns=10**9).split("\n", 1)[1])
-    except PipeschedError as error:
+    except (PipeschedError, ImportError, OSError) as error:
         print(f"pipesched: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _draw(args: argparse.Namespace) -> None:
+    """The drawing commands; pipesched.viz (and matplotlib) load here, not before."""
+    from pipesched import viz
+
+    out: Path = args.output
+    if args.command == "trace":
+        timeline = Timeline.load(args.timeline)
+        plan = None
+        if args.plan is not None:
+            plan = _plan(timeline, args.plan)
+        if out.suffix.lower() == ".json":
+            if plan is not None:
+                raise ConfigError(
+                    "--plan draws the plan under a picture; a trace (.json) shows the run only. "
+                    "Leave out --plan, or write a .png or .svg"
+                )
+            viz.chrome_trace(timeline, out)
+        else:
+            viz.gantt(timeline, out, overlay=plan)
+    elif args.command == "viz":
+        v = stages_per_worker(args.schedule)
+        schedule = get_schedule(args.schedule, args.workers * v, args.chunks)
+        title = (
+            f"{schedule.name}: {schedule.num_stages} stages on {schedule.num_workers} workers, "
+            f"{schedule.num_microbatches} micro-batches, {_per_share(args.costs)}"
+        )
+        viz.gantt(schedule, out, costs=args.costs.scaled(1 / v), title=title)
+    else:
+        title = f"{args.workers} workers, {args.chunks} micro-batches, {_per_share(args.costs)}"
+        viz.gantt_comparison(compare(args.workers, args.chunks, args.costs), out, title=title)
+    print(f"wrote {out} ({out.stat().st_size / 1024:.0f} KB)")
+
+
+def _per_share(costs: Costs) -> str:
+    values = (costs.forward, costs.backward, costs.weight, costs.send)
+    f, b, w, send = (f"{x:g}" if isinstance(x, int | float) else str(x) for x in values)
+    return f"F={f} B={b} W={w} send={send} per worker share"
+
+
+def _plan(timeline: Timeline, name: str) -> Timeline:
+    """Schedule ``name`` for ``timeline``'s pipeline, simulated with its measured costs."""
+    m = 1 + max((e.action.microbatch for e in timeline.events), default=0)
+    schedule = get_schedule(name, timeline.num_stages, m)
+    if schedule.placement != timeline.placement:
+        raise ConfigError(
+            f"--plan {name} places stages on workers {list(schedule.placement)} but the run "
+            f"placed them on {list(timeline.placement)}; name the schedule the run used"
+        )
+    return schedule.simulate(timeline.measured_costs())
 
 
 if __name__ == "__main__":  # pragma: no cover

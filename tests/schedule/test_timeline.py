@@ -67,3 +67,72 @@ def test_measured_costs_are_per_stage_means():
     assert costs.backward == (2.0, 2.0)
     assert costs.weight == (0.0, 0.0)
     assert costs.send == 0.5
+
+
+# Saving and loading: JSON that round-trips every time bit for bit.
+
+
+def test_json_round_trips_exactly(tmp_path):
+    from pipesched.schedule import Costs, get_schedule
+
+    plan = get_schedule("zb-v", 4, 3).simulate(Costs(0.1, 0.7, 1 / 3, send=0.01))
+    assert Timeline.from_json(plan.to_json()) == plan
+    measured = _timeline()
+    back = Timeline.load(measured.save(tmp_path / "run.json"))
+    assert back == measured
+    assert [e.start for e in back.events] == [e.start for e in measured.events]
+    assert Timeline.from_json(Timeline((), (0, 1)).to_json()) == Timeline((), (0, 1))
+
+
+def test_json_keeps_awkward_floats():
+    a = Action.parse
+    times = [1e-9, 0.1 + 0.2, 123456.789012345, 5e-324, 2.0**-30]
+    events = tuple(Event(a(f"0F{i}"), 0, t, t * 3) for i, t in enumerate(times))
+    back = Timeline.from_json(Timeline(events, (0,)).to_json())
+    assert [(e.start, e.end) for e in back.events] == [(t, t * 3) for t in times]
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "does not parse"),
+        ('{"events": []}', '"format": "pipesched.timeline"'),
+        ('{"format": "pipesched.timeline", "version": 9}', "version 9"),
+        ('{"format": "pipesched.timeline", "version": 1, "placement": []}', "placement"),
+        (
+            '{"format": "pipesched.timeline", "version": 1, "placement": [0], "events": [["0F0"]]}',
+            r"not \[action, worker, start, end\]",
+        ),
+        (
+            '{"format": "pipesched.timeline", "version": 1, "placement": [0, 1], '
+            '"events": [["1F0", 0, 0.0, 1.0]]}',
+            "puts stage 1 on worker 0",
+        ),
+        (
+            '{"format": "pipesched.timeline", "version": 1, "placement": [0], '
+            '"events": [["0X0", 0, 0.0, 1.0]]}',
+            "short form",
+        ),
+        (
+            '{"format": "pipesched.timeline", "version": 1, "placement": [0], '
+            '"events": [["0F0", 0, 2.0, 1.0]]}',
+            "ends before it starts",
+        ),
+    ],
+)
+def test_json_errors_name_the_problem(text, message):
+    from pipesched.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        Timeline.from_json(text)
+
+
+def test_json_refuses_non_finite_times(tmp_path):
+    from pipesched.errors import ConfigError
+
+    t = Timeline((Event(Action.parse("0F0"), 0, 0.0, float("inf")),), (0,))
+    with pytest.raises(ConfigError, match="only finite times"):
+        t.to_json()
+    (tmp_path / "bad.json").write_text("[]")
+    with pytest.raises(ConfigError, match=r"bad\.json: .*format"):
+        Timeline.load(tmp_path / "bad.json")

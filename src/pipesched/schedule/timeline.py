@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import json
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from operator import itemgetter
-from typing import NamedTuple
+from pathlib import Path
+from typing import Any, NamedTuple
 
+from pipesched.errors import ConfigError, ScheduleError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
 from pipesched.schedule.costs import Costs
 
 __all__ = ["Event", "Timeline"]
+
+_FORMAT = "pipesched.timeline"
+_VERSION = 1
 
 
 class Event(NamedTuple):
@@ -167,3 +174,117 @@ class Timeline:
             f"makespan {self.makespan:g}, bubble {100 * self.bubble_fraction:.1f}%, "
             f"peak activations per stage [{peaks}]"
         )
+
+    def to_json(self) -> str:
+        """The timeline as JSON text that :meth:`from_json` reads back into an equal Timeline.
+
+        Each event is ``[action, worker, start, end]`` with the action in its
+        short form (``"2F0"``); times are written as Python writes floats, so
+        they come back bit for bit.
+
+        Raises:
+            ConfigError: a time is NaN or infinite (JSON has no such numbers).
+
+        Example:
+            >>> from pipesched.schedule import get_schedule
+            >>> t = get_schedule("1f1b", 2, 2).simulate()
+            >>> Timeline.from_json(t.to_json()) == t
+            True
+        """
+        bad = [e for e in self.events if not (math.isfinite(e.start) and math.isfinite(e.end))]
+        if bad:
+            raise ConfigError(
+                f"timeline event {bad[0].action} has start {bad[0].start!r} and end "
+                f"{bad[0].end!r}; only finite times can be written as JSON"
+            )
+        events = ",\n".join(
+            json.dumps([str(e.action), e.worker, e.start, e.end]) for e in self.events
+        )
+        return (
+            f'{{"format": "{_FORMAT}", "version": {_VERSION}, '
+            f'"placement": {json.dumps(list(self.placement))},\n"events": [\n{events}\n]}}\n'
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Timeline:
+        """Reads the JSON that :meth:`to_json` writes.
+
+        Raises:
+            ConfigError: ``text`` is not a pipesched timeline, or an event names
+                a stage, worker or time that does not fit the placement.
+        """
+        try:
+            data: Any = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ConfigError(f"timeline JSON does not parse: {error}") from None
+        if not isinstance(data, dict) or data.get("format") != _FORMAT:
+            raise ConfigError(
+                f'timeline JSON needs "format": "{_FORMAT}" at its top level; this text is '
+                "not a timeline written by Timeline.to_json"
+            )
+        if data.get("version") != _VERSION:
+            raise ConfigError(
+                f"timeline JSON has version {data.get('version')!r}; this pipesched reads "
+                f"version {_VERSION}"
+            )
+        placement = data.get("placement")
+        if (
+            not isinstance(placement, list)
+            or not placement
+            or not all(type(w) is int and w >= 0 for w in placement)
+        ):
+            raise ConfigError(
+                f"timeline JSON placement must be a non-empty list of worker indices, "
+                f"got {placement!r}"
+            )
+        rows = data.get("events")
+        if not isinstance(rows, list):
+            raise ConfigError(f"timeline JSON events must be a list, got {rows!r}")
+        return cls(tuple(_event(row, placement) for row in rows), tuple(placement))
+
+    def save(self, path: str | Path) -> Path:
+        """Writes :meth:`to_json` to ``path``; returns the path."""
+        path = Path(path)
+        path.write_text(self.to_json(), encoding="utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Timeline:
+        """Reads a timeline that :meth:`save` wrote.
+
+        Raises:
+            ConfigError: the file is not a pipesched timeline (see :meth:`from_json`).
+            OSError: the file cannot be read.
+        """
+        try:
+            return cls.from_json(Path(path).read_text(encoding="utf-8"))
+        except ConfigError as error:
+            raise ConfigError(f"{path}: {error}") from None
+
+
+def _event(row: Any, placement: list[int]) -> Event:
+    """One ``[action, worker, start, end]`` row of the JSON, checked against ``placement``."""
+    if not (
+        isinstance(row, list)
+        and len(row) == 4
+        and isinstance(row[0], str)
+        and type(row[1]) is int
+        and all(isinstance(x, int | float) and not isinstance(x, bool) for x in row[2:])
+    ):
+        raise ConfigError(
+            f"timeline JSON event {row!r} is not [action, worker, start, end], "
+            'e.g. ["2F0", 1, 0.5, 1.25]'
+        )
+    try:
+        action = Action.parse(row[0])
+    except ScheduleError as error:
+        raise ConfigError(f"timeline JSON event {row!r}: {error}") from None
+    if action.stage >= len(placement) or placement[action.stage] != row[1]:
+        where = f"worker {placement[action.stage]}" if action.stage < len(placement) else "none"
+        raise ConfigError(
+            f"timeline JSON event {row!r} puts stage {action.stage} on worker {row[1]}, but "
+            f"the placement {placement} says {where}"
+        )
+    if not row[2] <= row[3]:
+        raise ConfigError(f"timeline JSON event {row!r} ends before it starts")
+    return Event(action, row[1], row[2], row[3])
