@@ -120,3 +120,18 @@ def test_mailbox_hands_over_and_aborts():
     assert errors == ["aborted"]
     with pytest.raises(Aborted):
         box.take("later")
+
+
+def test_measured_actions_exclude_the_wait_for_their_inputs():
+    class Sleep(nn.Module):
+        def forward(self, x):
+            time.sleep(0.03)
+            return x
+
+    pipe = Pipeline(nn.Sequential(Sleep(), nn.Linear(3, 3)), 4, balance=[1, 1],
+                    devices=["cpu", "cpu"], schedule="1f1b")
+    pipe.step(torch.randn(4, 3), torch.randn(4, 3), loss_fn=nn.functional.mse_loss)
+    second = [e for e in pipe.last_timeline.worker_events(1) if e.action.kind == "F"]
+    # Stage 1 waits ~30 ms for each input, but its own forward is a tiny Linear.
+    assert max(e.duration for e in second) < 0.015
+    assert pipe.last_timeline.idle[1] > 0.05

@@ -192,7 +192,10 @@ class LocalRuntime:
         state: ThreadState,
         origin: float,
     ) -> None:
-        handlers = {FORWARD: self._forward, BACKWARD: self._backward}
+        handlers: dict[str, Callable[..., float]] = {
+            FORWARD: self._forward,
+            BACKWARD: self._backward,
+        }
         events = []
         action = actions[0] if actions else Action(0, FORWARD, 0)
         try:
@@ -200,8 +203,8 @@ class LocalRuntime:
                 state.enter(stack)
                 stack.enter_context(use_stream(self._streams[w]))
                 for action in actions:
-                    start = time.perf_counter()
-                    handlers.get(action.kind, self._weight)(action, w, schedule, run)
+                    # The handler returns when its inputs had arrived: waiting is not work.
+                    start = handlers.get(action.kind, self._weight)(action, w, schedule, run)
                     events.append(Event(action, w, start - origin, time.perf_counter() - origin))
         except Aborted:
             pass
@@ -216,10 +219,11 @@ class LocalRuntime:
         with run.lock:
             run.events += events
 
-    def _forward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> None:
+    def _forward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
         s, i = action.stage, action.microbatch
         device, stream = self.devices[w], self._streams[w]
         x = run.step.inputs[i] if s == 0 else self.take(run, FORWARD, s, i, stream)
+        start = time.perf_counter()
         x = map_tensors(x, lambda t: copy_to(t, device, stream))
         if run.detach and s > 0:
             x = map_tensors(x, _fresh_leaf)
@@ -236,10 +240,10 @@ class LocalRuntime:
             self.put(run, FORWARD, s + 1, i, y, stream)
             if run.step.loss_fn is not None:
                 run.saved[s, i] = (x, y)
-            return
+            return start
         if run.step.loss_fn is None:
             run.outputs[i] = y
-            return
+            return start
         target = () if run.step.targets is None else (run.step.targets[i],)
         target = map_tensors(target, lambda t: copy_to(t, device, stream))
         loss = run.step.loss_fn(y, *target)
@@ -252,15 +256,18 @@ class LocalRuntime:
         weighted = loss.reshape(()) * run.step.loss_weights[i]
         run.losses[i] = weighted.detach()
         run.saved[s, i] = (x, weighted)
+        return start
 
-    def _backward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> None:
+    def _backward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
         s, i = action.stage, action.microbatch
         device, stream = self.devices[w], self._streams[w]
         x, y = run.saved.pop((s, i))
         if s == schedule.num_stages - 1:
+            start = time.perf_counter()
             outputs, grads = [y], None
         else:
             grad_list = self.take(run, BACKWARD, s, i, stream)
+            start = time.perf_counter()
             pairs = [
                 (t, copy_to(g, device, stream))
                 for t, g in zip(tensors(y), grad_list, strict=True)
@@ -275,6 +282,7 @@ class LocalRuntime:
             input_grads = backward_full(outputs, grads, inputs)
         if s > 0:
             self.put(run, BACKWARD, s - 1, i, list(input_grads), stream)
+        return start
 
     # Hooks a runtime across processes overrides: which workers run here, how values
     # travel between stages, and what a failure and the end of a step do.
@@ -301,8 +309,10 @@ class LocalRuntime:
     def finish_step(self, run: _Run) -> None:
         """Called after the workers of a step have stopped."""
 
-    def _weight(self, action: Action, w: int, schedule: Schedule, run: _Run) -> None:
+    def _weight(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
+        start = time.perf_counter()
         run.pending_weights.pop((action.stage, action.microbatch)).run()
+        return start
 
 
 class _Seeded(nn.Module):
