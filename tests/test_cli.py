@@ -112,3 +112,30 @@ def test_drawing_errors_exit_2(tmp_path, capsys):
     assert main(["trace", str(saved), "-o", str(tmp_path / "x.png"), "--plan", "zb-v"]) == 2
     assert "name the schedule the run used" in capsys.readouterr().err
     assert not list(tmp_path.glob("x.*"))
+
+
+def test_batch_says_when_the_accumulation_steps_are_not_whole(capsys):
+    argv = [
+        "batch",
+        "--nodes",
+        "30",
+        "--gpus-per-node",
+        "8",
+        "--micro-batch",
+        "10",
+        "--target",
+        "3072",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "3072 / 2400 = 1.28 accumulation steps is not whole" in out
+    assert "accumulation_steps=1: effective batch 2400" in out
+    assert "accumulation_steps=2: effective batch 4800" in out
+
+
+def test_batch_pp_must_divide_the_gpus(capsys):
+    assert (
+        main(["batch", "--gpus-per-node", "8", "--pp", "3", "--micro-batch", "4", "--target", "64"])
+        == 2
+    )
+    assert "--pp 3 must divide the 8 GPUs" in capsys.readouterr().err

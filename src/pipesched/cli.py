@@ -107,7 +107,35 @@ def _parser() -> argparse.ArgumentParser:
         help="also draw this schedule's plan under the run, simulated with the per-stage "
         "costs measured in it (the schedule the run used, e.g. 1f1b)",
     )
+    batch = commands.add_parser(
+        "batch",
+        help="accumulation steps for a target effective batch, and the nearest whole choices",
+    )
+    batch.add_argument("--target", type=int, required=True, help="effective batch wanted")
+    batch.add_argument("--micro-batch", type=int, required=True, help="samples per micro-batch")
+    batch.add_argument("--chunks", type=int, default=1, help="micro-batches per pipeline step")
+    batch.add_argument("--nodes", type=int, default=1, help="machines")
+    batch.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (ranks) per machine")
+    batch.add_argument(
+        "--pp", type=int, default=1, help="pipeline ranks per replica (replicas = GPUs / pp)"
+    )
+    batch.add_argument("--lr", type=float, help="learning rate tuned for the target batch")
     return parser
+
+
+def _batch(args: argparse.Namespace) -> None:
+    from pipesched.train.batch_size import plan_accumulation
+
+    gpus = args.nodes * args.gpus_per_node
+    if args.pp < 1 or gpus % args.pp:
+        raise ConfigError(
+            f"--pp {args.pp} must divide the {gpus} GPUs ({args.nodes} nodes x "
+            f"{args.gpus_per_node}); each replica is a pipeline of pp ranks"
+        )
+    plan = plan_accumulation(
+        args.target, args.micro_batch, chunks=args.chunks, replicas=gpus // args.pp, lr=args.lr
+    )
+    print(plan.describe())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,6 +144,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command in ("viz", "compare", "trace"):
             _draw(args)
+        elif args.command == "batch":
+            _batch(args)
         elif args.command == "simulate":
             costs: Costs = args.costs
             print(
