@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipesched.distributed.mesh import MeshInfo
+from pipesched.errors import ConfigError
 from pipesched.runtime.local import LocalRuntime, _Run
 from pipesched.runtime.p2p import FailureChannel, Transport
 from pipesched.runtime.streams import Stream
@@ -49,6 +50,7 @@ class DistributedRuntime(LocalRuntime):
         self._num_stages = len(placement)
 
     def workers(self, schedule: Schedule) -> list[int]:
+        _check_channel_order(schedule)
         return [self.info.pp_rank]
 
     def _local(self, stage: int) -> bool:
@@ -66,7 +68,9 @@ class DistributedRuntime(LocalRuntime):
             if kind == FORWARD
             else f"the gradient of micro-batch {microbatch} for stage {stage}"
         )
-        return self.transport.recv(self.placement[source], self._tag(kind, stage, microbatch), what)
+        return self.transport.recv(
+            self.placement[source], (kind, stage), self._tag(kind, stage, microbatch), what
+        )
 
     def put(
         self, run: _Run, kind: str, stage: int, microbatch: int, value: Any, stream: Stream
@@ -74,7 +78,9 @@ class DistributedRuntime(LocalRuntime):
         if self._local(stage):
             super().put(run, kind, stage, microbatch, value, stream)
             return
-        self.transport.send(value, self.placement[stage], self._tag(kind, stage, microbatch))
+        self.transport.send(
+            value, self.placement[stage], (kind, stage), self._tag(kind, stage, microbatch)
+        )
 
     def on_failure(self, error: BaseException, action: Action) -> None:
         if not isinstance(error, Exception) or type(error).__name__ == "RemoteError":
@@ -92,3 +98,23 @@ class DistributedRuntime(LocalRuntime):
     def finish_step(self, run: _Run) -> None:
         if run.error is None:
             self.transport.finish()
+
+
+def _check_channel_order(schedule: Schedule) -> None:
+    """Every stage must run its F, and its B, in increasing micro-batch order.
+
+    Both ends of a stage boundary then walk its transfers in the same order,
+    which the layout tracking of :class:`~pipesched.runtime.p2p.Transport`
+    relies on. Every built-in schedule does; a custom one may not.
+    """
+    last: dict[tuple[int, str], int] = {}
+    for row in schedule.actions:
+        for a in row:
+            key = (a.stage, a.kind)
+            if a.kind != "W" and last.get(key, -1) > a.microbatch:
+                raise ConfigError(
+                    f"schedule {schedule.name!r} runs {a} after micro-batch {last[key]} of the "
+                    f"same stage and pass; across ranks each stage must run its micro-batches' "
+                    "F, and its B, in increasing order: reorder them"
+                )
+            last[key] = a.microbatch

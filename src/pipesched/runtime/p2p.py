@@ -1,13 +1,12 @@
 """Point-to-point transfers between pipeline ranks, and what every rank learns when one fails.
 
-Each transfer is a small header (structure, dtypes, shapes) followed by the
-tensors, all sent with ``isend`` under a tag naming the transfer (kind,
-stage, micro-batch). Sends never block, so the order of the blocking receives
-is the schedule's, which validation proved acyclic: no deadlock for any valid
-schedule. Tags keep transfers apart when one pair of ranks exchanges several
-stage boundaries (interleaved and V schedules). The header goes with every
-transfer rather than once per shape: uneven micro-batches change shapes
-within a step anyway, and the header is 512 bytes.
+Each transfer is one message, sent with ``isend`` under a tag naming it
+(kind, stage, micro-batch): a header and the tensors' bytes. Sends never
+block, so the order of the blocking receives is the schedule's, which
+validation proved acyclic: no deadlock for any valid schedule. Tags keep
+transfers apart when one pair of ranks exchanges several stage boundaries
+(interleaved and V schedules). Shapes and dtypes travel only when they
+change (see :class:`Transport`).
 
 Why a failure channel: gloo cannot poll a pending receive (its wait with a
 timeout closes the connection), so a rank blocked in a receive learns about
@@ -20,8 +19,10 @@ raises it (a killed rank writes nothing: its neighbours say they lost it).
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
+from collections.abc import Hashable
 from datetime import timedelta
 from typing import Any
 
@@ -47,7 +48,6 @@ _DTYPES = (
     torch.complex128,
 )
 _HEADER = 64
-_KIND = {torch.Tensor: 0, tuple: 1, list: 2}
 
 
 class FailureChannel:
@@ -89,7 +89,18 @@ class FailureChannel:
 
 
 class Transport:
-    """Sends and receives nested tuples/lists of tensors between the ranks of one pipeline.
+    """Sends and receives tensors, tuples and lists of tensors between the ranks of one pipeline.
+
+    Each transfer is ONE message: a 512-byte header (structure, dtypes,
+    shapes) followed by every tensor's bytes, 8-byte aligned. Layouts are
+    tracked per channel (a kind and a receiving stage): while a channel's
+    layout does not change the receiver knows the message's size in advance;
+    when it changes (the first transfer, a short micro-batch, a new sequence
+    length) the sender first sends a notice, sized as the receiver expects,
+    carrying the new layout. Both sides walk each channel's transfers in the
+    same order (every stage runs its micro-batches' F, and its B, in
+    increasing order; the runtime checks it), so their views of the layout
+    agree.
 
     Args:
         ranks: the global rank of each pp index.
@@ -103,38 +114,49 @@ class Transport:
         self.ranks = ranks
         self.device = device
         self.failures = failures
-        self._pending: list[tuple[Any, Any]] = []  # (work, tensor kept alive until sent)
+        self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive until sent)
+        self._sent: dict[Hashable, tuple[list[int], int]] = {}  # channel -> (layout, size)
+        self._expected: dict[Hashable, tuple[list[int], int]] = {}
+        self.notices = 0  # layout changes sent so far (tests count them)
 
-    def send(self, value: Any, dst: int, tag: int) -> None:
-        """Starts sending ``value`` (a tensor, or a tuple/list of tensors) to pp rank ``dst``."""
-        tensors, header = _encode(value, self.device)
-        for t in (header, *tensors):
-            work = dist.isend(t.contiguous(), dst=self.ranks[dst], tag=tag)
-            self._pending.append((work, t))
+    def send(self, value: Any, dst: int, channel: Hashable, tag: int) -> None:
+        """Starts sending ``value`` to pp rank ``dst`` on ``channel`` under ``tag``."""
+        layout, tensors = _layout(value)
+        message = _pack(layout, tensors, self.device)
+        last_layout, expected_size = self._sent.get(channel, ([], _HEADER_BYTES))
+        if layout != last_layout:
+            notice = torch.zeros(expected_size, dtype=torch.uint8, device=self.device)
+            notice[:_HEADER_BYTES] = _header_bytes([_NOTICE, *layout], self.device)
+            self._isend(notice, dst, tag)
+            self.notices += 1
+        self._isend(message, dst, tag)
+        self._sent[channel] = (layout, message.numel())
 
-    def recv(self, src: int, tag: int, what: str) -> Any:
-        """Receives what pp ``src`` sent under ``tag``; ``what`` names it in errors."""
-        header = torch.empty(_HEADER, dtype=torch.int64, device=self.device)
-        self._wait(dist.irecv(header, src=self.ranks[src], tag=tag), src, what)
-        kind, specs = _decode(header)
-        values: list[torch.Tensor | None] = []
-        for spec in specs:
-            if spec is None:
-                values.append(None)
-                continue
-            dtype, shape = spec
-            t = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(dist.irecv(t, src=self.ranks[src], tag=tag), src, what)
-            values.append(t)
-        if kind == 0:
-            return values[0]
-        return tuple(values) if kind == 1 else list(values)
+    def recv(self, src: int, channel: Hashable, tag: int, what: str) -> Any:
+        """Receives what pp rank ``src`` sent on ``channel`` under ``tag``; ``what`` is for errors."""
+        layout, size = self._expected.get(channel, ([], _HEADER_BYTES))
+        buffer = self._irecv(size, src, tag, what)
+        header = buffer[:_HEADER_BYTES].view(torch.int64).tolist()
+        if header[0] == _NOTICE:
+            layout = _trim(header[1:])
+            size = _HEADER_BYTES + _payload_bytes(layout)
+            buffer = self._irecv(size, src, tag, what)
+            self._expected[channel] = (layout, size)
+        return _unpack(layout, buffer)
 
     def finish(self) -> None:
         """Waits for every send of this step to complete."""
         pending, self._pending = self._pending, []
         for work, _ in pending:
             work.wait()
+
+    def _isend(self, buffer: torch.Tensor, dst: int, tag: int) -> None:
+        self._pending.append((dist.isend(buffer, dst=self.ranks[dst], tag=tag), buffer))
+
+    def _irecv(self, size: int, src: int, tag: int, what: str) -> torch.Tensor:
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._wait(dist.irecv(buffer, src=self.ranks[src], tag=tag), src, what)
+        return buffer
 
     def _wait(self, work: Any, src: int, what: str) -> None:
         try:
@@ -151,7 +173,12 @@ class Transport:
             raise RemoteError(f"pipesched: stopping: {reason}") from error
 
 
-def _encode(value: Any, device: torch.device) -> tuple[list[torch.Tensor], torch.Tensor]:
+_NOTICE, _DATA = 1, 0
+_HEADER_BYTES = _HEADER * 8
+
+
+def _layout(value: Any) -> tuple[list[int], list[torch.Tensor]]:
+    """``[kind, count, per tensor: dtype, ndim, *shape (or -1 for None)]`` and the tensors."""
     items = [value] if isinstance(value, torch.Tensor) else value
     if not isinstance(value, torch.Tensor | tuple | list) or not all(
         v is None or isinstance(v, torch.Tensor) for v in items
@@ -161,34 +188,83 @@ def _encode(value: Any, device: torch.device) -> tuple[list[torch.Tensor], torch
             f"{type(value).__name__}; return tensors only from stages that end on another rank"
         )
     kind = 0 if isinstance(value, torch.Tensor) else 1 if isinstance(value, tuple) else 2
-    header = [kind, len(items)]
+    layout = [kind, len(items)]
     tensors = []
     for t in items:
         if t is None:
-            header += [-1]
+            layout.append(-1)
             continue
-        header += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+        layout += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
         tensors.append(t.detach())
-    if len(header) > _HEADER:
+    if len(layout) + 1 > _HEADER:
         raise ConfigError(
-            f"a stage boundary passes {len(items)} tensors with {len(header)} header entries; "
-            f"at most {_HEADER} fit: pass fewer tensors (e.g. concatenate them)"
+            f"a stage boundary passes {len(items)} tensors with {len(layout)} header entries; "
+            f"at most {_HEADER - 1} fit: pass fewer tensors (e.g. concatenate them)"
         )
-    padded = torch.zeros(_HEADER, dtype=torch.int64)
-    padded[: len(header)] = torch.tensor(header, dtype=torch.int64)
-    return tensors, padded.to(device)
+    return layout, tensors
 
 
-def _decode(header: torch.Tensor) -> tuple[int, list[tuple[torch.dtype, list[int]] | None]]:
-    h = header.tolist()
-    kind, count, i = h[0], h[1], 2
+def _specs(layout: list[int]) -> tuple[int, list[tuple[torch.dtype, list[int]] | None]]:
+    kind, count, i = layout[0], layout[1], 2
     specs: list[tuple[torch.dtype, list[int]] | None] = []
     for _ in range(count):
-        if h[i] == -1:
+        if layout[i] == -1:
             specs.append(None)
             i += 1
             continue
-        dtype, ndim = _DTYPES[h[i]], h[i + 1]
-        specs.append((dtype, h[i + 2 : i + 2 + ndim]))
+        dtype, ndim = _DTYPES[layout[i]], layout[i + 1]
+        specs.append((dtype, layout[i + 2 : i + 2 + ndim]))
         i += 2 + ndim
     return kind, specs
+
+
+def _trim(header: list[int]) -> list[int]:
+    """The layout at the start of a zero-padded header."""
+    _, specs = _specs(header)
+    length = 2 + sum(1 if s is None else 2 + len(s[1]) for s in specs)
+    return header[:length]
+
+
+def _aligned(nbytes: int) -> int:
+    return (nbytes + 7) // 8 * 8
+
+
+def _payload_bytes(layout: list[int]) -> int:
+    _, specs = _specs(layout)
+    return sum(
+        _aligned(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        for dtype, shape in (s for s in specs if s is not None)
+    )
+
+
+def _header_bytes(values: list[int], device: torch.device) -> torch.Tensor:
+    header = torch.zeros(_HEADER, dtype=torch.int64)
+    header[: len(values)] = torch.tensor(values, dtype=torch.int64)
+    return header.view(torch.uint8).to(device)
+
+
+def _pack(layout: list[int], tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    parts = [_header_bytes([_DATA, *layout], device)]
+    for t in tensors:
+        raw = t.contiguous().reshape(-1).view(torch.uint8).to(device)
+        parts.append(raw)
+        if raw.numel() % 8:
+            parts.append(torch.zeros(8 - raw.numel() % 8, dtype=torch.uint8, device=device))
+    return torch.cat(parts)
+
+
+def _unpack(layout: list[int], buffer: torch.Tensor) -> Any:
+    kind, specs = _specs(layout)
+    values: list[torch.Tensor | None] = []
+    offset = _HEADER_BYTES
+    for spec in specs:
+        if spec is None:
+            values.append(None)
+            continue
+        dtype, shape = spec
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        values.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
+        offset += _aligned(nbytes)
+    if kind == 0:
+        return values[0]
+    return tuple(values) if kind == 1 else list(values)

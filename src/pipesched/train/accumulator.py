@@ -230,15 +230,22 @@ class GradientAccumulator:
         )
 
     def log_line(self, result: StepResult) -> str:
-        """``step 12 | loss 1.23 | lr 1e-3 | eff. batch 256 (16 x 4 chunks x 4 steps)``."""
+        """``step 12 | loss 1.23 | lr 1e-3 | eff. batch 256 (16 x 4 chunks x 4 steps)``.
+
+        With data parallelism the breakdown ends with ``x R replicas``.
+        """
         loss = result.window_loss if result.window_loss is not None else result.loss
         steps = self.accumulation_steps if result.window_loss is not None else self.position
         chunks = self.pipe.chunks
-        micro = result.effective_batch / max(1, chunks * max(1, steps))
+        replicas = self.pipe.mesh.dp_size if self.pipe.mesh is not None else 1
+        micro = result.effective_batch / max(1, chunks * max(1, steps) * replicas)
+        breakdown = f"{micro:g} x {chunks} chunks x {steps} steps"
+        if replicas > 1:
+            breakdown += f" x {replicas} replicas"
         state = " | skipped (inf/NaN)" if result.skipped else ""
         return (
             f"step {result.step} | loss {loss:.4g} | lr {result.lr:.3g} | eff. batch "
-            f"{result.effective_batch} ({micro:g} x {chunks} chunks x {steps} steps){state}"
+            f"{result.effective_batch} ({breakdown}){state}"
         )
 
     def state_dict(self) -> dict[str, Any]:
