@@ -22,13 +22,13 @@ def _reference(scenario: str) -> tuple[nn.Module, list[float], list[float]]:
             for step in range(worker.STEPS)
             for replica in range(dp)
         ]
-        x = torch.cat([b[0] for b in batches])
-        y = torch.cat([b[1] for b in batches])
-        out = model(x)
-        if scenario == "tokens":
-            loss = nn.functional.cross_entropy(out.flatten(0, 1), y.flatten(), ignore_index=-100)
+        if scenario == "tokens":  # sequence lengths differ: sum per batch, divide once
+            total = sum(worker.token_sum(model(x), y) for x, y, _ in batches)
+            loss = total / sum(n for _, _, n in batches)
         else:
-            loss = nn.functional.mse_loss(out, y)
+            x = torch.cat([b[0] for b in batches])
+            y = torch.cat([b[1] for b in batches])
+            loss = nn.functional.mse_loss(model(x), y)
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
         losses.append(float(loss.detach()))

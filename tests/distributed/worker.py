@@ -58,9 +58,10 @@ def data(window: int, step: int, replica: int) -> tuple[torch.Tensor, torch.Tens
 
 def tokens(window: int, step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     g = torch.Generator().manual_seed(1000 * window + 10 * step + replica)
-    x = torch.randint(0, VOCAB, (6, 5), generator=g)
-    y = torch.randint(0, VOCAB, (6, 5), generator=g)
-    keep = 1 + (replica * 3 + step) % 5  # uneven token counts across steps and replicas
+    length = 4 + (window + step + replica) % 3  # sequence lengths change between steps
+    x = torch.randint(0, VOCAB, (6, length), generator=g)
+    y = torch.randint(0, VOCAB, (6, length), generator=g)
+    keep = 1 + (replica * 3 + step) % 4  # uneven token counts across steps and replicas
     y[:, keep:] = -100
     return x, y, int((y != -100).sum())
 
