@@ -11,12 +11,7 @@ from pipesched import Pipeline
 torchgpipe = pytest.importorskip("torchgpipe")
 
 
-@pytest.fixture(autouse=True)
-def _fp64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 def _model() -> nn.Sequential:

@@ -9,13 +9,7 @@ from torch import nn
 from pipesched import ConfigError, PartitionError, Pipeline
 from pipesched.schedule import SCHEDULES, stages_per_worker
 
-
-@pytest.fixture(autouse=True)
-def _fp64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 RTOL, ATOL = 1e-12, 1e-14

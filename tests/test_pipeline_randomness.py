@@ -15,12 +15,7 @@ from pipesched.schedule import SCHEDULES, stages_per_worker
 MODES = ["always", "except_last", "never"]
 
 
-@pytest.fixture(autouse=True)
-def _fp64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 class MaskProbe(nn.Module):

@@ -14,12 +14,7 @@ from pipesched import ConfigError, GradientAccumulator, Pipeline
 RTOL, ATOL = 1e-12, 1e-14
 
 
-@pytest.fixture(autouse=True)
-def _fp64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 def _model(seed: int = 0) -> nn.Sequential:
