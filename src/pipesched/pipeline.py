@@ -293,6 +293,20 @@ class Pipeline(nn.Module):
             return 0
         return int(torch.randint(0, 2**62, ()).item())
 
+    def gather_timeline(self) -> Timeline | None:
+        """The last step's timeline with every rank's actions, on pipeline rank 0.
+
+        Locally this is :attr:`last_timeline`. With a mesh it is a collective
+        over the pipeline's ranks (call it on all of them): pp rank 0 gets
+        every rank's measured events, clocks aligned, and the others None.
+        """
+        if self.mesh is None or self.last_timeline is None:
+            return self.last_timeline
+        runtime = self._runtime
+        if not isinstance(runtime, DistributedRuntime):  # pragma: no cover - set together
+            raise ConfigError("gather_timeline needs the distributed runtime")
+        return runtime.gather_timeline(self.last_timeline)
+
     def _commit_batch_norm(self) -> None:
         if self.training:
             commit_all(self)

@@ -62,6 +62,12 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
         # INVARIANT 20: one all-reduce per bucket (one bucket here) per window.
         assert result["all_reduces"] == (worker.WINDOWS if dp > 1 else 0)
     assert seen == set(expected)  # every parameter lives on some rank
+    # pp rank 0 of each replica gathered the last step's events of its whole pipeline.
+    first = torch.load(tmp_path / "rank0.pt")
+    own = sum(torch.load(tmp_path / f"rank{r}.pt")["own_events"] for r in range(world // dp))
+    assert len(first["gathered"]) == own
+    assert {worker_index for _, worker_index, _, _ in first["gathered"]} == set(range(world // dp))
+    assert 0.0 <= min(begin for _, _, begin, _ in first["gathered"]) < 1.0  # one clock
 
 
 def test_an_exception_on_one_rank_stops_every_rank(tmp_path):

@@ -121,8 +121,13 @@ def main() -> None:
                 result = acc.step(x, y, loss_fn=nn.functional.mse_loss)
         losses.append(result.window_loss)
         norms.append(result.grad_norm)
+    whole = pipe.gather_timeline()  # a collective: every rank calls it
     torch.save(
         {
+            "gathered": None
+            if whole is None
+            else [(tuple(e.action), e.worker, e.start, e.end) for e in whole.events],
+            "own_events": len(pipe.last_timeline.events),
             "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
             "all_reduces": pipe.sync.all_reduces,
             "window_losses": losses,

@@ -20,7 +20,7 @@ from pipesched.errors import ConfigError
 from pipesched.runtime.local import LocalRuntime, _Run
 from pipesched.runtime.p2p import FailureChannel, Transport
 from pipesched.runtime.streams import Stream
-from pipesched.schedule import BACKWARD, FORWARD, Action, Schedule
+from pipesched.schedule import BACKWARD, FORWARD, Action, Event, Schedule, Timeline
 
 __all__ = ["DistributedRuntime"]
 
@@ -48,6 +48,7 @@ class DistributedRuntime(LocalRuntime):
         self.failures = FailureChannel()
         self.transport = Transport(info.pp_ranks, info.device, self.failures)
         self._num_stages = len(placement)
+        self.last_origin_wall = 0.0
 
     def workers(self, schedule: Schedule) -> list[int]:
         _check_channel_order(schedule)
@@ -98,6 +99,28 @@ class DistributedRuntime(LocalRuntime):
     def finish_step(self, run: _Run) -> None:
         if run.error is None:
             self.transport.finish()
+        self.last_origin_wall = run.origin_wall
+
+    def gather_timeline(self, timeline: Timeline) -> Timeline | None:
+        """Every pp rank's events of ``timeline``'s step, on pp rank 0 (None on the others).
+
+        A collective over the pipeline's ranks. Clocks are aligned by each
+        rank's wall-clock time at the step's start: exact on one machine,
+        within the machines' clock skew (NTP: about a millisecond) across
+        machines.
+        """
+        mine = (self.last_origin_wall, [tuple(e) for e in timeline.events])
+        gathered: list[Any] = [None] * self.info.pp_size
+        dist.all_gather_object(gathered, mine, group=self.info.pp_group)
+        if self.info.pp_rank != 0:
+            return None
+        start = min(origin for origin, _ in gathered)
+        events = [
+            Event(Action(*action), worker, begin + origin - start, end + origin - start)
+            for origin, rank_events in gathered
+            for action, worker, begin, end in rank_events
+        ]
+        return Timeline(tuple(events), self.placement)
 
 
 def _check_channel_order(schedule: Schedule) -> None:

@@ -114,6 +114,7 @@ class _Run:
     error: tuple[BaseException, Action, int] | None = None
     lock: threading.Lock = field(default_factory=threading.Lock)
     timeline: Timeline | None = None
+    origin_wall: float = 0.0
 
 
 class LocalRuntime:
@@ -154,6 +155,7 @@ class LocalRuntime:
             for row in schedule.actions
         ]
         origin = time.perf_counter()
+        run.origin_wall = time.time()  # the same instant on the wall clock, to align processes
         threads = [
             threading.Thread(
                 target=self._work,

@@ -133,7 +133,7 @@ class Transport:
         self._sent[channel] = (layout, message.numel())
 
     def recv(self, src: int, channel: Hashable, tag: int, what: str) -> Any:
-        """Receives what pp rank ``src`` sent on ``channel`` under ``tag``; ``what`` is for errors."""
+        """Receives what pp rank ``src`` sent on ``channel`` under ``tag`` (``what``: in errors)."""
         layout, size = self._expected.get(channel, ([], _HEADER_BYTES))
         buffer = self._irecv(size, src, tag, what)
         header = buffer[:_HEADER_BYTES].view(torch.int64).tolist()
