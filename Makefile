@@ -37,6 +37,7 @@ test: lint typecheck unit
 bench: $(STAMP)
 	$(BIN)/python benchmarks/schedule_build.py
 	$(BIN)/python benchmarks/local_cpu.py
+	$(BIN)/python benchmarks/distributed_cpu.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
