@@ -6,27 +6,26 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+import networkx as nx
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
+from pipesched.devices import Device, resolve_devices, threads_per_worker
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.distributed.placement import keep_own_stages
 from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size, gather, scatter
-from pipesched.partition import balance_by_params, check_balance, split_sequential
+from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
 from pipesched.rng import seed_random_layers
-from pipesched.runtime.distributed import DistributedRuntime
+from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
 from pipesched.runtime.local import LocalRuntime, StepInputs
 from pipesched.runtime.tree import tensors
 from pipesched.schedule import Schedule, Timeline, get_schedule, stages_per_worker
 
 __all__ = ["Pipeline"]
-
-Device = torch.device | str | int
 
 
 class Pipeline(nn.Module):
@@ -39,11 +38,16 @@ class Pipeline(nn.Module):
     worker thread.
 
     Args:
-        module: an ``nn.Sequential`` (other models arrive with automatic
-            partitioning: ``example_inputs=`` and ``num_stages=``).
+        module: an ``nn.Sequential`` (cut between its children), or any
+            model, traced with ``torch.export`` on ``example_inputs`` and cut
+            between the layers of its stage graph; tensors that cross a cut,
+            skip connections included, travel to the stage that uses them.
         chunks: micro-batches per mini-batch; a smaller batch runs fewer.
-        balance: layers per stage (torchgpipe's meaning). None: as many stages
-            as the workers need, cut to even out the parameter counts.
+        balance: layers per stage (torchgpipe's meaning), or how to choose
+            them: ``"params"`` (the default for an ``nn.Sequential``),
+            ``"time"`` (measured forward + backward; the default for traced
+            models), ``"memory"`` or ``"schedule"`` (the cuts with the smallest
+            simulated step time). See :mod:`pipesched.partition.plan`.
         devices: the device of each worker. None: every CUDA device, or CPU.
             ``["cpu", "cpu"]`` gives two workers that run in parallel.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``:
@@ -53,10 +57,27 @@ class Pipeline(nn.Module):
             ``len(balance)`` to be that many times ``len(devices)``.
         deferred_batch_norm: replace BatchNorm layers by DeferredBatchNorm,
             whose running statistics equal BatchNorm's on the whole mini-batch.
+        example_inputs: the positional arguments of one call of ``module``
+            (best one micro-batch): what a non-Sequential model is traced
+            with, and what every balance but ``"params"`` measures. A traced
+            pipeline takes ``example_inputs[0]``'s kind of input (a tuple of
+            them when there are several).
+        num_stages: stages to cut when ``devices`` is not given.
+        split_points: instead of ``balance``: the names of the modules that
+            begin stages 1, 2, ... (``["transformer.h.2"]``).
+        memory_budget: bytes per worker that ``balance="time"`` or
+            ``"schedule"`` must fit (parameters, gradients, held activations).
+
+    Attributes:
+        stage_graph: the model as a ``networkx.DiGraph`` of layers or traced
+            operations with their costs (:mod:`pipesched.partition.graph`).
+        partition: the per-stage table of layers, parameters, time and
+            activation memory; ``print(pipe.partition)``.
 
     Raises:
         ConfigError: an argument is out of range; the message names the fix.
-        PartitionError: ``balance`` does not fit the module.
+        PartitionError: ``balance`` does not fit the module, or the model
+            cannot be traced (the message names the failing line and the fix).
 
     Example:
         >>> model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -72,7 +93,7 @@ class Pipeline(nn.Module):
         module: nn.Module,
         chunks: int = 1,
         *,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         devices: Sequence[Device] | None = None,
         checkpoint: str = "except_last",
         schedule: str = "gpipe",
@@ -80,24 +101,34 @@ class Pipeline(nn.Module):
         example_inputs: tuple[Any, ...] | None = None,
         num_stages: int | None = None,
         mesh: Any = None,
+        split_points: Sequence[str] | None = None,
+        memory_budget: float | None = None,
     ) -> None:
         super().__init__()
         if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
             raise ConfigError(f"chunks must be a positive integer, got {chunks!r}")
         checkpoint_stop(checkpoint, 1)  # checks the mode's name
         v = stages_per_worker(schedule)  # checks the schedule's name
-        if not isinstance(module, nn.Sequential):
-            hint = (
-                "pass example_inputs=(...) and num_stages= to have it traced and split"
-                if example_inputs is None
-                else "automatic partitioning of other models is not available yet"
-            )
-            raise ConfigError(
-                f"module is a {type(module).__name__}, not an nn.Sequential; {hint}, or wrap "
-                "its layers in an nn.Sequential"
-            )
-        if deferred_batch_norm:
+        sequential = isinstance(module, nn.Sequential)
+        if not sequential:
+            if example_inputs is None:
+                raise ConfigError(
+                    f"module is a {type(module).__name__}, not an nn.Sequential; pass "
+                    "example_inputs=(...) and num_stages= to have it traced and split, or wrap "
+                    "its layers in an nn.Sequential"
+                )
+            if mesh is not None:
+                raise ConfigError(
+                    f"module is a {type(module).__name__}, traced and split automatically, "
+                    "which runs on the local runtime only; pass devices= instead of mesh=, "
+                    "or an nn.Sequential"
+                )
+        if deferred_batch_norm and sequential:
             DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
+        counts = None if balance is None or isinstance(balance, str) else list(balance)
+        requested = num_stages
+        if counts is not None or split_points is not None:
+            requested = len(counts) if counts is not None else len(list(split_points or ())) + 1
         info = None
         if mesh is not None:
             info = MeshInfo.of(mesh)
@@ -109,26 +140,45 @@ class Pipeline(nn.Module):
             workers = info.pp_size
             chosen_devices: list[Device] = [info.device] * info.pp_size
         else:
-            workers, chosen_devices = _resolve_devices(devices, balance, num_stages, v, schedule)
-        if balance is None:
-            balance = balance_by_params(module, workers * v)
-        balance = check_balance(module, balance)
-        if len(balance) != workers * v:
+            workers, chosen_devices = resolve_devices(devices, counts, requested, v, schedule)
+        if counts is not None and isinstance(module, nn.Sequential):
+            counts = check_balance(module, counts)
+        if requested is not None and requested != workers * v:
             per = f"{v} stages" if v > 1 else "1 stage"
             raise ConfigError(
-                f"schedule {schedule!r} runs {per} per worker, so {len(balance)} stages need "
-                f"{len(balance) / v:g} devices, but devices has {workers} "
+                f"schedule {schedule!r} runs {per} per worker, so {requested} stages need "
+                f"{requested / v:g} devices, but devices has {workers} "
                 f"({[str(d) for d in chosen_devices]}); give a balance of {workers * v} stages, "
-                f"{len(balance) / v:g} devices, or a schedule with more stages per worker "
+                f"{requested / v:g} devices, or a schedule with more stages per worker "
                 "('interleaved-1f1b')"
             )
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.schedule_name = schedule
-        self.balance = list(balance)
         self.devices = [torch.device(d) for d in chosen_devices]
-        stages = split_sequential(module, balance)
-        self.placement = get_schedule(schedule, len(balance), 1).placement
+        self.placement = get_schedule(schedule, workers * v, 1).placement
+        stage_devices = [self.devices[w] for w in self.placement]
+        cpu_threads = threads_per_worker(sum(d.type == "cpu" for d in self.devices))
+        plan = plan_partition(
+            module,
+            num_stages=workers * v,
+            devices=stage_devices,
+            schedule=schedule,
+            num_microbatches=chunks,
+            balance=balance,
+            example_inputs=example_inputs,
+            split_points=split_points,
+            memory_budget=memory_budget,
+            num_threads=cpu_threads,
+        )
+        if deferred_batch_norm and not sequential:
+            DeferredBatchNorm.convert(module)  # after tracing: the stages call the new layers
+        stages = plan.build(module, stage_devices)
+        self.balance = list(plan.counts)
+        self.stage_graph: nx.DiGraph = plan.graph
+        """The model as a networkx graph of layers or traced operations, with their costs."""
+        self.partition: Partition = plan.partition
+        """Per stage: layers, parameters, time, activation memory (print it)."""
         self.mesh = info
         self.sync: Sync = LocalSync()
         self._runtime: LocalRuntime
@@ -137,19 +187,28 @@ class Pipeline(nn.Module):
             for s, stage in enumerate(stages):
                 stage.to(self.devices[self.placement[s]])
             cpu_workers = sum(d.type == "cpu" for d in self.devices)
-            self._runtime = LocalRuntime(stages, self.devices, _threads_per_worker(cpu_workers))
+            self._runtime = LocalRuntime(stages, self.devices, threads_per_worker(cpu_workers))
         else:
             own, tied = keep_own_stages(stages, self.placement, info.pp_rank, info.device)
             kept = [stage if s in own else None for s, stage in enumerate(stages)]
             self._runtime = DistributedRuntime(kept, self.placement, info, torch.get_num_threads())
-        for s in own:  # this process's layers, under the plain model's names
-            for name, layer in stages[s].named_children():
-                self.add_module(name, layer)
+        if sequential:
+            children = [item for s in own for item in stages[s].named_children()]
+        else:  # the whole model's children, its own parameters and buffers
+            children = list(module.named_children())
+            _register_state(self, module)
+        for name, layer in children:  # this process's layers, under the plain model's names
+            _check_free(self, name)
+            self.add_module(name, layer)
         if info is not None:
             self.sync = GradientSync(info, self.parameters(), tied)
         self._stages = stages
         self._own_stages = own
         self._random_layers = seed_random_layers(self)
+        for stage in stages:  # a traced model's functional random operations
+            random_ops = stage.random_ops if isinstance(stage, TracedStage) else None
+            if random_ops is not None:
+                self._random_layers += seed_random_layers(random_ops)
         self.last_timeline: Timeline | None = None
 
     @property
@@ -158,7 +217,7 @@ class Pipeline(nn.Module):
         return len(self.balance)
 
     @property
-    def stages(self) -> tuple[nn.Sequential, ...]:
+    def stages(self) -> tuple[nn.Module, ...]:
         """The stage modules, sharing their layers with this Pipeline."""
         return tuple(self._stages)
 
@@ -285,7 +344,7 @@ class Pipeline(nn.Module):
         self._commit_batch_norm()
         if self.mesh is None:
             return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
-        return _broadcast_loss(run.losses, len(micro), self.placement[-1], self.mesh)
+        return broadcast_loss(run.losses, len(micro), self.placement[-1], self.mesh)
 
     def _call_seed(self) -> int:
         """A seed for this call's random layers, drawn from torch's global generator."""
@@ -327,6 +386,27 @@ class Pipeline(nn.Module):
         _deny_move("cpu()")
 
 
+def _register_state(pipe: Pipeline, module: nn.Module) -> None:
+    """Registers the parameters and buffers ``module`` holds itself (not its children's)."""
+    for name, param in module.named_parameters(recurse=False):
+        _check_free(pipe, name)
+        pipe.register_parameter(name, param)
+    for name, buffer in module.named_buffers(recurse=False):
+        _check_free(pipe, name)
+        pipe.register_buffer(
+            name, buffer, persistent=name not in module._non_persistent_buffers_set
+        )
+
+
+def _check_free(pipe: Pipeline, name: str) -> None:
+    if hasattr(pipe, name):
+        raise ConfigError(
+            f"the model has a submodule or parameter named {name!r}, which is also a Pipeline "
+            "attribute; rename it, or wrap the model in an nn.Module that holds it under another "
+            "name (e.g. self.model = model)"
+        )
+
+
 def _deny_move(call: str) -> NoReturn:
     raise ConfigError(
         f"Pipeline.{call} would move every stage to one device; a Pipeline keeps stage s on "
@@ -339,58 +419,9 @@ def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
     return get_schedule(name, num_stages, num_microbatches).validate()
 
 
-def _broadcast_loss(
-    losses: dict[int, torch.Tensor], count: int, last_rank: int, info: MeshInfo
-) -> torch.Tensor:
-    """The step's loss, computed on the last stage's rank, on every rank of the pipeline."""
-    total = torch.zeros((), dtype=torch.float64, device=info.device)
-    if losses:
-        total += torch.stack([losses[i] for i in range(count)]).sum().double()
-    dist.broadcast(total, src=info.pp_ranks[last_rank], group=info.pp_group)
-    return total
-
-
 def _item_count(num_items: int | float | torch.Tensor) -> float:
     return float(num_items.item() if isinstance(num_items, torch.Tensor) else num_items)
 
 
 def _rows(value: Any) -> int:
     return next(t.shape[0] for t in tensors(value) if t.ndim > 0)
-
-
-def _threads_per_worker(cpu_workers: int) -> int:
-    return max(1, torch.get_num_threads() // max(1, cpu_workers))
-
-
-def _resolve_devices(
-    devices: Sequence[Device] | None,
-    balance: Sequence[int] | None,
-    num_stages: int | None,
-    v: int,
-    schedule: str,
-) -> tuple[int, list[Device]]:
-    """The number of workers and their devices."""
-    if devices is not None:
-        chosen = list(devices)
-        if not chosen:
-            raise ConfigError("devices is empty; give at least one device, e.g. ['cpu']")
-        return len(chosen), chosen
-    stages = len(balance) if balance is not None else num_stages
-    if stages is None:
-        workers = torch.cuda.device_count() or 1
-    else:
-        if stages % v:
-            raise ConfigError(
-                f"schedule {schedule!r} runs {v} stages per worker, but {stages} stages were "
-                f"asked for; use a multiple of {v}"
-            )
-        workers = stages // v
-    if torch.cuda.is_available():
-        count = torch.cuda.device_count()
-        if workers > count:
-            raise ConfigError(
-                f"{workers} workers need {workers} CUDA devices, {count} are visible; "
-                "pass devices= explicitly"
-            )
-        return workers, [f"cuda:{i}" for i in range(workers)]
-    return workers, ["cpu"] * workers

@@ -128,8 +128,13 @@ def test_measured_actions_exclude_the_wait_for_their_inputs():
             time.sleep(0.03)
             return x
 
-    pipe = Pipeline(nn.Sequential(Sleep(), nn.Linear(3, 3)), 4, balance=[1, 1],
-                    devices=["cpu", "cpu"], schedule="1f1b")
+    pipe = Pipeline(
+        nn.Sequential(Sleep(), nn.Linear(3, 3)),
+        4,
+        balance=[1, 1],
+        devices=["cpu", "cpu"],
+        schedule="1f1b",
+    )
     pipe.step(torch.randn(4, 3), torch.randn(4, 3), loss_fn=nn.functional.mse_loss)
     second = [e for e in pipe.last_timeline.worker_events(1) if e.action.kind == "F"]
     # Stage 1 waits ~30 ms for each input, but its own forward is a tiny Linear.

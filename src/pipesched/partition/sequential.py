@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Sequence
 
 from torch import nn
 
 from pipesched.errors import PartitionError
+from pipesched.partition.balance import min_max_counts
 
 __all__ = ["balance_by_params", "check_balance", "split_sequential"]
 
@@ -55,9 +57,10 @@ def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.S
 def balance_by_params(module: nn.Sequential, num_stages: int) -> list[int]:
     """Contiguous layer counts that minimize the largest stage's parameter count.
 
-    Exact, by dynamic programming over cut points (``O(n^2 p)`` for ``n``
-    layers; ties go to the earliest cut). Layers without parameters count as
-    one parameter so that stages of parameter-free layers still split.
+    Exact, by dynamic programming over cut points
+    (:func:`~pipesched.partition.balance.min_max_counts`; ties go to the earliest
+    cut). Layers without parameters count as one parameter so that stages of
+    parameter-free layers still split.
 
     Raises:
         PartitionError: more stages than layers.
@@ -66,29 +69,6 @@ def balance_by_params(module: nn.Sequential, num_stages: int) -> list[int]:
         >>> balance_by_params(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)), 2)
         [2, 1]
     """
-    n = len(module)
-    if not 1 <= num_stages <= n:
-        raise PartitionError(
-            f"cannot cut {n} layers into {num_stages} stages; use between 1 and {n} stages "
-            "or a model with more layers"
-        )
     sizes = [max(1, sum(p.numel() for p in layer.parameters())) for layer in module]
-    prefix = [0]
-    for size in sizes:
-        prefix.append(prefix[-1] + size)
-    inf = float("inf")
-    # best[k][i]: the smallest possible largest stage when the first i layers form k stages.
-    best = [[inf] * (n + 1) for _ in range(num_stages + 1)]
-    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
-    best[0][0] = 0
-    for k in range(1, num_stages + 1):
-        for i in range(k, n - (num_stages - k) + 1):
-            for j in range(k - 1, i):
-                cost = max(best[k - 1][j], prefix[i] - prefix[j])
-                if cost < best[k][i]:
-                    best[k][i], cut[k][i] = cost, j
-    counts, i = [], n
-    for k in range(num_stages, 0, -1):
-        counts.append(i - cut[k][i])
-        i = cut[k][i]
-    return counts[::-1]
+    prefix = list(itertools.accumulate(sizes, initial=0))
+    return min_max_counts(len(sizes), num_stages, lambda k, i, j: prefix[j] - prefix[i])

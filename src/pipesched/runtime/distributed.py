@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -22,7 +23,7 @@ from pipesched.runtime.p2p import FailureChannel, Transport
 from pipesched.runtime.streams import Stream
 from pipesched.schedule import BACKWARD, FORWARD, Action, Event, Schedule, Timeline
 
-__all__ = ["DistributedRuntime"]
+__all__ = ["DistributedRuntime", "broadcast_loss"]
 
 
 class DistributedRuntime(LocalRuntime):
@@ -141,3 +142,14 @@ def _check_channel_order(schedule: Schedule) -> None:
                     "F, and its B, in increasing order: reorder them"
                 )
             last[key] = a.microbatch
+
+
+def broadcast_loss(
+    losses: dict[int, torch.Tensor], count: int, last_rank: int, info: MeshInfo
+) -> torch.Tensor:
+    """The step's loss, computed on the last stage's rank, on every rank of the pipeline."""
+    total = torch.zeros((), dtype=torch.float64, device=info.device)
+    if losses:
+        total += torch.stack([losses[i] for i in range(count)]).sum().double()
+    dist.broadcast(total, src=info.pp_ranks[last_rank], group=info.pp_group)
+    return total

@@ -1,0 +1,253 @@
+"""Measuring each layer or traced operation: forward and backward time, output and activation bytes.
+
+Why per node and on any device: torchgpipe's ``balance_by_time`` times whole
+layers and its size profiler reads CUDA memory counters, so it cannot balance
+a CPU pipeline by memory. Here every node (a layer of an ``nn.Sequential``,
+or one operation of a traced model) runs by itself on the device, its inputs
+made fresh autograd leaves: the forward is timed with autograd recording,
+the backward as ``torch.autograd.grad`` from all its floating outputs to all
+its inputs and parameters that need a gradient. Each is repeated (the fastest of
+``repeats`` after one warm-up; CUDA synchronized around each). Bytes come
+from the real output tensors: ``output_bytes`` what an edge would carry,
+``activation_bytes`` the new storage (0 for views), what a stage holds per
+micro-batch. Why the minimum and not the median of the repeats: for
+operations of microseconds, noise only ever adds (a preempted thread, a
+sleeping intra-op pool waking up, seen at 8 ms on a busy 2-core machine), so
+the fastest run is the steadiest estimate of what the operation costs.
+
+Nothing of the model changes: buffers are cloned (BatchNorm statistics
+stay), layers of a Sequential are copied to the device, and the global RNG
+state is restored afterwards (Dropout draws do not shift the user's stream).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+
+from pipesched.partition.trace import TracedModel
+from pipesched.runtime.tree import map_tensors, tensors
+
+__all__ = ["NodeCost", "device_kind", "measure_sequential", "measure_traced"]
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node of the stage graph costs on one input (the example batch).
+
+    Args:
+        forward: seconds of its forward, or None when not timed.
+        backward: seconds of its backward (0 where nothing needs a gradient).
+        output_bytes: bytes of its output tensors.
+        activation_bytes: bytes of newly allocated output storage (views: 0).
+    """
+
+    forward: float | None
+    backward: float | None
+    output_bytes: int
+    activation_bytes: int
+
+
+def measure_sequential(
+    module: nn.Sequential,
+    example: Any,
+    device: torch.device,
+    *,
+    timing: bool = True,
+    repeats: int = 3,
+) -> list[NodeCost]:
+    """The cost of each layer of ``module`` on ``example`` (the Sequential's one input).
+
+    Each layer runs as a copy on ``device``; ``module`` is left untouched.
+    """
+    x = _to(example, device)
+    costs = []
+    with _rng_fork(device):
+        for k, layer in enumerate(module):
+            # A copy: the layer's buffers (BatchNorm statistics) must not move.
+            copied = copy.deepcopy(layer).to(device)
+            leaves: list[torch.Tensor] = [p for p in copied.parameters() if p.requires_grad]
+            if k > 0:  # the model's input needs no gradient; later layers' inputs do
+                x = map_tensors(x, functools.partial(_leaf, leaves=leaves))
+            x, cost = _measure(copied, (x,), {}, leaves, device, timing, repeats, view=False)
+            costs.append(cost)
+    return costs
+
+
+def measure_traced(
+    traced: TracedModel,
+    example_inputs: tuple[Any, ...],
+    device: torch.device,
+    *,
+    timing: bool = True,
+    repeats: int = 3,
+) -> dict[str, NodeCost]:
+    """The cost of each operation of ``traced`` on ``example_inputs``, by node name.
+
+    The graph runs operation by operation on ``device`` with the model's
+    parameters (copied there when needed) and clones of its buffers.
+    """
+    model = traced.model
+    model_state = {
+        **dict(model.named_parameters(remove_duplicate=False)),
+        **dict(model.named_buffers(remove_duplicate=False)),
+    }
+    values: dict[fx.Node, Any] = {}
+    wants_grad: set[fx.Node] = set()
+    leaves = traced.input_leaves(example_inputs if traced.num_args > 1 else example_inputs[0])
+    for node, value in zip(traced.inputs, leaves, strict=True):
+        values[node] = _to(value, device)
+    for node, ref in traced.state.items():
+        tensor = traced.constant(ref.name) if ref.kind == "constant" else model_state[ref.name]
+        values[node] = tensor.detach().to(device)
+        if ref.kind == "buffer":
+            values[node] = values[node].clone()  # in-place updates stay here
+        if ref.kind == "parameter" and tensor.requires_grad:
+            wants_grad.add(node)
+    costs = {}
+    with _rng_fork(device):
+        for node in traced.ops:
+            op = node.target
+            overload = isinstance(op, torch._ops.OpOverload)
+            # In-place operations run once: repeating them would change the values.
+            once = not overload or op._schema.is_mutable  # type: ignore[union-attr]
+            args, kwargs, grad_leaves = _arguments(
+                node, values, set() if once else wants_grad, device
+            )
+            assert callable(op)  # a call_function node's target
+            out, cost = _measure(
+                op,
+                args,
+                kwargs,
+                grad_leaves,
+                device,
+                timing,
+                0 if once else repeats,
+                view=_is_view(op),
+            )
+            values[node] = out
+            if any(n in wants_grad for n in node.all_input_nodes) and any(
+                _floating(t) for t in tensors(out)
+            ):
+                wants_grad.add(node)
+            costs[node.name] = cost
+    return costs
+
+
+def _measure(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    grad_leaves: list[torch.Tensor],
+    device: torch.device,
+    timing: bool,
+    repeats: int,
+    *,
+    view: bool,
+) -> tuple[Any, NodeCost]:
+    """Runs ``fn`` (timed when asked) and returns its detached output and cost.
+
+    The backward is timed from every output that requires grad to
+    ``grad_leaves`` (the arguments' fresh leaves and any parameters).
+    """
+    if not timing:
+        with torch.no_grad():
+            out = fn(*args, **kwargs)
+        return out, _cost(out, None, None, view)
+    forward_times, out = [], None
+    runs = repeats + 1 if repeats else 1  # a warm-up, then ``repeats``; 0: run once
+    for _ in range(runs):
+        _sync(device)
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        _sync(device)
+        forward_times.append(time.perf_counter() - start)
+    roots = [t for t in tensors(out) if t.requires_grad]
+    backward_times = [0.0]
+    if roots and grad_leaves:
+        seeds = [torch.ones_like(t) for t in roots]
+        backward_times = []
+        for _ in range(runs):
+            _sync(device)
+            start = time.perf_counter()
+            torch.autograd.grad(roots, grad_leaves, seeds, retain_graph=True, allow_unused=True)
+            _sync(device)
+            backward_times.append(time.perf_counter() - start)
+    out = map_tensors(out, lambda t: t.detach())
+    forward = min(forward_times[1:] or forward_times)
+    backward = min(backward_times[1:] or backward_times)
+    return out, _cost(out, forward, backward, view)
+
+
+def _arguments(
+    node: fx.Node, values: dict[fx.Node, Any], wants_grad: set[fx.Node], device: torch.device
+) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+    """The node's arguments: values for nodes (fresh leaves where a gradient is wanted), and
+    ``device`` for every device (the trace's device is not the one profiled)."""
+    leaves: list[torch.Tensor] = []
+
+    def value(n: fx.Node) -> Any:
+        return (
+            map_tensors(values[n], functools.partial(_leaf, leaves=leaves))
+            if n in wants_grad
+            else values[n]
+        )
+
+    args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+    args, kwargs = pytree.tree_map_only(torch.device, lambda _: device, (args, kwargs))
+    return tuple(args), dict(kwargs), leaves
+
+
+def _leaf(t: torch.Tensor, leaves: list[torch.Tensor]) -> torch.Tensor:
+    """A fresh leaf requiring grad for a floating tensor (recorded in ``leaves``), else ``t``."""
+    if not _floating(t):
+        return t
+    fresh = t.detach().requires_grad_()
+    leaves.append(fresh)
+    return fresh
+
+
+def _cost(out: Any, forward: float | None, backward: float | None, view: bool) -> NodeCost:
+    nbytes = sum(t.numel() * t.element_size() for t in tensors(out))
+    return NodeCost(forward, backward, nbytes, 0 if view else nbytes)
+
+
+def _is_view(op: Any) -> bool:
+    """Whether ``op`` returns an alias of an input (a view), not new storage."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return bool(op.__module__ == "_operator")  # getitem of a multi-output op
+    return any(r.alias_info is not None for r in op._schema.returns)
+
+
+def _floating(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+
+
+def _to(value: Any, device: torch.device) -> Any:
+    return map_tensors(value, lambda t: t.detach().to(device))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _rng_fork(device: torch.device) -> AbstractContextManager[Any]:
+    """``torch.random.fork_rng`` over the CPU and ``device``."""
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
+
+
+def device_kind(device: torch.device) -> str:
+    """Devices of one kind cost the same: the CPU, or one CUDA model. Profiling runs on one each."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return device.type

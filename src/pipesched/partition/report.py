@@ -1,0 +1,150 @@
+"""The partition, explained: per stage its layers, parameters, time and activation memory."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipesched.schedule import Timeline
+
+__all__ = ["Partition", "StagePlan"]
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What one stage holds and costs.
+
+    Args:
+        index: the stage.
+        device: where it runs.
+        layers: the names of its layers, in order.
+        params: parameter elements it uses (a parameter shared with another
+            stage counts on both).
+        param_bytes: their bytes.
+        forward_time, backward_time: measured seconds for the example input;
+            None when the layers were not profiled.
+        activation_bytes: bytes of activations per example input; None
+            without an example.
+        held_microbatches: micro-batches the schedule has the stage hold at
+            once, at its peak (GPipe: all; 1F1B: ``min(p - s, m)``).
+    """
+
+    index: int
+    device: str
+    layers: tuple[str, ...]
+    params: int
+    param_bytes: int
+    forward_time: float | None
+    backward_time: float | None
+    activation_bytes: int | None
+    held_microbatches: int
+
+    @property
+    def peak_activation_bytes(self) -> int | None:
+        """``activation_bytes`` times ``held_microbatches``."""
+        if self.activation_bytes is None:
+            return None
+        return self.activation_bytes * self.held_microbatches
+
+
+@dataclass(frozen=True)
+class Partition:
+    """How a model was cut into stages, and why; ``print(pipe.partition)`` shows the table.
+
+    Args:
+        balance: how the cuts were chosen: ``"params"``, ``"time"``,
+            ``"memory"``, ``"schedule"``, ``"explicit"`` (a list of counts) or
+            ``"split_points"``.
+        schedule: the schedule's name; ``num_microbatches`` per step.
+        stages: one row per stage.
+        simulated: the schedule simulated with the measured per-stage costs
+            (one micro-batch = the example input), or None unprofiled.
+        memory_budget: bytes per worker the cuts had to fit, if any.
+    """
+
+    balance: str
+    schedule: str
+    num_microbatches: int
+    stages: tuple[StagePlan, ...]
+    simulated: Timeline | None = None
+    memory_budget: float | None = None
+
+    @property
+    def counts(self) -> tuple[int, ...]:
+        """Layers per stage."""
+        return tuple(len(s.layers) for s in self.stages)
+
+    def __str__(self) -> str:
+        head = (
+            f"{len(self.stages)} stages, balance={self.balance!r}, schedule "
+            f"{self.schedule!r}, {self.num_microbatches} micro-batches"
+        )
+        if self.memory_budget is not None:
+            head += f", memory budget {_bytes(self.memory_budget)} per worker"
+        rows = [
+            (
+                "stage",
+                "device",
+                "layers",
+                "params",
+                "fwd ms",
+                "bwd ms",
+                "act/mb",
+                "held",
+                "peak act",
+            )
+        ]
+        for s in self.stages:
+            rows.append(
+                (
+                    str(s.index),
+                    s.device,
+                    _layers(s.layers),
+                    _count(s.params),
+                    _ms(s.forward_time),
+                    _ms(s.backward_time),
+                    _bytes(s.activation_bytes),
+                    str(s.held_microbatches),
+                    _bytes(s.peak_activation_bytes),
+                )
+            )
+        widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+        lines = [head]
+        for row in rows:
+            cells = [
+                cell.ljust(w) if c in (1, 2) else cell.rjust(w)
+                for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+            ]
+            lines.append("  ".join(cells).rstrip())
+        if self.simulated is not None:
+            t = self.simulated
+            lines.append(
+                f"simulated step: {_ms(t.makespan)} ms, bubble {100 * t.bubble_fraction:.1f}% "
+                "(micro-batches of the example's size)"
+            )
+        return "\n".join(lines)
+
+
+def _layers(names: tuple[str, ...]) -> str:
+    if len(names) <= 3:
+        return ", ".join(names)
+    return f"{names[0]} .. {names[-1]} ({len(names)})"
+
+
+def _count(n: int) -> str:
+    for unit, size in (("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return str(n)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{1e3 * seconds:.2f}"
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"

@@ -1,0 +1,269 @@
+"""Tracing any nn.Module with torch.export into a graph of operations pipesched can cut.
+
+Why our own reading of the export, not ``ExportedProgram.module()`` or
+``torch.distributed.pipelining``'s split: both copy the parameters into new
+modules, so tied weights become two tensors (pipelining sums them by hand) and
+``pipe.named_parameters()`` loses the model's names. We keep the exported
+graph only as a list of operations and feed it the model's *own* parameters
+and buffers, looked up by name at every call (see
+:mod:`pipesched.partition.stage`). Three more choices:
+
+- The batch dimension (dim 0 of every tensor input) is exported as dynamic
+  (``Dim.AUTO``): micro-batches have other sizes than the example, uneven
+  ones included. An example of one row is traced as two (export would fix a
+  size of 1). Where the model's code pins the batch size, export keeps it
+  static and :attr:`TracedModel.traced_batch` says which size the stages
+  accept.
+- export's own runtime checks (``_assert_tensor_metadata``, ``_assert_scalar``)
+  are dropped: they pin the device and dtype of the trace and a batch of at
+  least 2, while stages run on other devices and on micro-batches of one row.
+- A failed trace becomes a :class:`~pipesched.errors.PartitionError` naming
+  the line of the model that could not be traced and the ways around it.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx, nn
+from torch.export import Dim, ExportedProgram
+from torch.export.graph_signature import InputKind, OutputKind
+
+from pipesched.errors import ConfigError, PartitionError
+
+__all__ = ["StateRef", "TracedModel", "trace_model"]
+
+_DROPPED = frozenset(
+    {
+        torch.ops.aten._assert_tensor_metadata.default,
+        torch.ops.aten._assert_scalar.default,
+        torch.ops.aten.sym_constrain_range_for_size.default,
+        torch.ops.aten.sym_constrain_range.default,
+    }
+)
+"""export's runtime checks: they hold for the trace's device, dtype and batch, not a stage's."""
+
+_FIXES = (
+    "make that code traceable (no Python branch on a tensor's value, tensors in and out), "
+    "or wrap the model in an nn.Module whose forward returns only tensors (for GPT-2: "
+    "`return self.gpt2(input_ids=ids, use_cache=False).logits`), or pass an "
+    "nn.Sequential of its layers (run eagerly, never traced)"
+)
+
+
+@dataclass(frozen=True)
+class StateRef:
+    """Where a graph input that is not a user input comes from.
+
+    Args:
+        kind: ``"parameter"``, ``"buffer"`` or ``"constant"`` (a tensor export
+            lifted out of the code, held by the stage).
+        name: the fully qualified name in the model (``"h.0.attn.c_attn.weight"``),
+            or the constant's name in the exported program.
+    """
+
+    kind: str
+    name: str
+
+
+@dataclass(frozen=True, eq=False)
+class TracedModel:
+    """A model's torch.export trace, read for cutting.
+
+    Args:
+        model: the traced model; its parameters and buffers are the ones the
+            stages use.
+        program: the exported program (training IR: in-place buffer updates
+            stay in place).
+        ops: the graph's operations in execution order, without export's
+            runtime checks.
+        inputs: the placeholder of each user input, in the order of
+            ``pytree.tree_flatten((args, {}))``.
+        state: the placeholder of each parameter, buffer and lifted constant.
+        outputs: the user outputs, flattened: graph nodes or constants.
+        out_spec: how to rebuild the model's output from ``outputs``.
+        traced_batch: None when the batch dimension is dynamic; otherwise the
+            one batch size the graph accepts.
+        training: the model's mode when it was traced.
+        num_args: how many positional arguments the traced call had.
+    """
+
+    model: nn.Module
+    program: ExportedProgram
+    ops: tuple[fx.Node, ...]
+    inputs: tuple[fx.Node, ...]
+    state: Mapping[fx.Node, StateRef]
+    outputs: tuple[Any, ...]
+    out_spec: pytree.TreeSpec
+    traced_batch: int | None
+    training: bool
+    num_args: int
+
+    def constant(self, name: str) -> torch.Tensor:
+        """A tensor constant the export lifted out of the model's code."""
+        value = self.program.constants[name]
+        if not isinstance(value, torch.Tensor):
+            raise PartitionError(
+                f"the traced model holds a non-tensor constant {name!r} "
+                f"({type(value).__name__}); pipesched can only carry tensors between stages"
+            )
+        return value
+
+    def input_leaves(self, inputs: Any) -> list[Any]:
+        """The user-input values of one call, from the pipeline's single input.
+
+        One example input: ``inputs`` is that argument. Several: ``inputs``
+        is the tuple of them.
+        """
+        args = inputs if self.num_args > 1 else (inputs,)
+        if not isinstance(args, tuple | list):
+            raise ConfigError(
+                f"the model was traced with {self.num_args} example inputs, so the pipeline "
+                f"takes a tuple of {self.num_args}; got {type(inputs).__name__}"
+            )
+        leaves, spec = pytree.tree_flatten((tuple(args), {}))
+        if spec != self.program.call_spec.in_spec:
+            raise ConfigError(
+                f"the pipeline's input does not have the structure of example_inputs: "
+                f"got {spec}, traced with {self.program.call_spec.in_spec}; pass one "
+                "argument shaped like example_inputs[0] (a tuple of them when there were several)"
+            )
+        return leaves
+
+
+def trace_model(model: nn.Module, example_inputs: tuple[Any, ...]) -> TracedModel:
+    """Traces ``model(*example_inputs)`` with ``torch.export`` (non-strict, batch dim dynamic).
+
+    Args:
+        model: any nn.Module whose forward takes and returns tensors (nested in
+            tuples, lists, dicts or Hugging Face ``ModelOutput``s).
+        example_inputs: the positional arguments of one call; every tensor's
+            dim 0 is the batch.
+
+    Returns:
+        The trace.
+
+    Raises:
+        ConfigError: ``example_inputs`` is not a tuple.
+        PartitionError: the model cannot be traced; the message names the line
+            that failed and the fixes.
+    """
+    if not isinstance(example_inputs, tuple):
+        raise ConfigError(
+            f"example_inputs must be a tuple of the model's positional arguments, got "
+            f"{type(example_inputs).__name__}; write example_inputs=(x,)"
+        )
+    # A batch of one would be specialized (torch.export fixes sizes 0 and 1): trace two rows.
+    example_inputs = pytree.tree_map(
+        lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.shape[:1] == (1,) else v,
+        example_inputs,
+    )
+    dynamic = tuple(
+        pytree.tree_map(
+            lambda v: {0: Dim.AUTO} if isinstance(v, torch.Tensor) and v.ndim >= 1 else None,
+            arg,
+        )
+        for arg in example_inputs
+    )
+    try:
+        program = torch.export.export(model, example_inputs, dynamic_shapes=dynamic, strict=False)
+    except Exception as error:
+        raise PartitionError(_describe_failure(model, error)) from error
+    return _read(model, program, len(example_inputs))
+
+
+def _read(model: nn.Module, program: ExportedProgram, num_args: int) -> TracedModel:
+    signature = program.graph_signature
+    placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
+    inputs, state = [], {}
+    for spec in signature.input_specs:
+        node = placeholders[spec.arg.name] if hasattr(spec.arg, "name") else None
+        if spec.kind == InputKind.USER_INPUT:
+            if node is None:
+                continue  # a constant argument, specialized into the graph
+            inputs.append(node)
+        elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+            if node is None or spec.target is None:
+                raise PartitionError(f"torch.export gave an input spec without a name: {spec}")
+            kind = {
+                InputKind.PARAMETER: "parameter",
+                InputKind.BUFFER: "buffer",
+                InputKind.CONSTANT_TENSOR: "constant",
+            }[spec.kind]
+            state[node] = StateRef(kind, spec.target)
+        else:
+            raise PartitionError(
+                f"the traced {type(model).__name__} has a {spec.kind.name} input "
+                f"({spec.target}); pipesched cuts graphs of tensors, parameters and buffers only"
+            )
+    output_node = next(n for n in program.graph.nodes if n.op == "output")
+    values = output_node.args[0]
+    outputs = []
+    for spec, value in zip(signature.output_specs, values, strict=True):
+        if spec.kind != OutputKind.USER_OUTPUT:
+            raise PartitionError(
+                f"the traced {type(model).__name__} returns a {spec.kind.name} "
+                f"({spec.target}); pipesched supports models whose only side effects are "
+                "in-place updates of their buffers"
+            )
+        outputs.append(value)
+    out_spec = program.call_spec.out_spec
+    if out_spec is None:
+        raise PartitionError("torch.export recorded no output structure for the model")
+    ops = tuple(
+        n for n in program.graph.nodes if n.op == "call_function" and n.target not in _DROPPED
+    )
+    return TracedModel(
+        model=model,
+        program=program,
+        ops=ops,
+        inputs=tuple(inputs),
+        state=state,
+        outputs=tuple(outputs),
+        out_spec=out_spec,
+        traced_batch=_static_batch(inputs),
+        training=model.training,
+        num_args=num_args,
+    )
+
+
+def _static_batch(inputs: list[fx.Node]) -> int | None:
+    """The batch size the graph is pinned to, or None when dim 0 stayed symbolic."""
+    for node in inputs:
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor) and value.ndim >= 1:
+            size = value.shape[0]
+            if not isinstance(size, torch.SymInt):
+                return int(size)
+    return None
+
+
+def _describe_failure(model: nn.Module, error: Exception) -> str:
+    """What failed, where in the model's code, and what to do about it."""
+    torch_dir = os.path.dirname(torch.__file__)
+    own_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frames = [
+        f
+        for f in traceback.extract_tb(error.__traceback__)
+        if not f.filename.startswith((torch_dir, own_dir)) and "<" not in f.filename
+    ]
+    message = next((line for line in str(error).splitlines() if line.strip()), type(error).__name__)
+    if len(message) > 300:
+        message = message[:297] + "..."
+    where = "tracing failed"
+    if frames:
+        f = frames[-1]
+        code = (f.line or "").strip()
+        place = f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
+        where = f"the operation at {place}: `{code}` failed"
+    return (
+        f"torch.export could not trace {type(model).__name__}: {where} "
+        f"({type(error).__name__}: {message}). To pipeline it, {_FIXES}; once it traces, "
+        "split_points=['layer.name', ...] choose the cuts yourself"
+    )

@@ -1,0 +1,205 @@
+"""Traced models through the pipeline: outputs and gradients equal the plain model's.
+
+GPT-2 and ViT come from Hugging Face configs (no download) and are skipped
+when transformers is not installed; the U-Net-like CNN needs nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from pipesched import Pipeline
+from pipesched.schedule import SCHEDULES, stages_per_worker
+from tests.partition.models import UNet
+
+RTOL, ATOL = 1e-10, 1e-12
+
+
+@pytest.fixture(autouse=True)
+def _fp64():
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
+
+
+def _gpt2() -> nn.Module:
+    pytest.importorskip("transformers")
+    from tests.partition.models import GPT2Logits
+
+    return GPT2Logits()
+
+
+def _vit() -> nn.Module:
+    pytest.importorskip("transformers")
+    from tests.partition.models import vit
+
+    return vit()
+
+
+def _token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+
+
+def _logits_loss(out, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out["logits"], labels)
+
+
+def _image_loss(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+# name: (model factory, input of `batch` rows, target of `batch` rows, loss)
+MODELS = {
+    "unet": (
+        UNet,
+        lambda b: torch.randn(b, 3, 16, 16),
+        lambda b: torch.randn(b, 2, 16, 16),
+        _image_loss,
+    ),
+    "gpt2": (
+        _gpt2,
+        lambda b: torch.randint(0, 100, (b, 12)),
+        lambda b: torch.randint(0, 100, (b, 12)),
+        _token_loss,
+    ),
+    "vit": (
+        _vit,
+        lambda b: torch.randn(b, 3, 32, 32),
+        lambda b: torch.randint(0, 10, (b,)),
+        _logits_loss,
+    ),
+}
+
+
+def _pair(name: str) -> tuple[nn.Module, nn.Module]:
+    make = MODELS[name][0]
+    torch.manual_seed(0)
+    plain = make()
+    torch.manual_seed(0)
+    return plain, make()
+
+
+def _grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in module.named_parameters() if p.grad is not None}
+
+
+def _assert_grads_equal(pipe: nn.Module, plain: nn.Module) -> None:
+    got, expected = _grads(pipe), _grads(plain)
+    assert got.keys() == expected.keys() == {n for n, _ in plain.named_parameters()}
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=RTOL, atol=ATOL, msg=name)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_step_equals_the_plain_model(name, stages, schedule):
+    plain, piped = _pair(name)
+    _, inputs, targets, loss_fn = MODELS[name]
+    x, y = inputs(7), targets(7)  # micro-batches of 3, 2 and 2 rows
+    pipe = Pipeline(
+        piped,
+        chunks=3,
+        example_inputs=(x[:2],),
+        num_stages=stages,
+        devices=["cpu"] * stages,
+        schedule=schedule,
+        balance="params",
+    )
+    assert pipe.num_stages == stages
+    loss = pipe.step(x, y, loss_fn=loss_fn)
+    expected = loss_fn(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
+    _assert_grads_equal(pipe, plain)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forward_is_autograd_transparent(name):
+    plain, piped = _pair(name)
+    _, inputs, targets, loss_fn = MODELS[name]
+    x, y = inputs(5), targets(5)
+    pipe = Pipeline(piped, chunks=5, example_inputs=(x[:2],), devices=["cpu"] * 2, balance="params")
+    out = pipe(x)  # five micro-batches of one row: smaller than the traced example
+    reference = plain(x)
+    if isinstance(reference, torch.Tensor):
+        torch.testing.assert_close(out, reference, rtol=RTOL, atol=ATOL)
+    else:
+        torch.testing.assert_close(out["logits"], reference["logits"], rtol=RTOL, atol=ATOL)
+    loss_fn(out, y).backward()
+    loss_fn(reference, y).backward()
+    _assert_grads_equal(pipe, plain)
+
+
+def test_tied_embeddings_get_both_stages_gradients():
+    plain, piped = _pair("gpt2")
+    pipe = Pipeline(
+        piped,
+        chunks=2,
+        example_inputs=(torch.randint(0, 100, (2, 12)),),
+        devices=["cpu"] * 4,
+        balance="params",
+    )
+    wte, head = piped.gpt2.transformer.wte.weight, piped.gpt2.lm_head.weight
+    assert wte is head
+    users = [
+        s
+        for s, stage in enumerate(pipe.stages)
+        if any(
+            holder[key] is wte
+            for holder, key in stage._state  # the parameters each stage reads
+        )
+    ]
+    assert users == [0, 3]  # the embedding on the first stage, the LM head on the last
+    x, y = torch.randint(0, 100, (4, 12)), torch.randint(0, 100, (4, 12))
+    pipe.step(x, y, loss_fn=_token_loss)
+    _token_loss(plain(x), y).backward()
+    torch.testing.assert_close(wte.grad, plain.gpt2.transformer.wte.weight.grad, rtol=RTOL, atol=0)
+    assert [n for n, _ in pipe.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert pipe.state_dict().keys() == plain.state_dict().keys()
+
+
+@pytest.mark.parametrize("schedule", [s for s in SCHEDULES if s not in ("gpipe", "1f1b")])
+def test_other_schedules_and_checkpoint_modes(schedule):
+    plain, piped = _pair("unet")
+    x, y = torch.randn(6, 3, 16, 16), torch.randn(6, 2, 16, 16)
+    workers = 2
+    pipe = Pipeline(
+        piped,
+        chunks=3,
+        example_inputs=(x[:2],),
+        devices=["cpu"] * workers,
+        schedule=schedule,
+        checkpoint="always",
+        balance="params",
+    )
+    assert pipe.num_stages == workers * stages_per_worker(schedule)
+    pipe.step(x, y, loss_fn=_image_loss)
+    _image_loss(plain(x), y).backward()
+    _assert_grads_equal(pipe, plain)
+
+
+def test_skip_tensor_travels_through_every_stage():
+    _, piped = _pair("unet")
+    pipe = Pipeline(
+        piped,
+        chunks=2,
+        example_inputs=(torch.randn(2, 3, 16, 16),),
+        split_points=["down.1", "down.2", "up.1"],
+        devices=["cpu"] * 4,
+    )
+    stem_out = next(n for n, d in pipe.stage_graph.nodes(data=True) if d.get("layer") == "stem")
+    sent = [stage._sends for stage in pipe.stages[:-1]]
+    assert all(stem_out in names for names in sent)  # stem's output reaches up.2 on stage 3
+
+
+def test_an_example_of_one_row_still_takes_any_batch():
+    plain, piped = _pair("unet")
+    pipe = Pipeline(piped, 3, example_inputs=(torch.randn(1, 3, 16, 16),), devices=["cpu"] * 2)
+    x, y = torch.randn(7, 3, 16, 16), torch.randn(7, 2, 16, 16)
+    pipe.step(x, y, loss_fn=_image_loss)
+    _image_loss(plain(x), y).backward()
+    _assert_grads_equal(pipe, plain)
