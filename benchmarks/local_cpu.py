@@ -30,23 +30,10 @@ import weakref
 from collections.abc import Callable
 
 import torch
+from mlp_bench import BATCH, CHUNKS, LAYERS, WIDTH, loss_fn, mlp, print_table
 from torch import nn
 
 from pipesched import Pipeline
-
-WIDTH, LAYERS, BATCH, CHUNKS = 1024, 8, 256, 8
-
-
-def mlp() -> nn.Sequential:
-    torch.manual_seed(0)
-    layers: list[nn.Module] = []
-    for _ in range(LAYERS):
-        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
-    return nn.Sequential(*layers)
-
-
-def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return nn.functional.mse_loss(out, y)
 
 
 def plain_step(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
@@ -178,16 +165,7 @@ def main() -> None:
         f"{LAYERS} x Linear({WIDTH}) + ReLU, batch {BATCH}, chunks {CHUNKS}, 2 CPU stages, "
         f"1 thread each; median of {args.rounds} alternating rounds ({cores} cores)"
     )
-    print(f"{'contender':<22}{'step ms':>9}{'x plain':>9}{'of ceiling':>12}")
-    for name, t in median.items():
-        print(f"{name:<22}{1000 * t:>9.1f}{plain / t:>9.2f}{ceiling / t:>12.2f}")
-    if plain / ceiling < 1.2:
-        print(
-            f"WARNING: the parallel ceiling is only {plain / ceiling:.2f}x the plain run: the "
-            "two cores did not run in parallel during this run (a shared or throttled "
-            "machine), so speedups over the plain run or a one-thread anchor cannot show; "
-            "shares of the ceiling still compare the contenders."
-        )
+    print_table(median, plain, ceiling)
     targets = {"pipesched 1f1b": 0.80, "pipesched zb-h1": 0.85}
     for name, target in targets.items():
         share = ceiling / median[name]

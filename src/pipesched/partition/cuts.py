@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import networkx as nx
 import torch
@@ -139,7 +139,7 @@ def fixed_counts(
     """Layers per stage for the modes that need no search."""
     n = len(units)
     if mode == "explicit":
-        assert balance is not None and not isinstance(balance, str)
+        balance = cast(Sequence[int], balance)  # explicit mode: a list of counts
         if isinstance(module, nn.Sequential):
             return check_balance(module, balance)
         counts = list(balance)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import networkx as nx
 import torch
@@ -145,8 +145,7 @@ def plan_partition(
     if traced is not None:
         graph = traced_graph(traced, first, boundaries)
     else:
-        assert isinstance(module, nn.Sequential)  # only a Sequential goes untraced
-        graph = sequential_graph(module, first, _input_bytes(example_inputs))
+        graph = sequential_graph(cast(nn.Sequential, module), first, _input_bytes(example_inputs))
     units = tuple(layers(graph))
     plan_schedule = get_schedule(schedule, num_stages, num_microbatches)
     held = plan_schedule.simulate().peak_activations
@@ -220,7 +219,7 @@ def _profile(
                     traced, example_inputs, device, timing=timing, repeats=repeats
                 )
             else:
-                assert isinstance(module, nn.Sequential)  # only a Sequential goes untraced
+                module = cast(nn.Sequential, module)  # only a Sequential goes untraced
                 if len(example_inputs) != 1:
                     raise ConfigError(
                         f"an nn.Sequential takes one input, but example_inputs has "
