@@ -163,10 +163,12 @@ class Schedule:
             ScheduleError: an action is missing, duplicated or on the wrong worker,
                 or the order deadlocks (the message shows the cycle).
         """
+        from pipesched.schedule.gc_pause import paused_gc
         from pipesched.schedule.graph import topological_order
 
         if "order" not in self._cache:
-            self._cache["order"] = topological_order(self)
+            with paused_gc():
+                self._cache["order"] = topological_order(self)
         return self
 
     def simulate(self, costs: Costs | None = None) -> Timeline:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipesched.schedule.action import BACKWARD, FORWARD
 from pipesched.schedule.costs import Costs
-from pipesched.schedule.graph import data_predecessor
+from pipesched.schedule.gc_pause import paused_gc
 from pipesched.schedule.timeline import Event, Timeline
 
 if TYPE_CHECKING:
@@ -43,18 +44,39 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     schedule.validate()
     order: list[Action] = schedule._cache["order"]  # type: ignore[assignment]
     placement, num_stages, send = schedule.placement, schedule.num_stages, costs.send
+    with paused_gc():
+        return _play(order, duration, placement, num_stages, send, schedule.num_workers)
+
+
+def _play(
+    order: list[Action],
+    duration: dict[str, tuple[float, ...]],
+    placement: tuple[int, ...],
+    num_stages: int,
+    send: float,
+    num_workers: int,
+) -> Timeline:
     end: dict[tuple[int, str, int], float] = {}
-    worker_free = [0.0] * schedule.num_workers
+    worker_free = [0.0] * num_workers
     events = []
+    make_event = Event._make
+    last = num_stages - 1
     for action in order:
-        need = data_predecessor(action, num_stages)
-        w = placement[action.stage]
+        s, kind, i = action
+        # data_predecessor, inlined: this loop runs once per action of large schedules.
+        if kind == FORWARD:
+            need = (s - 1, FORWARD, i) if s else None
+        elif kind == BACKWARD:
+            need = (s + 1, BACKWARD, i) if s < last else (s, FORWARD, i)
+        else:
+            need = (s, BACKWARD, i)
+        w = placement[s]
         start = worker_free[w]
         if need is not None:
             arrival = end[need] + (send if placement[need[0]] != w else 0.0)
             if arrival > start:
                 start = arrival
-        finish = start + duration[action.kind][action.stage]
+        finish = start + duration[kind][s]
         end[action] = worker_free[w] = finish
-        events.append(Event(action, w, start, finish))
+        events.append(make_event((action, w, start, finish)))
     return Timeline(tuple(events), placement)

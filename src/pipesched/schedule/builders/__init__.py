@@ -10,6 +10,7 @@ from pipesched.schedule.builders.gpipe import gpipe
 from pipesched.schedule.builders.interleaved import interleaved_1f1b
 from pipesched.schedule.builders.one_f_one_b import one_f_one_b
 from pipesched.schedule.builders.zero_bubble import zb_h1, zb_v
+from pipesched.schedule.gc_pause import paused_gc
 from pipesched.schedule.schedule import Schedule
 
 __all__ = [
@@ -98,4 +99,5 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, **options: o
                 "or use 'interleaved-1f1b' for another number of stages per worker"
             )
         options = {}
-    return SCHEDULES[key](num_stages, num_microbatches, **options)
+    with paused_gc():
+        return SCHEDULES[key](num_stages, num_microbatches, **options)
