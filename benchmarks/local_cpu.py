@@ -67,15 +67,20 @@ def ceiling_step(model: nn.Sequential, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def pipesched_step(schedule: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    pipe = Pipeline(
+def two_stage_pipeline(schedule: str, checkpoint: str) -> Pipeline:
+    """The MLP as 2 CPU stages of 8 layers each."""
+    return Pipeline(
         mlp(),
         CHUNKS,
         balance=[LAYERS, LAYERS],
         devices=["cpu", "cpu"],
         schedule=schedule,
-        checkpoint="never",
+        checkpoint=checkpoint,
     )
+
+
+def pipesched_step(schedule: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    pipe = two_stage_pipeline(schedule, "never")
     return lambda: pipe.step(x, y, loss_fn=loss_fn) and None
 
 
@@ -97,14 +102,7 @@ def torchgpipe_step(x: torch.Tensor, y: torch.Tensor) -> Callable[[], None] | No
 
 def saved_bytes(schedule: str, checkpoint: str, x: torch.Tensor, y: torch.Tensor) -> list[int]:
     """Per stage, the peak bytes of tensors autograd saved for backward during one step."""
-    pipe = Pipeline(
-        mlp(),
-        CHUNKS,
-        balance=[LAYERS, LAYERS],
-        devices=["cpu", "cpu"],
-        schedule=schedule,
-        checkpoint=checkpoint,
-    )
+    pipe = two_stage_pipeline(schedule, checkpoint)
     lock = threading.Lock()
     held, peak = [0, 0], [0, 0]
 

@@ -144,18 +144,6 @@ def test_first_stage_parameters_get_gradients_from_token_ids(schedule, workers, 
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14, msg=name)
 
 
-def _bn_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(
-        nn.Linear(4, 5),
-        nn.BatchNorm1d(5),
-        nn.ReLU(),
-        nn.Linear(5, 5),
-        nn.BatchNorm1d(5),
-        nn.Linear(5, 3),
-    )
-
-
 @pytest.mark.parametrize(("schedule", "workers"), ALL)
 @pytest.mark.parametrize("mode", ["always", "except_last"])
 def test_checkpointing_does_not_repeat_batch_norm_updates(schedule, workers, mode):
