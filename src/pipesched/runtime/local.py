@@ -156,24 +156,15 @@ class LocalRuntime:
         ]
         origin = time.perf_counter()
         run.origin_wall = time.time()  # the same instant on the wall clock, to align processes
-        threads = [
-            threading.Thread(
-                target=self._work,
-                args=(w, rows[w], schedule, run, state, origin),
-                name=f"pipesched-worker-{w}",
-                daemon=True,
-            )
-            for w in self.workers(schedule)
-        ]
+        workers = self.workers(schedule)
         previous_threads = torch.get_num_threads()
-        try:
-            for thread in threads:
-                thread.start()
-        finally:
-            for thread in threads:
-                if thread.ident is not None:
-                    thread.join()
-            torch.set_num_threads(previous_threads)
+        if len(workers) == 1:  # one worker (a rank of a mesh): no thread to hand over to
+            try:
+                self._work(workers[0], rows[workers[0]], schedule, run, state, origin)
+            finally:
+                torch.set_num_threads(previous_threads)
+        else:
+            self._start_threads(workers, rows, schedule, run, state, origin)
         self.finish_step(run)
         if run.error is not None:
             error, action, worker = run.error
@@ -184,6 +175,35 @@ class LocalRuntime:
             raise error
         run.timeline = Timeline(tuple(run.events), schedule.placement)
         return run
+
+    def _start_threads(
+        self,
+        workers: list[int],
+        rows: list[list[Action]],
+        schedule: Schedule,
+        run: _Run,
+        state: ThreadState,
+        origin: float,
+    ) -> None:
+        """Runs each worker in its own thread and waits for all of them."""
+        threads = [
+            threading.Thread(
+                target=self._work,
+                args=(w, rows[w], schedule, run, state, origin),
+                name=f"pipesched-worker-{w}",
+                daemon=True,
+            )
+            for w in workers
+        ]
+        previous_threads = torch.get_num_threads()
+        try:
+            for thread in threads:
+                thread.start()
+        finally:
+            for thread in threads:
+                if thread.ident is not None:
+                    thread.join()
+            torch.set_num_threads(previous_threads)
 
     def _work(
         self,
