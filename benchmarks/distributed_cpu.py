@@ -11,7 +11,10 @@ same two processes (median of the rounds; a step's time is the slower rank's):
 - ceiling: each rank runs its stage's forward and backward of all 8
   micro-batches with no communication: what two processes can give at all.
 - pipesched gpipe / 1f1b / zb-h1 / zb-v: ``Pipeline(..., mesh=init_mesh(2))``,
-  checkpoint="never".
+  checkpoint="never" (weight gradients accumulated in the GEMM, the default).
+- pipesched 1f1b / zb-v unfused: the same with ``fuse_weight_grads=False``,
+  autograd's own accumulation, as the ceiling and torch use: what the
+  runtime and schedule give without the fusion.
 - torch ScheduleGPipe / Schedule1F1B: torch.distributed.pipelining on the same split.
 """
 
@@ -28,6 +31,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from mlp_bench import BATCH, CHUNKS, LAYERS, WIDTH, loss_fn, mlp, print_table
+
+SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-v")
 
 
 def contenders(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], None]]:
@@ -54,12 +59,19 @@ def contenders(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callabl
             out.backward(torch.ones_like(out))
 
     runs["ceiling (no comms)"] = ceiling
-    for schedule in ("gpipe", "1f1b", "zb-h1", "zb-v"):
+    for schedule, fuse in (*((s, True) for s in SCHEDULES), ("1f1b", False), ("zb-v", False)):
         balance = [LAYERS] * 2 if schedule != "zb-v" else [LAYERS // 2] * 4
         pipe = Pipeline(
-            mlp(), CHUNKS, balance=balance, mesh=mesh, schedule=schedule, checkpoint="never"
+            mlp(),
+            CHUNKS,
+            balance=balance,
+            mesh=mesh,
+            schedule=schedule,
+            checkpoint="never",
+            fuse_weight_grads=fuse,
         )
-        runs[f"pipesched {schedule}"] = lambda pipe=pipe: pipe.step(x, y, loss_fn=loss_fn) and None
+        name = f"pipesched {schedule}" + ("" if fuse else " unfused")
+        runs[name] = lambda pipe=pipe: pipe.step(x, y, loss_fn=loss_fn) and None
     for name, cls in (("torch GPipe", ScheduleGPipe), ("torch 1F1B", Schedule1F1B)):
         module = mlp()[LAYERS * rank : LAYERS * (rank + 1)]
         stage = PipelineStage(

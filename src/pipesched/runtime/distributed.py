@@ -34,6 +34,7 @@ class DistributedRuntime(LocalRuntime):
         placement: the worker (pp rank) of each stage.
         info: this rank's place in the mesh.
         num_threads: intra-op threads for this rank's worker.
+        fused: as in :class:`~pipesched.runtime.local.LocalRuntime`.
     """
 
     def __init__(
@@ -42,8 +43,10 @@ class DistributedRuntime(LocalRuntime):
         placement: tuple[int, ...],
         info: MeshInfo,
         num_threads: int,
+        fused: Sequence[frozenset[int]] | None = None,
     ) -> None:
-        super().__init__(stages, [info.device] * info.pp_size, num_threads)  # type: ignore[arg-type]
+        devices = [info.device] * info.pp_size
+        super().__init__(stages, devices, num_threads, fused)  # type: ignore[arg-type]
         self.placement = placement
         self.info = info
         self.failures = FailureChannel()

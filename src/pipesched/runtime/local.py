@@ -27,6 +27,7 @@ from pipesched.checkpoint import checkpoint
 from pipesched.errors import ConfigError
 from pipesched.rng import microbatch_seed
 from pipesched.runtime.backward import backward_full, backward_input
+from pipesched.runtime.fused_linear import FusedLinearMode
 from pipesched.runtime.mailbox import Aborted, Mailbox
 from pipesched.runtime.streams import (
     Stream,
@@ -124,14 +125,22 @@ class LocalRuntime:
         stages: the stage modules, ``stages[s]`` already on ``devices[placement[s]]``.
         devices: the device of each schedule worker.
         num_threads: intra-op threads each worker may use.
+        fused: per stage, the ids of the parameters whose ``linear`` weight
+            gradients a step may accumulate in the GEMM
+            (:mod:`pipesched.runtime.fused_linear`); None: never.
     """
 
     def __init__(
-        self, stages: Sequence[nn.Module], devices: Sequence[torch.device], num_threads: int
+        self,
+        stages: Sequence[nn.Module],
+        devices: Sequence[torch.device],
+        num_threads: int,
+        fused: Sequence[frozenset[int]] | None = None,
     ) -> None:
         self.stages = list(stages)
         self.devices = list(devices)
         self.num_threads = num_threads
+        self.fused = None if fused is None else list(fused)
         self._streams: list[Stream] = [new_stream(d) for d in self.devices]
         self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
         """Optional: a context manager entered around each forward of stage ``s``
@@ -249,7 +258,9 @@ class LocalRuntime:
         x = map_tensors(x, lambda t: copy_to(t, device, stream))
         if run.detach and s > 0:
             x = map_tensors(x, _fresh_leaf)
-        stage = _Seeded(self.stages[s], run.step.seed, i)
+        # Fused weight-gradient accumulation only where pipesched runs the backward.
+        fused = self.fused[s] if self.fused is not None and run.detach else None
+        stage = _Seeded(self.stages[s], run.step.seed, i, fused)
         with self.forward_context(s) if self.forward_context else nullcontext():
             if i < run.step.checkpoint_stop and torch.is_grad_enabled():
                 # No RNG replay: _Seeded reseeds random layers itself, and torch's
@@ -344,13 +355,17 @@ class _Seeded(nn.Module):
     thread runs it) reseeds exactly as the forward did.
     """
 
-    def __init__(self, stage: nn.Module, seed: int, microbatch: int) -> None:
+    def __init__(
+        self, stage: nn.Module, seed: int, microbatch: int, fused: frozenset[int] | None
+    ) -> None:
         super().__init__()
         self.stage = stage
         self.seed, self.microbatch = seed, microbatch
+        self.fused = fused
 
     def forward(self, x: Any) -> Any:
-        with microbatch_seed(self.seed, self.microbatch):
+        fusing = FusedLinearMode(self.fused) if self.fused else nullcontext()
+        with microbatch_seed(self.seed, self.microbatch), fusing:
             return self.stage(x)
 
 

@@ -1,0 +1,164 @@
+"""Linear layers whose weight gradient is accumulated inside the GEMM (Megatron's fusion).
+
+A stage's backward over many small micro-batches spends a large part of its
+time *adding* each micro-batch's weight gradient into ``.grad``: for a
+``Linear(1024, 1024)`` and 32 rows, autograd's ``mm`` then ``AccumulateGrad``'s
+add (a 4 MiB read-modify-write) cost about 2.5x one ``addmm_`` into ``.grad``.
+Megatron-LM fuses the two (``gradient_accumulation_fusion``); pipesched does
+the same for ``torch.nn.functional.linear`` calls inside its own forward and
+backward of a step.
+
+Why not always: the fused backward writes ``.grad`` itself instead of returning
+the weight's gradient to autograd, so it is used only where pipesched runs the
+backward (``Pipeline.step``/``accumulate``; not ``pipe(x)``, whose backward the
+caller runs), for parameters that no other stage shares (two stages in two
+threads would race on ``.grad``; autograd's ``AccumulateGrad`` locks, this does
+not), without gradient hooks, without autocast, in plain strided tensors of the
+weight's dtype. Everything else runs the ordinary ``linear``.
+
+Which gradients a call computes follows the autograd engine: the input's
+gradient when the engine will use it, the weight's when the engine would
+accumulate it. A split backward (zero-bubble B, then W) therefore computes the
+input gradient in B and the fused weight accumulation in W, like any other
+operation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+__all__ = ["FusedLinearMode", "unshared_parameters"]
+
+_will_engine_execute_node: Callable[[Any], bool] | None = getattr(
+    torch._C, "_will_engine_execute_node", None
+)
+
+
+def unshared_parameters(stages: Sequence[nn.Module | None]) -> list[frozenset[int]]:
+    """Per stage, the ids of its parameters that no other stage holds (fusable ones)."""
+    owners: dict[int, int] = {}
+    for stage in stages:
+        for p in _parameters(stage):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return [frozenset(id(p) for p in _parameters(stage) if owners[id(p)] == 1) for stage in stages]
+
+
+def _parameters(stage: nn.Module | None) -> Iterable[nn.Parameter]:
+    return () if stage is None else stage.parameters()
+
+
+class FusedLinearMode(TorchFunctionMode):
+    """Routes eligible ``F.linear`` calls to the fused-accumulation linear.
+
+    Args:
+        allowed: ids of the parameters whose gradient may be accumulated by the
+            fused backward (see :func:`unshared_parameters`).
+    """
+
+    def __init__(self, allowed: frozenset[int]) -> None:
+        super().__init__()
+        self.allowed = allowed
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func is F.linear and _will_engine_execute_node is not None:
+            x, weight, bias = _linear_args(*args, **kwargs)
+            if self._eligible(x, weight, bias):
+                return _FusedLinear.apply(x, weight, bias)
+        return func(*args, **kwargs)
+
+    def _eligible(self, x: Any, weight: Any, bias: Any) -> bool:
+        return (
+            torch.is_grad_enabled()
+            and type(x) is Tensor
+            and _fusable(weight, self.allowed)
+            and (bias is None or _fusable(bias, self.allowed))
+            and x.dtype == weight.dtype
+            and x.device == weight.device
+            and x.dim() >= 1
+            and not torch.is_autocast_enabled(x.device.type)
+        )
+
+
+def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
+    return input, weight, bias
+
+
+def _fusable(p: Any, allowed: frozenset[int]) -> bool:
+    return (
+        type(p) is nn.Parameter
+        and id(p) in allowed
+        and p.requires_grad
+        and p.layout == torch.strided
+        and p.is_contiguous()
+        and not p._backward_hooks
+        and not getattr(p, "_post_accumulate_grad_hooks", None)
+    )
+
+
+class _FusedLinear(torch.autograd.Function):
+    """``F.linear`` whose backward accumulates the weight gradient into ``.grad`` itself."""
+
+    @staticmethod
+    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        # The Parameters themselves: under checkpointing, saved tensors come back
+        # as recomputed aliases, and a .grad set on an alias is lost.
+        ctx.parameters = (weight, bias)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+        x, saved_weight = ctx.saved_tensors
+        weight, bias = ctx.parameters
+        edges = [node for node, _ in ctx.next_functions]  # no edge for a None bias
+        x_edge, weight_edge = edges[0], edges[1]
+        bias_edge = edges[2] if bias is not None else None
+        grad_x = grad.matmul(saved_weight) if _will_run(x_edge) else None
+        if _will_run(weight_edge) or (bias is not None and _will_run(bias_edge)):
+            grad_2d = grad.reshape(-1, grad.shape[-1])
+            with torch.no_grad():
+                if _will_run(weight_edge):
+                    _accumulate_mm(weight, grad_2d.t(), x.reshape(-1, x.shape[-1]))
+                if bias is not None and _will_run(bias_edge):
+                    _accumulate(bias, grad_2d.sum(0))
+        return grad_x, None, None
+
+
+def _will_run(node: Any) -> bool:
+    """Whether the current backward uses the gradient flowing into ``node``."""
+    if node is None:
+        return False
+    try:
+        return bool(_will_engine_execute_node(node))  # type: ignore[misc]
+    except RuntimeError:  # a leaf that autograd.grad() captures: its gradient is wanted
+        return True
+
+
+def _accumulate_mm(p: Tensor, a: Tensor, b: Tensor) -> None:
+    """``p.grad += a @ b`` in one GEMM (or ``p.grad = a @ b``)."""
+    if p.grad is None:
+        p.grad = torch.mm(a, b)
+    elif p.grad.layout == torch.strided and p.grad.dtype == a.dtype:
+        p.grad.addmm_(a, b)
+    else:
+        p.grad += torch.mm(a, b)
+
+
+def _accumulate(p: Tensor, g: Tensor) -> None:
+    if p.grad is None:
+        p.grad = g
+    else:
+        p.grad += g

@@ -1,0 +1,221 @@
+"""Fused weight-gradient accumulation of linear layers, against plain autograd."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import checkpoint
+
+from pipesched import Pipeline
+from pipesched.runtime.backward import backward_full, backward_input
+from pipesched.runtime.fused_linear import FusedLinearMode, _FusedLinear, unshared_parameters
+
+EXACT = {"rtol": 1e-12, "atol": 1e-12}
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.counts[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _model(bias: bool = True) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, 8, bias=bias), nn.Tanh(), nn.Linear(8, 8, bias=bias), nn.Linear(8, 5)
+    ).double()
+
+
+def _fused(model: nn.Module) -> Callable[[Tensor], Tensor]:
+    allowed = unshared_parameters([model])[0]
+
+    def run(x: Tensor) -> Tensor:
+        with FusedLinearMode(allowed):
+            return model(x)
+
+    return run
+
+
+def _grads(model: nn.Module) -> list[Tensor | None]:
+    return [None if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _assert_same(actual: list[Tensor | None], expected: list[Tensor | None]) -> None:
+    assert len(actual) == len(expected)
+    for a, e in zip(actual, expected, strict=True):
+        assert (a is None) == (e is None)
+        if a is not None:
+            torch.testing.assert_close(a, e, **EXACT)
+
+
+@pytest.mark.parametrize("shape", [(7, 6), (3, 4, 6), (6,)], ids=["2d", "3d", "1d"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_fused_gradients_equal_autograd_over_several_backwards(shape, bias) -> None:
+    plain, fused = _model(bias), _model(bias)
+    run = _fused(fused)
+    for step in range(3):  # the first sets .grad, the next ones accumulate into it
+        torch.manual_seed(step)
+        x = torch.randn(*shape, dtype=torch.float64)
+        xp, xf = x.clone().requires_grad_(), x.clone().requires_grad_()
+        plain(xp).pow(2).sum().backward()
+        out = run(xf)
+        assert type(out.grad_fn).__name__ == "_FusedLinearBackward"
+        out.pow(2).sum().backward()
+        torch.testing.assert_close(xf.grad, xp.grad, **EXACT)
+    _assert_same(_grads(fused), _grads(plain))
+
+
+def test_fused_backward_adds_in_the_gemm_instead_of_after_it() -> None:
+    model = _model()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    with _CountOps() as plain:
+        model(x).sum().backward()
+    with _CountOps() as fused:
+        _fused(model)(x).sum().backward()
+    # Plain autograd: mm for each weight gradient, then an add_ into .grad.
+    # Fused: one addmm_ per weight, no add_ for weights (biases still add_).
+    assert fused.counts["aten.addmm_.default"] == 3
+    assert fused.counts["aten.add_.Tensor"] == plain.counts["aten.add_.Tensor"] - 3
+
+
+def test_split_backward_b_leaves_grads_alone_and_w_fuses() -> None:
+    full, split = _model(), _model()
+    x, g = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 5, dtype=torch.float64)
+    xf, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+    (gx_full,) = backward_full([_fused(full)(xf)], [g], [xf])
+    with _CountOps() as b:
+        (gx_split,), w = backward_input([_fused(split)(xs)], [g], [xs])
+    assert all(p.grad is None for p in split.parameters())
+    assert b.counts["aten.addmm_.default"] == 0  # no weight work in B
+    with _CountOps() as w_ops:
+        w.run()
+    # W computes no input gradient: only the weight GEMMs (the first sets .grad).
+    assert w_ops.counts["aten.mm.default"] == 3
+    torch.testing.assert_close(gx_split, gx_full, **EXACT)
+    _assert_same(_grads(split), _grads(full))
+
+
+def test_first_stage_without_input_gradient_fuses_everything_in_w() -> None:
+    plain, split = _model(), _model()
+    x, g = torch.randn(5, 6, dtype=torch.float64), torch.randn(5, 5, dtype=torch.float64)
+    plain(x).backward(g)
+    (none,), w = backward_input([_fused(split)(x)], [g], [x])
+    assert none is None and all(p.grad is None for p in split.parameters())
+    w.run()
+    _assert_same(_grads(split), _grads(plain))
+
+
+def test_checkpointed_fused_linear_accumulates_into_the_parameters() -> None:
+    plain, fused = _model(), _model()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    plain(x).sum().backward()
+    checkpoint(_fused(fused), x, use_reentrant=False).sum().backward()
+    _assert_same(_grads(fused), _grads(plain))
+
+
+def _linear_calls(run: Callable[[], Any]) -> int:
+    """How many fused linears ``run`` builds."""
+    count = 0
+    original = _FusedLinear.forward
+
+    def counting(ctx: Any, *args: Any) -> Tensor:
+        nonlocal count
+        count += 1
+        return original(ctx, *args)
+
+    _FusedLinear.forward = staticmethod(counting)  # type: ignore[method-assign]
+    try:
+        run()
+    finally:
+        _FusedLinear.forward = staticmethod(original)  # type: ignore[method-assign]
+    return count
+
+
+def test_ineligible_calls_take_the_ordinary_path() -> None:
+    model = _model()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    assert _linear_calls(lambda: _fused(model)(x)) == 3
+    with pytest.raises(RuntimeError, match="dtype"):  # dtype differs: torch's own error
+        _linear_calls(lambda: _fused(model)(x.float()))
+    with torch.no_grad():
+        assert _linear_calls(lambda: _fused(model)(x)) == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert _linear_calls(lambda: _fused(model)(x)) == 0
+    with FusedLinearMode(frozenset()):  # shared parameters are never allowed
+        assert _linear_calls(lambda: model(x)) == 0
+    seen: list[Tensor] = []
+    model[0].weight.register_hook(lambda g: seen.append(g))
+    assert _linear_calls(lambda: _fused(model)(x).sum().backward()) == 2  # hooked layer: plain
+    assert len(seen) == 1
+
+
+def test_unshared_parameters_leave_out_what_two_stages_hold() -> None:
+    a, b = nn.Linear(2, 2), nn.Linear(2, 2)
+    b.weight = a.weight
+    first, second = unshared_parameters([a, b, None])[:2]
+    assert first == {id(a.bias)} and second == {id(b.bias)}
+
+
+# ---------------------------------------------------------------- in a Pipeline
+
+
+@pytest.mark.parametrize(
+    ("schedule", "balance"),
+    [("gpipe", [2, 2]), ("1f1b", [2, 2]), ("zb-h1", [2, 2]), ("zb-v", [1, 1, 1, 1])],
+)
+@pytest.mark.parametrize("checkpoint_mode", ["never", "except_last"])
+def test_pipeline_step_fused_equals_unfused(fp64, schedule, balance, checkpoint_mode) -> None:
+    x, y = torch.randn(10, 6), torch.randn(10, 5)
+    grads = []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 8), nn.Linear(8, 5))
+        pipe = Pipeline(
+            model,
+            4,
+            balance=balance,
+            devices=["cpu", "cpu"],
+            schedule=schedule,
+            checkpoint=checkpoint_mode,
+            fuse_weight_grads=fuse,
+        )
+        calls = _linear_calls(lambda: pipe.step(x, y, loss_fn=nn.functional.mse_loss))
+        # 3 linears x 4 micro-batches, and again in each checkpoint recomputation.
+        assert calls >= 12 if fuse else calls == 0
+        grads.append(_grads(model))
+    _assert_same(grads[1], grads[0])
+
+
+def test_pipeline_forward_for_the_callers_backward_is_not_fused(fp64) -> None:
+    model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5))
+    pipe = Pipeline(model, 2, balance=[2, 1], devices=["cpu", "cpu"])
+    assert _linear_calls(lambda: pipe(torch.randn(4, 6))) == 0
+
+
+def test_weight_tied_across_stages_is_accumulated_by_autograd(fp64) -> None:
+    """Two worker threads would race on a fused ``.grad``: a tied weight stays plain."""
+    torch.manual_seed(0)
+    first, last = nn.Linear(5, 5), nn.Linear(5, 5)
+    last.weight = first.weight
+    model = nn.Sequential(first, nn.Tanh(), last)
+    reference = nn.Sequential(*(m for m in model))  # the same parameters, run plainly
+    x, y = torch.randn(8, 5), torch.randn(8, 5)
+    nn.functional.mse_loss(reference(x), y).backward()
+    expected = _grads(model)
+    model.zero_grad(set_to_none=True)
+    pipe = Pipeline(model, 4, balance=[2, 1], devices=["cpu", "cpu"], schedule="1f1b")
+    calls = _linear_calls(lambda: pipe.step(x, y, loss_fn=nn.functional.mse_loss))
+    assert calls == 0  # both linears' weights are shared; their biases alone do not fuse
+    _assert_same(_grads(model), expected)
