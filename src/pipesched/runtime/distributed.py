@@ -64,6 +64,25 @@ class DistributedRuntime(LocalRuntime):
     def _tag(self, kind: str, stage: int, microbatch: int) -> int:
         return (microbatch * self._num_stages + stage) * 2 + (kind == BACKWARD)
 
+    def start_step(self, schedule: Schedule, rows: dict[int, list[Action]]) -> None:
+        """Posts the first receive of each channel; each receive posts the next.
+
+        The data of a transfer then moves while this rank computes, instead of
+        after it asks for it.
+        """
+        receives: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        for a in rows[self.info.pp_rank]:
+            if a.kind == FORWARD and a.stage > 0:
+                source = a.stage - 1
+            elif a.kind == BACKWARD and a.stage < self._num_stages - 1:
+                source = a.stage + 1
+            else:
+                continue
+            if not self._local(source):
+                tag = self._tag(a.kind, a.stage, a.microbatch)
+                receives.setdefault((a.kind, a.stage), []).append((self.placement[source], tag))
+        self.transport.plan(receives)
+
     def take(self, run: _Run, kind: str, stage: int, microbatch: int, stream: Stream) -> Any:
         source = stage - 1 if kind == FORWARD else stage + 1
         if self._local(source):

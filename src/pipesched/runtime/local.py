@@ -166,6 +166,7 @@ class LocalRuntime:
         origin = time.perf_counter()
         run.origin_wall = time.time()  # the same instant on the wall clock, to align processes
         workers = self.workers(schedule)
+        self.start_step(schedule, {w: rows[w] for w in workers})
         previous_threads = torch.get_num_threads()
         if len(workers) == 1:  # one worker (a rank of a mesh): no thread to hand over to
             try:
@@ -338,6 +339,9 @@ class LocalRuntime:
 
     def on_failure(self, error: BaseException, action: Action) -> None:
         """Called once, in the failing worker, after every local worker was told to stop."""
+
+    def start_step(self, schedule: Schedule, rows: dict[int, list[Action]]) -> None:
+        """Called before the workers start, with the actions each will run."""
 
     def finish_step(self, run: _Run) -> None:
         """Called after the workers of a step have stopped."""

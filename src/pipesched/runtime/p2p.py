@@ -22,6 +22,7 @@ import contextlib
 import math
 import os
 import time
+from collections import deque
 from collections.abc import Hashable
 from datetime import timedelta
 from typing import Any
@@ -117,6 +118,8 @@ class Transport:
         self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive until sent)
         self._sent: dict[Hashable, tuple[list[int], int]] = {}  # channel -> (layout, size)
         self._expected: dict[Hashable, tuple[list[int], int]] = {}
+        self._planned: dict[Hashable, deque[tuple[int, int]]] = {}  # channel -> (src, tag)s
+        self._posted: dict[tuple[Hashable, int], tuple[Any, torch.Tensor]] = {}
         self.notices = 0  # layout changes sent so far (tests count them)
 
     def send(self, value: Any, dst: int, channel: Hashable, tag: int) -> None:
@@ -132,17 +135,45 @@ class Transport:
         self._isend(message, dst, tag)
         self._sent[channel] = (layout, message.numel())
 
+    def plan(self, receives: dict[Hashable, list[tuple[int, int]]]) -> None:
+        """Announces a step's receives, per channel in order, and posts each channel's first.
+
+        A channel's next receive is posted as soon as the one before it is
+        read, when its size is known: one receive ahead per channel.
+
+        Args:
+            receives: per channel, the ``(source pp rank, tag)`` of each transfer.
+        """
+        self._planned = {channel: deque(queue) for channel, queue in receives.items()}
+        for channel in self._planned:
+            self._post_next(channel)
+
     def recv(self, src: int, channel: Hashable, tag: int, what: str) -> Any:
         """Receives what pp rank ``src`` sent on ``channel`` under ``tag`` (``what``: in errors)."""
         layout, size = self._expected.get(channel, ([], _HEADER_BYTES))
-        buffer = self._irecv(size, src, tag, what)
+        posted = self._posted.pop((channel, tag), None)
+        if posted is None:  # not announced by plan()
+            buffer = self._irecv(size, src, tag, what)
+        else:
+            work, buffer = posted
+            self._wait(work, src, what)
         header = buffer[:_HEADER_BYTES].view(torch.int64).tolist()
         if header[0] == _NOTICE:
             layout = _trim(header[1:])
             size = _HEADER_BYTES + _payload_bytes(layout)
             buffer = self._irecv(size, src, tag, what)
             self._expected[channel] = (layout, size)
+        self._post_next(channel)
         return _unpack(layout, buffer)
+
+    def _post_next(self, channel: Hashable) -> None:
+        queue = self._planned.get(channel)
+        if not queue:
+            return
+        src, tag = queue.popleft()
+        _, size = self._expected.get(channel, ([], _HEADER_BYTES))
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self._posted[channel, tag] = (dist.irecv(buffer, src=self.ranks[src], tag=tag), buffer)
 
     def finish(self) -> None:
         """Waits for every send of this step to complete."""
