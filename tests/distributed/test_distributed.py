@@ -61,6 +61,8 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
         assert result["norms"] == pytest.approx(norms, rel=1e-12)
         # INVARIANT 20: one all-reduce per bucket (one bucket here) per window.
         assert result["all_reduces"] == (worker.WINDOWS if dp > 1 else 0)
+        # Every receive was posted ahead by the step's plan, and every posted one was read.
+        assert result["receives"] == (0, 0)
     assert seen == set(expected)  # every parameter lives on some rank
     # pp rank 0 of each replica gathered the last step's events of its whole pipeline.
     first = torch.load(tmp_path / "rank0.pt")

@@ -130,6 +130,10 @@ def main() -> None:
             "own_events": len(pipe.last_timeline.events),
             "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
             "all_reduces": pipe.sync.all_reduces,
+            "receives": (  # (not pre-posted, posted but never read)
+                pipe._runtime.transport.unplanned,
+                len(pipe._runtime.transport._posted),
+            ),
             "window_losses": losses,
             "norms": norms,
             "effective_batch": result.effective_batch,

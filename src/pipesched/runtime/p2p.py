@@ -121,6 +121,7 @@ class Transport:
         self._planned: dict[Hashable, deque[tuple[int, int]]] = {}  # channel -> (src, tag)s
         self._posted: dict[tuple[Hashable, int], tuple[Any, torch.Tensor]] = {}
         self.notices = 0  # layout changes sent so far (tests count them)
+        self.unplanned = 0  # receives that plan() did not announce (tests count them)
 
     def send(self, value: Any, dst: int, channel: Hashable, tag: int) -> None:
         """Starts sending ``value`` to pp rank ``dst`` on ``channel`` under ``tag``."""
@@ -153,6 +154,7 @@ class Transport:
         layout, size = self._expected.get(channel, ([], _HEADER_BYTES))
         posted = self._posted.pop((channel, tag), None)
         if posted is None:  # not announced by plan()
+            self.unplanned += 1
             buffer = self._irecv(size, src, tag, what)
         else:
             work, buffer = posted
