@@ -215,7 +215,8 @@ class Pipeline(nn.Module):
             _check_free(self, name)
             self.add_module(name, layer)
         if info is not None:
-            self.sync = GradientSync(info, self.parameters(), tied)
+            self.sync = GradientSync(info, self.parameters(), tied, {s: stages[s] for s in own})
+            self._runtime.on_stage_done = self.sync.stage_done  # type: ignore[attr-defined]
         self._stages = stages
         self._own_stages = own
         self._random_layers = seed_random_layers(self)

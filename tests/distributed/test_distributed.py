@@ -47,7 +47,7 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
         assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-3000:]}"
     reference, losses, norms = _reference(scenario)
     expected = dict(reference.named_parameters())
-    _, dp, _, _ = worker.SCENARIOS[scenario]
+    _, dp, _, balance = worker.SCENARIOS[scenario]
     seen = set()
     for rank in range(world):
         result = torch.load(tmp_path / f"rank{rank}.pt")
@@ -59,8 +59,11 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
             seen.add(name)
         assert result["window_losses"] == pytest.approx(losses, rel=1e-12)
         assert result["norms"] == pytest.approx(norms, rel=1e-12)
-        # INVARIANT 20: one all-reduce per bucket (one bucket here) per window.
-        assert result["all_reduces"] == (worker.WINDOWS if dp > 1 else 0)
+        # INVARIANT 20: one all-reduce per bucket (one per stage here) per window, each
+        # started as soon as its stage was done in the window's last step.
+        stages_per_rank = len(balance) // (world // dp)
+        assert result["all_reduces"] == (worker.WINDOWS * stages_per_rank if dp > 1 else 0)
+        assert result["overlapped"] == result["all_reduces"]
         # Every receive was posted ahead by the step's plan, and every posted one was read.
         assert result["receives"] == (0, 0)
     assert seen == set(expected)  # every parameter lives on some rank

@@ -18,7 +18,7 @@ SCENARIOS = {
     "pp2dp2": (2, 2, "zb-h1", [3, 4]),
     "interleaved": (2, 1, "interleaved-1f1b", [2, 2, 2, 1]),
     "zbv": (2, 1, "zb-v", [2, 2, 2, 1]),
-    "tokens": (2, 2, "1f1b", [2, 3]),
+    "tokens": (2, 2, "interleaved-1f1b", [1, 1, 2, 1]),
     "raise": (2, 1, "1f1b", [3, 4]),
     "kill": (3, 1, "1f1b", [2, 2, 3]),
 }
@@ -130,6 +130,7 @@ def main() -> None:
             "own_events": len(pipe.last_timeline.events),
             "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
             "all_reduces": pipe.sync.all_reduces,
+            "overlapped": getattr(pipe.sync, "overlapped", 0),
             "receives": (  # (not pre-posted, posted but never read)
                 pipe._runtime.transport.unplanned,
                 len(pipe._runtime.transport._posted),

@@ -9,7 +9,7 @@ every rank before this one stops.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import torch
@@ -53,6 +53,9 @@ class DistributedRuntime(LocalRuntime):
         self.transport = Transport(info.pp_ranks, info.device, self.failures)
         self._num_stages = len(placement)
         self.last_origin_wall = 0.0
+        self.on_stage_done: Callable[[int], None] | None = None
+        """Called with a stage's index once it has run its last backward action of a step."""
+        self._last_backward: dict[int, Action] = {}
 
     def workers(self, schedule: Schedule) -> list[int]:
         _check_channel_order(schedule)
@@ -70,7 +73,8 @@ class DistributedRuntime(LocalRuntime):
         The data of a transfer then moves while this rank computes, instead of
         after it asks for it.
         """
-        receives: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        receives: dict[Hashable, list[tuple[int, int]]] = {}
+        self._last_backward = {a.stage: a for a in rows[self.info.pp_rank] if a.kind != FORWARD}
         for a in rows[self.info.pp_rank]:
             if a.kind == FORWARD and a.stage > 0:
                 source = a.stage - 1
@@ -82,6 +86,20 @@ class DistributedRuntime(LocalRuntime):
                 tag = self._tag(a.kind, a.stage, a.microbatch)
                 receives.setdefault((a.kind, a.stage), []).append((self.placement[source], tag))
         self.transport.plan(receives)
+
+    def _backward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
+        start = super()._backward(action, w, schedule, run)
+        self._after_backward(action)
+        return start
+
+    def _weight(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
+        start = super()._weight(action, w, schedule, run)
+        self._after_backward(action)
+        return start
+
+    def _after_backward(self, action: Action) -> None:
+        if self.on_stage_done is not None and self._last_backward.get(action.stage) == action:
+            self.on_stage_done(action.stage)  # its gradients are final for this step
 
     def take(self, run: _Run, kind: str, stage: int, microbatch: int, stream: Stream) -> Any:
         source = stage - 1 if kind == FORWARD else stage + 1

@@ -76,7 +76,7 @@ class FusedLinearMode(TorchFunctionMode):
         if func is F.linear and _will_engine_execute_node is not None:
             x, weight, bias = _linear_args(*args, **kwargs)
             if self._eligible(x, weight, bias):
-                return _FusedLinear.apply(x, weight, bias)
+                return _FusedLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
     def _eligible(self, x: Any, weight: Any, bias: Any) -> bool:

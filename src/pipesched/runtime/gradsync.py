@@ -7,6 +7,14 @@ losses are summed over "dp"; the inf/NaN verdict and the squared gradient
 norm are combined over every rank. The local runtime uses :class:`LocalSync`,
 where all of this is the identity, so :class:`GradientAccumulator` is one
 class for both.
+
+Overlap: told that the next step ends the window (:meth:`Sync.window_ends`),
+the sync starts a stage's all-reduces, asynchronously, as soon as that
+stage's last backward action of the step is done, while the rank's other
+stages (interleaved and V schedules) and the other ranks still run; the
+window's end then only waits for them. Replicas of one pp rank run the same
+actions in the same order, so they start the same collectives in the same
+order, as torch.distributed requires.
 """
 
 from __future__ import annotations
@@ -39,6 +47,12 @@ class Sync(Protocol):
     def gradients(self) -> None:
         """Sums gradients over replicas (and over ranks that share a parameter)."""
 
+    def window_ends(self) -> None:
+        """The next step is the window's last: reductions may start as its stages finish."""
+
+    def stage_done(self, stage: int) -> None:
+        """Called when ``stage`` has run its last backward action of a step."""
+
     def norm(self, parameters: list[nn.Parameter]) -> float:
         """The global 2-norm of all gradients of the whole model."""
 
@@ -55,6 +69,12 @@ class LocalSync:
     def gradients(self) -> None:
         return None
 
+    def window_ends(self) -> None:
+        return None
+
+    def stage_done(self, stage: int) -> None:
+        return None
+
     def norm(self, parameters: list[nn.Parameter]) -> float:
         grads = [p.grad for p in parameters if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
@@ -68,15 +88,27 @@ class GradientSync:
         parameters: this rank's parameters, in an order every replica shares.
         tied: for each parameter shared with stages on other pp ranks, the
             sorted pp ranks that hold it.
+        stages: this rank's stages: index -> module. A stage's own parameters
+            (no other stage holds them) form its buckets, reduced as soon as the
+            stage is done in a window's last step; the rest are reduced at the
+            window's end.
     """
 
     def __init__(
-        self, info: MeshInfo, parameters: Iterable[nn.Parameter], tied: dict[int, tuple[int, ...]]
+        self,
+        info: MeshInfo,
+        parameters: Iterable[nn.Parameter],
+        tied: dict[int, tuple[int, ...]],
+        stages: dict[int, nn.Module] | None = None,
     ) -> None:
         self.info = info
         self.parameters = list(parameters)
         self.tied = tied
         self.all_reduces = 0  # gradient all-reduces run so far (tests count them)
+        self.overlapped = 0  # of which started before the window's end (tests count them)
+        self._stage_buckets, self._rest = _stage_buckets(self.parameters, stages or {}, tied)
+        self._armed = False
+        self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
         # One group per set of pp ranks sharing parameters, for each replica. Every rank
         # creates every group in the same order, as new_group requires; but only the ranks
         # of a pipeline know its tied sets, so they are gathered first.
@@ -105,17 +137,36 @@ class GradientSync:
         """All-reduces this rank's gradients over "dp", in buckets; tied ones over their pp ranks.
 
         A parameter with no gradient on every replica keeps ``grad is None``.
+        Waits for the all-reduces started during the step, then runs the rest.
         """
+        self._armed = False
         if self.info.dp_size > 1:
-            for bucket in _buckets(self.parameters, BUCKET_BYTES):
-                self._reduce(bucket, self.info.dp_group)
+            started = {id(p) for params, _, _ in self._in_flight for p in params}
+            for stage_buckets in self._stage_buckets.values():
+                for bucket in stage_buckets:
+                    if id(bucket[0]) not in started:
+                        self._start(bucket, self.info.dp_group)
+            for bucket in self._rest:
+                self._start(bucket, self.info.dp_group)
+            self._finish_in_flight()
         for ranks, group in self._tied_groups.items():
             shared = [p for p in self.parameters if self.tied.get(id(p)) == ranks]
             for bucket in _buckets(shared, BUCKET_BYTES):
-                self._reduce(bucket, group)
+                self._start(bucket, group)
+            self._finish_in_flight()
 
-    def _reduce(self, params: list[nn.Parameter], group: Any) -> None:
-        """One all-reduce (SUM) of these parameters' gradients and a has-gradient flag each."""
+    def window_ends(self) -> None:
+        self._armed = self.info.dp_size > 1
+
+    def stage_done(self, stage: int) -> None:
+        if not self._armed:
+            return
+        for bucket in self._stage_buckets.get(stage, ()):
+            self._start(bucket, self.info.dp_group)
+            self.overlapped += 1
+
+    def _start(self, params: list[nn.Parameter], group: Any) -> None:
+        """Starts one all-reduce (SUM) of these parameters' gradients and has-gradient flags."""
         device = self.info.device
         flat = [
             (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device)
@@ -125,8 +176,17 @@ class GradientSync:
             [p.grad is not None for p in params], dtype=params[0].dtype, device=device
         )
         buffer = torch.cat([*flat, present])
-        dist.all_reduce(buffer, group=group)
+        work = dist.all_reduce(buffer, group=group, async_op=True)
         self.all_reduces += 1
+        self._in_flight.append((params, buffer, work))
+
+    def _finish_in_flight(self) -> None:
+        in_flight, self._in_flight = self._in_flight, []
+        for params, buffer, work in in_flight:
+            work.wait()
+            self._unpack(params, buffer)
+
+    def _unpack(self, params: list[nn.Parameter], buffer: torch.Tensor) -> None:
         offset = 0
         for p, any_grad in zip(params, buffer[-len(params) :].tolist(), strict=True):
             n = p.numel()
@@ -143,6 +203,31 @@ class GradientSync:
             squares += p.grad.detach().double().pow(2).sum()
         dist.all_reduce(squares, group=self.info.pp_group)
         return math.sqrt(float(squares))
+
+
+def _stage_buckets(
+    parameters: list[nn.Parameter], stages: dict[int, nn.Module], tied: dict[int, tuple[int, ...]]
+) -> tuple[dict[int, list[list[nn.Parameter]]], list[list[nn.Parameter]]]:
+    """Buckets of each stage's own parameters, and buckets of the others, in ``parameters`` order.
+
+    A stage's own parameters: no other stage of this rank holds them and no
+    other pp rank shares them, so they are final once the stage is done.
+    """
+    holders: dict[int, list[int]] = {}
+    for s, stage in stages.items():
+        for p in stage.parameters():
+            holders.setdefault(id(p), []).append(s)
+    own: dict[int, list[nn.Parameter]] = {s: [] for s in stages}
+    rest: list[nn.Parameter] = []
+    for p in parameters:
+        users = holders.get(id(p), [])
+        if len(users) == 1 and id(p) not in tied:
+            own[users[0]].append(p)
+        else:
+            rest.append(p)
+    return {s: _buckets(ps, BUCKET_BYTES) for s, ps in own.items() if ps}, _buckets(
+        rest, BUCKET_BYTES
+    )
 
 
 def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:

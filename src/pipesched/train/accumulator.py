@@ -148,6 +148,8 @@ class GradientAccumulator:
         if self.position == 0:
             self.pipe.zero_grad(set_to_none=True)
             self._scale = self.loss_scale.value()  # constant through the window
+        if self.position + 1 == self.accumulation_steps:
+            self.pipe.sync.window_ends()  # replicas may start summing as stages finish
         loss_sum, items = self.pipe.accumulate(
             inputs, target, loss_fn=loss_fn, num_items=num_items, scale=self._scale
         )
@@ -173,6 +175,7 @@ class GradientAccumulator:
         parameters = list(self.pipe.parameters())
         items, samples, loss_sum = sync.sum([self._items, float(self._samples), self._loss_sum])
         if items <= 0:
+            sync.gradients()  # every replica takes this path: end the window's reductions
             self.pipe.zero_grad(set_to_none=True)
             self._reset_window()
             raise ConfigError(
