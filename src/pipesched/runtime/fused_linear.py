@@ -113,7 +113,8 @@ class _FusedLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        ctx.save_for_backward(x, weight)
+        # As addmm: the input only for the weight's gradient, the weight only for the input's.
+        ctx.save_for_backward(x, weight if x.requires_grad else None)
         # The Parameters themselves: under checkpointing, saved tensors come back
         # as recomputed aliases, and a .grad set on an alias is lost.
         ctx.parameters = (weight, bias)
