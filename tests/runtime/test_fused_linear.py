@@ -191,7 +191,7 @@ def test_pipeline_step_fused_equals_unfused(fp64, schedule, balance, checkpoint_
             checkpoint=checkpoint_mode,
             fuse_weight_grads=fuse,
         )
-        calls = _linear_calls(lambda: pipe.step(x, y, loss_fn=nn.functional.mse_loss))
+        calls = _linear_calls(lambda pipe=pipe: pipe.step(x, y, loss_fn=nn.functional.mse_loss))
         # 3 linears x 4 micro-batches, and again in each checkpoint recomputation.
         assert calls >= 12 if fuse else calls == 0
         grads.append(_grads(model))
