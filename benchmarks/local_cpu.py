@@ -10,7 +10,9 @@ machine noise hits all of them alike (median of the rounds is reported):
 - ceiling: each stage's forward and backward of all 8 micro-batches run at
   the same time in two threads with no dependencies between them: what two
   cores can give at all.
-- pipesched gpipe / 1f1b / zb-h1: ``Pipeline.step`` (checkpoint="never").
+- pipesched gpipe / 1f1b / zb-h1: ``Pipeline.step`` (checkpoint="never"), weight
+  gradients accumulated in the GEMM (the default); "1f1b unfused" with
+  ``fuse_weight_grads=False``, autograd's accumulation as in the ceiling.
 - torchgpipe: ``GPipe(model, balance=[8, 8], devices=["cpu", "cpu"], chunks=8)``,
   forward + backward (checkpoint="never").
 
@@ -67,7 +69,7 @@ def ceiling_step(model: nn.Sequential, x: torch.Tensor) -> Callable[[], None]:
     return run
 
 
-def two_stage_pipeline(schedule: str, checkpoint: str) -> Pipeline:
+def two_stage_pipeline(schedule: str, checkpoint: str, fuse: bool = True) -> Pipeline:
     """The MLP as 2 CPU stages of 8 layers each."""
     return Pipeline(
         mlp(),
@@ -76,11 +78,14 @@ def two_stage_pipeline(schedule: str, checkpoint: str) -> Pipeline:
         devices=["cpu", "cpu"],
         schedule=schedule,
         checkpoint=checkpoint,
+        fuse_weight_grads=fuse,
     )
 
 
-def pipesched_step(schedule: str, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
-    pipe = two_stage_pipeline(schedule, "never")
+def pipesched_step(
+    schedule: str, x: torch.Tensor, y: torch.Tensor, fuse: bool = True
+) -> Callable[[], None]:
+    pipe = two_stage_pipeline(schedule, "never", fuse)
     return lambda: pipe.step(x, y, loss_fn=loss_fn) and None
 
 
@@ -144,6 +149,7 @@ def main() -> None:
         "pipesched gpipe": pipesched_step("gpipe", x, y),
         "pipesched 1f1b": pipesched_step("1f1b", x, y),
         "pipesched zb-h1": pipesched_step("zb-h1", x, y),
+        "pipesched 1f1b unfused": pipesched_step("1f1b", x, y, fuse=False),
         "torchgpipe": torchgpipe_step(x, y),
     }
     runs = {name: fn for name, fn in contenders.items() if fn is not None}
