@@ -219,3 +219,27 @@ def test_weight_tied_across_stages_is_accumulated_by_autograd(fp64) -> None:
     calls = _linear_calls(lambda: pipe.step(x, y, loss_fn=nn.functional.mse_loss))
     assert calls == 0  # both linears' weights are shared; their biases alone do not fuse
     _assert_same(_grads(model), expected)
+
+
+def test_a_linear_applied_twice_in_one_stage_splits_exactly() -> None:
+    """W re-runs the input-gradient chain between two uses of a weight; nothing counts twice."""
+    torch.manual_seed(0)
+    a, b = nn.Linear(5, 5).double(), nn.Linear(5, 5).double()
+
+    def forward(x: Tensor) -> Tensor:
+        return a(torch.tanh(b(a(x))))
+
+    allowed = unshared_parameters([nn.ModuleList([a, b])])[0]
+    x, g = torch.randn(4, 5, dtype=torch.float64), torch.randn(4, 5, dtype=torch.float64)
+    xp = x.clone().requires_grad_()
+    forward(xp).backward(g)
+    expected = [p.grad.clone() for p in (a.weight, a.bias, b.weight, b.bias)]
+    for p in (a.weight, a.bias, b.weight, b.bias):
+        p.grad = None
+    xs = x.clone().requires_grad_()
+    with FusedLinearMode(allowed):
+        out = forward(xs)
+    (gx,), w = backward_input([out], [g], [xs])
+    w.run()
+    torch.testing.assert_close(gx, xp.grad, **EXACT)
+    _assert_same([p.grad for p in (a.weight, a.bias, b.weight, b.bias)], expected)
