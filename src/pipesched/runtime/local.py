@@ -2,7 +2,9 @@
 
 One worker per schedule worker, not per device: two stages on "cpu" run in
 two threads, truly in parallel (torchgpipe keys its threads by device, so on
-CPU all stages share one thread). Each worker runs exactly the Actions the
+CPU all stages share one thread). A lone worker, as on each rank of a mesh,
+runs in the calling thread: a worker thread there took a tiny two-rank 1F1B
+step from 18 to 29 ms. Each worker runs exactly the Actions the
 Schedule lists for it, in that order, and waits only for the data an action
 needs; the Schedule was validated, so the order cannot deadlock. Between
 stages the autograd graph is cut (each stage's input is a fresh leaf) so that
@@ -167,8 +169,8 @@ class LocalRuntime:
         run.origin_wall = time.time()  # the same instant on the wall clock, to align processes
         workers = self.workers(schedule)
         self.start_step(schedule, {w: rows[w] for w in workers})
-        previous_threads = torch.get_num_threads()
         if len(workers) == 1:  # one worker (a rank of a mesh): no thread to hand over to
+            previous_threads = torch.get_num_threads()
             try:
                 self._work(workers[0], rows[workers[0]], schedule, run, state, origin)
             finally:
