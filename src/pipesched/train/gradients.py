@@ -44,4 +44,6 @@ def clip_to_(parameters: list[nn.Parameter], max_norm: float | None, norm: float
         return
     with_grads = [p for p in parameters if p.grad is not None]
     if with_grads:
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, torch.tensor(norm))
+        # In the gradients' dtype, as clip_grad_norm_ computes it (not the default float32).
+        total = torch.tensor(norm, dtype=with_grads[0].grad.dtype)  # type: ignore[union-attr]
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
