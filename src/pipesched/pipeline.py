@@ -14,7 +14,7 @@ from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device, resolve_devices, threads_per_worker
 from pipesched.distributed.mesh import MeshInfo
-from pipesched.distributed.placement import keep_own_stages
+from pipesched.distributed.placement import keep_own_stages, stage_parameters
 from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size, gather, scatter
 from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
@@ -118,19 +118,12 @@ class Pipeline(nn.Module):
         checkpoint_stop(checkpoint, 1)  # checks the mode's name
         v = stages_per_worker(schedule)  # checks the schedule's name
         sequential = isinstance(module, nn.Sequential)
-        if not sequential:
-            if example_inputs is None:
-                raise ConfigError(
-                    f"module is a {type(module).__name__}, not an nn.Sequential; pass "
-                    "example_inputs=(...) and num_stages= to have it traced and split, or wrap "
-                    "its layers in an nn.Sequential"
-                )
-            if mesh is not None:
-                raise ConfigError(
-                    f"module is a {type(module).__name__}, traced and split automatically, "
-                    "which runs on the local runtime only; pass devices= instead of mesh=, "
-                    "or an nn.Sequential"
-                )
+        if not sequential and example_inputs is None:
+            raise ConfigError(
+                f"module is a {type(module).__name__}, not an nn.Sequential; pass "
+                "example_inputs=(...) and num_stages= to have it traced and split, or wrap "
+                "its layers in an nn.Sequential"
+            )
         if deferred_batch_norm and sequential:
             DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
         counts = None if balance is None or isinstance(balance, str) else list(balance)
@@ -203,8 +196,10 @@ class Pipeline(nn.Module):
             own, tied = keep_own_stages(stages, self.placement, info.pp_rank, info.device)
             kept = [stage if s in own else None for s, stage in enumerate(stages)]
             fused = unshared_parameters(kept) if fuse_weight_grads else None
+            # A traced stage passes a dict: it travels as a tuple in the sender's key order.
+            keys = [None] + [st.sends if isinstance(st, TracedStage) else None for st in stages]
             self._runtime = DistributedRuntime(
-                kept, self.placement, info, torch.get_num_threads(), fused
+                kept, self.placement, info, torch.get_num_threads(), fused, keys[:-1]
             )
         if sequential:
             children = [item for s in own for item in stages[s].named_children()]
@@ -215,7 +210,10 @@ class Pipeline(nn.Module):
             _check_free(self, name)
             self.add_module(name, layer)
         if info is not None:
-            self.sync = GradientSync(info, self.parameters(), tied, {s: stages[s] for s in own})
+            used = {s: stage_parameters(stages[s]) for s in own}
+            own_ids = {id(p) for params in used.values() for p in params}
+            mine = [p for p in self.parameters() if id(p) in own_ids]  # not other ranks' (meta)
+            self.sync = GradientSync(info, mine, tied, used)
             self._runtime.on_stage_done = self.sync.stage_done  # type: ignore[attr-defined]
         self._stages = stages
         self._own_stages = own
@@ -245,8 +243,17 @@ class Pipeline(nn.Module):
 
         Autograd-transparent: ``loss_fn(pipe(x), y).backward()`` gives the
         plain model's gradients. Under ``torch.no_grad()`` it only streams
-        forward.
+        forward. With a mesh it runs only under ``torch.no_grad()`` (a
+        backward cannot follow the output across ranks: train with
+        :meth:`step`) and returns the output on the last stage's rank, None
+        on the others.
         """
+        if self.mesh is not None and torch.is_grad_enabled():
+            raise ConfigError(
+                "with a mesh, pipe(x) runs forward only: call it under torch.no_grad() "
+                "(evaluation), and train with pipe.step or GradientAccumulator.step, whose "
+                "backward crosses the ranks"
+            )
         if len(inputs) != 1:
             raise ConfigError(
                 f"an nn.Sequential takes one input, got {len(inputs)}; pass a tuple or dict "
@@ -258,6 +265,8 @@ class Pipeline(nn.Module):
         run = self._runtime.run(self.schedule(len(micro)), step, detach=False)
         self.last_timeline = run.timeline
         self._commit_batch_norm()
+        if self.mesh is not None and self.placement[-1] != self.mesh.pp_rank:
+            return None
         return gather([run.outputs[i] for i in range(len(micro))])
 
     def step(

@@ -11,6 +11,7 @@ from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline
 from pipesched.distributed import init_mesh
+from pipesched.errors import ConfigError
 
 # name: (pp, dp, schedule, balance)
 SCENARIOS = {
@@ -19,6 +20,7 @@ SCENARIOS = {
     "interleaved": (2, 1, "interleaved-1f1b", [2, 2, 2, 1]),
     "zbv": (2, 1, "zb-v", [2, 2, 2, 1]),
     "tokens": (2, 2, "interleaved-1f1b", [1, 1, 2, 1]),
+    "traced": (2, 2, "1f1b", None),  # torch.export-traced, cut by measured time
     "raise": (2, 1, "1f1b", [3, 4]),
     "kill": (3, 1, "1f1b", [2, 2, 3]),
 }
@@ -45,6 +47,30 @@ def token_model() -> nn.Sequential:
     return nn.Sequential(
         nn.Embedding(VOCAB, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, VOCAB)
     ).double()
+
+
+class TiedLM(nn.Module):
+    """Not a Sequential: a skip connection, and the head tied to the embedding across stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(self.fc2(torch.tanh(self.fc1(h))) + h)
+
+
+def tied_lm() -> TiedLM:
+    torch.manual_seed(0)
+    return TiedLM().double()
+
+
+def model_of(scenario: str) -> nn.Module:
+    return {"tokens": token_model, "traced": tied_lm}.get(scenario, mlp)()
 
 
 def data(window: int, step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,15 +119,22 @@ def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     pp, dp, schedule, balance = SCENARIOS[scenario]
     mesh = init_mesh(pp=pp, dp=dp, timeout=30)
-    model = token_model() if scenario == "tokens" else mlp()
+    model = model_of(scenario)
     if scenario == "raise":
         model = nn.Sequential(*model[:3], Boom(), *model[3:])
         balance = [3, 5]
     if scenario == "kill":
         model = nn.Sequential(*model[:2], Die(), *model[2:])
         balance = [2, 3, 3]
+    traced = {"example_inputs": (tokens(0, 0, 0)[0][:2],), "num_stages": pp}
     pipe = Pipeline(
-        model, CHUNKS, balance=balance, mesh=mesh, schedule=schedule, checkpoint="except_last"
+        model,
+        CHUNKS,
+        balance=balance,
+        mesh=mesh,
+        schedule=schedule,
+        checkpoint="except_last",
+        **(traced if scenario == "traced" else {}),
     )
     acc = GradientAccumulator(
         pipe,
@@ -113,7 +146,7 @@ def main() -> None:
     losses, norms = [], []
     for window in range(WINDOWS):
         for step in range(STEPS):
-            if scenario == "tokens":
+            if scenario in ("tokens", "traced"):
                 x, y, n = tokens(window, step, replica)
                 result = acc.step(x, y, loss_fn=token_sum, num_items=n)
             else:
@@ -122,13 +155,26 @@ def main() -> None:
         losses.append(result.window_loss)
         norms.append(result.grad_norm)
     whole = pipe.gather_timeline()  # a collective: every rank calls it
+    own_events = len(pipe.last_timeline.events)
+    x = (tokens if scenario in ("tokens", "traced") else data)(WINDOWS, 0, 0)[0]
+    try:  # a backward could not follow pipe(x) across ranks: refused before any transfer
+        pipe(x)
+        refused = False
+    except ConfigError:
+        refused = True
+    with torch.no_grad():
+        evaluated = pipe(x)  # the output on the last stage's rank, None on the others
     torch.save(
         {
             "gathered": None
             if whole is None
             else [(tuple(e.action), e.worker, e.start, e.end) for e in whole.events],
-            "own_events": len(pipe.last_timeline.events),
-            "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
+            "own_events": own_events,
+            "evaluated": evaluated,
+            "refused": refused,
+            "params": {  # this rank's (a traced model registers the others' too, on meta)
+                n: p.detach().clone() for n, p in pipe.named_parameters() if p.device.type != "meta"
+            },
             "all_reduces": pipe.sync.all_reduces,
             "overlapped": getattr(pipe.sync, "overlapped", 0),
             "receives": (  # (not pre-posted, posted but never read)

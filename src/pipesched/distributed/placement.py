@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["keep_own_stages"]
+__all__ = ["keep_own_stages", "stage_parameters"]
 
 
 def keep_own_stages(
@@ -26,23 +26,42 @@ def keep_own_stages(
     """
     users: dict[int, set[int]] = {}
     for s, stage in enumerate(stages):
-        for p in stage.parameters():
+        for p in stage_parameters(stage):
             users.setdefault(id(p), set()).add(placement[s])
     own = [s for s in range(len(stages)) if placement[s] == pp_rank]
     for s in own:
         stages[s].to(device)
-    own_modules = {id(m) for s in own for m in stages[s].modules()}
+    own_modules = {id(m) for s in own for m in _layers(stages[s], recurse=True)}
     for s, stage in enumerate(stages):
         if s not in own:
-            for layer in stage.children():
+            for layer in _layers(stage, recurse=False):
                 if id(layer) not in own_modules:
-                    # Module.to gives the layer new (meta) Parameters: a Parameter object
+                    # Module.to gives the layer new (meta) tensors: a Parameter object
                     # that an own stage shares stays where it is, with its data.
-                    layer.to("meta")
+                    layer._apply(  # type: ignore[no-untyped-call]
+                        lambda t: t.to("meta"), recurse=not _traced(stage)
+                    )
     tied = {
         id(p): tuple(sorted(users[id(p)]))
         for s in own
-        for p in stages[s].parameters()
+        for p in stage_parameters(stages[s])
         if len(users[id(p)]) > 1
     }
     return own, tied
+
+
+def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
+    """The Parameters a stage computes with: its own, or the model's for a traced stage."""
+    return stage.used_parameters() if _traced(stage) else list(stage.parameters())  # type: ignore[operator]
+
+
+def _traced(stage: nn.Module) -> bool:
+    return hasattr(stage, "used_parameters")
+
+
+def _layers(stage: nn.Module, *, recurse: bool) -> list[nn.Module]:
+    """What moves with a stage: its layers, or a traced stage's owners of state (not recursed)."""
+    if _traced(stage):  # its own constants are small: they stay
+        owners: tuple[nn.Module, ...] = stage.owners  # type: ignore[assignment]
+        return list(owners)
+    return list(stage.modules()) if recurse else list(stage.children())

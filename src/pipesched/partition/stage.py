@@ -160,6 +160,23 @@ class TracedStage(nn.Module):
         found: nn.Module | None = getattr(self.graph, "random", None)
         return found
 
+    @property
+    def sends(self) -> tuple[str, ...] | None:
+        """The keys of the dict this stage returns, in order (None: the last stage)."""
+        return self._sends
+
+    @property
+    def owners(self) -> tuple[nn.Module, ...]:
+        """The modules owning the parameters and buffers this stage uses."""
+        return self._owners
+
+    def used_parameters(self) -> list[nn.Parameter]:
+        """The model's Parameters this stage computes with (it registers none itself)."""
+        found = {
+            id(v): v for holder, key in self._state if isinstance(v := holder[key], nn.Parameter)
+        }
+        return list(found.values())
+
     def extra_repr(self) -> str:
         """Which stage, and how much it receives and sends."""
         sends = "output" if self._sends is None else f"{len(self._sends)} values"

@@ -35,6 +35,9 @@ class DistributedRuntime(LocalRuntime):
         info: this rank's place in the mesh.
         num_threads: intra-op threads for this rank's worker.
         fused: as in :class:`~pipesched.runtime.local.LocalRuntime`.
+        keys: per stage, the keys of the dict it receives (a traced model's
+            stages), which crosses ranks as a tuple in this order; None: the
+            value travels as it is.
     """
 
     def __init__(
@@ -44,6 +47,7 @@ class DistributedRuntime(LocalRuntime):
         info: MeshInfo,
         num_threads: int,
         fused: Sequence[frozenset[int]] | None = None,
+        keys: Sequence[tuple[str, ...] | None] | None = None,
     ) -> None:
         devices = [info.device] * info.pp_size
         super().__init__(stages, devices, num_threads, fused)  # type: ignore[arg-type]
@@ -56,6 +60,7 @@ class DistributedRuntime(LocalRuntime):
         self.on_stage_done: Callable[[int], None] | None = None
         """Called with a stage's index once it has run its last backward action of a step."""
         self._last_backward: dict[int, Action] = {}
+        self._keys = list(keys) if keys is not None else [None] * len(placement)
 
     def workers(self, schedule: Schedule) -> list[int]:
         _check_channel_order(schedule)
@@ -110,9 +115,11 @@ class DistributedRuntime(LocalRuntime):
             if kind == FORWARD
             else f"the gradient of micro-batch {microbatch} for stage {stage}"
         )
-        return self.transport.recv(
+        value = self.transport.recv(
             self.placement[source], (kind, stage), self._tag(kind, stage, microbatch), what
         )
+        keys = self._keys[stage]
+        return dict(zip(keys, value, strict=True)) if kind == FORWARD and keys else value
 
     def put(
         self, run: _Run, kind: str, stage: int, microbatch: int, value: Any, stream: Stream
@@ -120,6 +127,9 @@ class DistributedRuntime(LocalRuntime):
         if self._local(stage):
             super().put(run, kind, stage, microbatch, value, stream)
             return
+        keys = self._keys[stage]
+        if kind == FORWARD and keys and isinstance(value, dict):
+            value = tuple(value[k] for k in keys)
         self.transport.send(
             value, self.placement[stage], (kind, stage), self._tag(kind, stage, microbatch)
         )

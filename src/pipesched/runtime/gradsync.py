@@ -88,10 +88,10 @@ class GradientSync:
         parameters: this rank's parameters, in an order every replica shares.
         tied: for each parameter shared with stages on other pp ranks, the
             sorted pp ranks that hold it.
-        stages: this rank's stages: index -> module. A stage's own parameters
-            (no other stage holds them) form its buckets, reduced as soon as the
-            stage is done in a window's last step; the rest are reduced at the
-            window's end.
+        stages: this rank's stages: index -> the parameters it computes with.
+            A stage's own parameters (no other stage holds them) form its
+            buckets, reduced as soon as the stage is done in a window's last
+            step; the rest are reduced at the window's end.
     """
 
     def __init__(
@@ -99,7 +99,7 @@ class GradientSync:
         info: MeshInfo,
         parameters: Iterable[nn.Parameter],
         tied: dict[int, tuple[int, ...]],
-        stages: dict[int, nn.Module] | None = None,
+        stages: dict[int, list[nn.Parameter]] | None = None,
     ) -> None:
         self.info = info
         self.parameters = list(parameters)
@@ -206,7 +206,9 @@ class GradientSync:
 
 
 def _stage_buckets(
-    parameters: list[nn.Parameter], stages: dict[int, nn.Module], tied: dict[int, tuple[int, ...]]
+    parameters: list[nn.Parameter],
+    stages: dict[int, list[nn.Parameter]],
+    tied: dict[int, tuple[int, ...]],
 ) -> tuple[dict[int, list[list[nn.Parameter]]], list[list[nn.Parameter]]]:
     """Buckets of each stage's own parameters, and buckets of the others, in ``parameters`` order.
 
@@ -214,8 +216,8 @@ def _stage_buckets(
     other pp rank shares them, so they are final once the stage is done.
     """
     holders: dict[int, list[int]] = {}
-    for s, stage in stages.items():
-        for p in stage.parameters():
+    for s, used in stages.items():
+        for p in used:
             holders.setdefault(id(p), []).append(s)
     own: dict[int, list[nn.Parameter]] = {s: [] for s in stages}
     rest: list[nn.Parameter] = []
