@@ -1,6 +1,8 @@
 """GPT-2 from Hugging Face, traced and cut into 2 CPU stages automatically, trained on tokens.
 
-Run: .venv/bin/python examples/gpt2_pipeline.py
+Run: .venv/bin/python examples/gpt2_pipeline.py          # 2 CPU stages in one process
+     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/gpt2_pipeline.py
+                                                        # 2 ranks (gloo), a stage each
      (needs transformers: .venv/bin/pip install transformers; nothing is downloaded)
 
 A 4-block GPT-2 built from a small config (``GPT2LMHeadModel`` with tied input
@@ -13,18 +15,23 @@ printed. The embedding (stage 0) and the LM head (stage 1) are one
 Parameter, which gets the sum of both stages' gradients, as in the plain
 model. Training uses 1F1B on sequences that follow a fixed rule (next token
 = 3 x token + 1 mod 64, with 5% noise), with the summed token loss divided by
-the batch's token count. Then ``pipe.eval()`` turns dropout off (attention
-dropout included) for the accuracy on a fresh batch.
+the batch's token count, through ``GradientAccumulator`` (under torchrun it
+also sums the tied embedding's gradient over the two ranks). Then
+``pipe.eval()`` turns dropout off (attention dropout included) for the
+accuracy on a fresh batch.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging
 
-from pipesched import Pipeline
+from pipesched import GradientAccumulator, Pipeline
+from pipesched.distributed import init_mesh
 
 VOCAB, LENGTH, BATCH, CHUNKS, STEPS = 64, 32, 16, 4, 40
 
@@ -72,30 +79,37 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     model = GPT2Logits()
     example, _ = batch(generator)
+    torchrun = "RANK" in os.environ
+    where = {"mesh": init_mesh(pp=2)} if torchrun else {"devices": ["cpu", "cpu"]}
     pipe = Pipeline(
         model,
         chunks=CHUNKS,
         example_inputs=(example[: BATCH // CHUNKS],),  # one micro-batch
         num_stages=2,
-        devices=["cpu", "cpu"],
         schedule="1f1b",
+        **where,
     )
-    print(pipe.partition, end="\n\n")
+    first = not torchrun or pipe.mesh.pp_rank == 0  # type: ignore[union-attr]
+    say = print if first else (lambda *args, **kwargs: None)
+    say(pipe.partition, end="\n\n")
     tied = model.gpt2.lm_head.weight is model.gpt2.transformer.wte.weight
-    print(f"lm_head.weight is transformer.wte.weight: {tied} (used by stages 0 and 1)\n")
+    say(f"lm_head.weight is transformer.wte.weight: {tied} (used by stages 0 and 1)\n")
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
+    acc = GradientAccumulator(pipe, optimizer, accumulation_steps=1)
     for step in range(1, STEPS + 1):
         ids, labels = batch(generator)
-        loss = pipe.step(ids, labels, loss_fn=token_sum, num_items=labels.numel())
-        optimizer.step()
-        optimizer.zero_grad()
+        result = acc.step(ids, labels, loss_fn=token_sum, num_items=labels.numel())
         if step % 5 == 0 or step == 1:
-            print(f"step {step:3d}  loss {loss.item():.3f}  ({pipe.last_timeline.summary()})")
+            timeline = pipe.gather_timeline()  # every rank's actions (a collective), on rank 0
+            if timeline is not None:
+                print(f"step {step:3d}  loss {result.loss:.3f}  ({timeline.summary()})")
     ids, labels = batch(generator)
     pipe.eval()  # dropout off, attention dropout included
     with torch.no_grad():
-        accuracy = (pipe(ids).argmax(-1) == labels).float().mean().item()
-    print(f"\nnext-token accuracy on a fresh batch: {accuracy:.2f} (the rule alone gives 0.95)")
+        logits = pipe(ids)  # under torchrun: on the last stage's rank only
+    if logits is not None:
+        accuracy = (logits.argmax(-1) == labels).float().mean().item()
+        print(f"\nnext-token accuracy on a fresh batch: {accuracy:.2f} (the rule alone gives 0.95)")
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import struct
 import time
 from collections import deque
 from collections.abc import Hashable
@@ -210,52 +211,82 @@ _NOTICE, _DATA = 1, 0
 _HEADER_BYTES = _HEADER * 8
 
 
+_NONE, _INT, _FLOAT, _BOOL = -1, -2, -3, -4
+"""Item codes of values that are not tensors (a tensor's item starts with its dtype index)."""
+
+Spec = tuple[torch.dtype, list[int]] | tuple[None, Any]
+"""A tensor's (dtype, shape), or (None, the value) for None and Python scalars."""
+
+
 def _layout(value: Any) -> tuple[list[int], list[torch.Tensor]]:
-    """``[kind, count, per tensor: dtype, ndim, *shape (or -1 for None)]`` and the tensors."""
+    """``[kind, count, per item: dtype, ndim, *shape | code[, bits]]`` and the tensors.
+
+    Items are tensors, None, or Python ints, floats and bools (a traced
+    model's stages pass sizes along): those travel in the layout itself.
+    """
     items = [value] if isinstance(value, torch.Tensor) else value
     if not isinstance(value, torch.Tensor | tuple | list) or not all(
-        v is None or isinstance(v, torch.Tensor) for v in items
+        v is None or isinstance(v, torch.Tensor | int | float) for v in items
     ):
+        kinds = sorted({type(v).__name__ for v in items}) if isinstance(value, tuple | list) else []
         raise ConfigError(
-            "between ranks a stage may pass a tensor or a tuple/list of tensors, got "
-            f"{type(value).__name__}; return tensors only from stages that end on another rank"
+            "between ranks a stage may pass a tensor or a tuple/list of tensors (and None, "
+            f"int, float, bool), got {type(value).__name__}{kinds or ''}; return tensors "
+            "only from stages that end on another rank"
         )
     kind = 0 if isinstance(value, torch.Tensor) else 1 if isinstance(value, tuple) else 2
     layout = [kind, len(items)]
     tensors = []
     for t in items:
-        if t is None:
-            layout.append(-1)
-            continue
-        layout += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
-        tensors.append(t.detach())
+        if isinstance(t, torch.Tensor):
+            layout += [_DTYPES.index(t.dtype), t.dim(), *t.shape]
+            tensors.append(t.detach())
+        elif t is None:
+            layout.append(_NONE)
+        elif isinstance(t, bool):
+            layout += [_BOOL, int(t)]
+        elif isinstance(t, int):
+            layout += [_INT, t]
+        else:
+            layout += [_FLOAT, struct.unpack("<q", struct.pack("<d", t))[0]]
     if len(layout) + 1 > _HEADER:
         raise ConfigError(
-            f"a stage boundary passes {len(items)} tensors with {len(layout)} header entries; "
+            f"a stage boundary passes {len(items)} values with {len(layout)} header entries; "
             f"at most {_HEADER - 1} fit: pass fewer tensors (e.g. concatenate them)"
         )
     return layout, tensors
 
 
-def _specs(layout: list[int]) -> tuple[int, list[tuple[torch.dtype, list[int]] | None]]:
+def _specs(layout: list[int]) -> tuple[int, list[Spec], int]:
+    """The kind, each item's spec, and the layout's length."""
     kind, count, i = layout[0], layout[1], 2
-    specs: list[tuple[torch.dtype, list[int]] | None] = []
+    specs: list[Spec] = []
     for _ in range(count):
-        if layout[i] == -1:
-            specs.append(None)
+        code = layout[i]
+        if code == _NONE:
+            specs.append((None, None))
             i += 1
-            continue
-        dtype, ndim = _DTYPES[layout[i]], layout[i + 1]
-        specs.append((dtype, layout[i + 2 : i + 2 + ndim]))
-        i += 2 + ndim
-    return kind, specs
+        elif code < 0:
+            raw = layout[i + 1]
+            scalar = (
+                bool(raw)
+                if code == _BOOL
+                else raw
+                if code == _INT
+                else struct.unpack("<d", struct.pack("<q", raw))[0]
+            )
+            specs.append((None, scalar))
+            i += 2
+        else:
+            ndim = layout[i + 1]
+            specs.append((_DTYPES[code], layout[i + 2 : i + 2 + ndim]))
+            i += 2 + ndim
+    return kind, specs, i
 
 
 def _trim(header: list[int]) -> list[int]:
     """The layout at the start of a zero-padded header."""
-    _, specs = _specs(header)
-    length = 2 + sum(1 if s is None else 2 + len(s[1]) for s in specs)
-    return header[:length]
+    return header[: _specs(header)[2]]
 
 
 def _aligned(nbytes: int) -> int:
@@ -263,10 +294,11 @@ def _aligned(nbytes: int) -> int:
 
 
 def _payload_bytes(layout: list[int]) -> int:
-    _, specs = _specs(layout)
+    _, specs, _ = _specs(layout)
     return sum(
         _aligned(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
-        for dtype, shape in (s for s in specs if s is not None)
+        for dtype, shape in specs
+        if dtype is not None
     )
 
 
@@ -287,14 +319,13 @@ def _pack(layout: list[int], tensors: list[torch.Tensor], device: torch.device) 
 
 
 def _unpack(layout: list[int], buffer: torch.Tensor) -> Any:
-    kind, specs = _specs(layout)
-    values: list[torch.Tensor | None] = []
+    kind, specs, _ = _specs(layout)
+    values: list[Any] = []
     offset = _HEADER_BYTES
-    for spec in specs:
-        if spec is None:
-            values.append(None)
+    for dtype, shape in specs:
+        if dtype is None:
+            values.append(shape)  # None or a Python scalar
             continue
-        dtype, shape = spec
         nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         values.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
         offset += _aligned(nbytes)
