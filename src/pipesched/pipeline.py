@@ -160,18 +160,21 @@ class Pipeline(nn.Module):
         self.placement = get_schedule(schedule, workers * v, 1).placement
         stage_devices = [self.devices[w] for w in self.placement]
         cpu_threads = threads_per_worker(sum(d.type == "cpu" for d in self.devices))
-        plan = plan_partition(
+        plan_of = functools.partial(
+            plan_partition,
             module,
             num_stages=workers * v,
             devices=stage_devices,
             schedule=schedule,
             num_microbatches=chunks,
-            balance=balance,
             example_inputs=example_inputs,
-            split_points=split_points,
             memory_budget=memory_budget,
             num_threads=cpu_threads,
         )
+        plan = plan_of(balance=balance, split_points=split_points)
+        if info is not None and list(plan.counts) != (agreed := _rank0_counts(plan.counts)):
+            # Measured balances (time, schedule) can differ between ranks: rank 0's cut wins.
+            plan = plan_of(balance=agreed)
         if deferred_batch_norm and not sequential:
             DeferredBatchNorm.convert(module)  # after tracing: the stages call the new layers
         stages = plan.build(module, stage_devices)
@@ -436,6 +439,13 @@ def _deny_move(call: str) -> NoReturn:
         f"Pipeline.{call} would move every stage to one device; a Pipeline keeps stage s on "
         "devices[placement[s]]. Move the model before wrapping it, or pass devices="
     )
+
+
+def _rank0_counts(counts: Sequence[int]) -> list[int]:
+    """Global rank 0's layers per stage, on every rank of the job (a collective)."""
+    box: list[Any] = [list(counts)]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return list(box[0])
 
 
 @functools.lru_cache(maxsize=64)

@@ -83,6 +83,8 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
         plain_output = reference(x)
     outputs = [torch.load(tmp_path / f"rank{rank}.pt")["evaluated"] for rank in range(world)]
     assert all(torch.load(tmp_path / f"rank{r}.pt")["refused"] for r in range(world))
+    # Every rank runs rank 0's cut, even where its own choice (or measurement) differed.
+    assert len({tuple(torch.load(tmp_path / f"rank{r}.pt")["balance"]) for r in range(world)}) == 1
     given = [out for out in outputs if out is not None]
     assert len(given) == dp  # one rank of each replica holds the last stage (not always
     for out in given:  # the last rank: the V schedule puts it on pp rank 0)

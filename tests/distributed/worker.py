@@ -126,7 +126,9 @@ def main() -> None:
     if scenario == "kill":
         model = nn.Sequential(*model[:2], Die(), *model[2:])
         balance = [2, 3, 3]
-    traced = {"example_inputs": (tokens(0, 0, 0)[0][:2],), "num_stages": pp}
+    traced: dict[str, object] = {"example_inputs": (tokens(0, 0, 0)[0][:2],), "num_stages": pp}
+    if torch.distributed.get_rank() % pp == 1:  # a cut of its own: rank 0's must win
+        traced["split_points"] = ["head"]
     pipe = Pipeline(
         model,
         CHUNKS,
@@ -172,6 +174,7 @@ def main() -> None:
             "own_events": own_events,
             "evaluated": evaluated,
             "refused": refused,
+            "balance": pipe.balance,
             "params": {  # this rank's (a traced model registers the others' too, on meta)
                 n: p.detach().clone() for n, p in pipe.named_parameters() if p.device.type != "meta"
             },
