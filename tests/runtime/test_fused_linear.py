@@ -243,3 +243,36 @@ def test_a_linear_applied_twice_in_one_stage_splits_exactly() -> None:
     w.run()
     torch.testing.assert_close(gx, xp.grad, **EXACT)
     _assert_same([p.grad for p in (a.weight, a.bias, b.weight, b.bias)], expected)
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2, self.out = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.relu(self.fc2(torch.tanh(self.fc1(x)))) + x)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_traced_stages_fuse_their_aten_linears(fp64, schedule) -> None:
+    x, y = torch.randn(8, 6), torch.randn(8, 5)
+    grads, calls = [], []
+    for fuse in (False, True):
+        torch.manual_seed(0)
+        model = _Residual()
+        pipe = Pipeline(
+            model,
+            4,
+            example_inputs=(x[:2],),
+            num_stages=2,
+            devices=["cpu", "cpu"],
+            schedule=schedule,
+            fuse_weight_grads=fuse,
+        )
+        calls.append(
+            _linear_calls(lambda pipe=pipe: pipe.step(x, y, loss_fn=nn.functional.mse_loss))
+        )
+        grads.append(_grads(model))
+    assert calls[0] == 0 and calls[1] >= 3 * 4
+    _assert_same(grads[1], grads[0])

@@ -5,8 +5,8 @@ time *adding* each micro-batch's weight gradient into ``.grad``: for a
 ``Linear(1024, 1024)`` and 32 rows, autograd's ``mm`` then ``AccumulateGrad``'s
 add (a 4 MiB read-modify-write) cost about 2.5x one ``addmm_`` into ``.grad``.
 Megatron-LM fuses the two (``gradient_accumulation_fusion``); pipesched does
-the same for ``torch.nn.functional.linear`` calls inside its own forward and
-backward of a step.
+the same for ``torch.nn.functional.linear`` calls (``aten.linear`` in traced
+stages) inside its own forward and backward of a step.
 
 Why not always: the fused backward writes ``.grad`` itself instead of returning
 the weight's gradient to autograd, so it is used only where pipesched runs the
@@ -33,7 +33,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
+from pipesched.distributed.placement import stage_parameters
+
 __all__ = ["FusedLinearMode", "unshared_parameters"]
+
+_LINEARS = (F.linear, torch.ops.aten.linear.default)
+"""``F.linear`` (eager modules) and the ATen operation a torch.export-traced stage calls."""
 
 _will_engine_execute_node: Callable[[Any], bool] | None = getattr(
     torch._C, "_will_engine_execute_node", None
@@ -50,7 +55,7 @@ def unshared_parameters(stages: Sequence[nn.Module | None]) -> list[frozenset[in
 
 
 def _parameters(stage: nn.Module | None) -> Iterable[nn.Parameter]:
-    return () if stage is None else stage.parameters()
+    return () if stage is None else stage_parameters(stage)
 
 
 class FusedLinearMode(TorchFunctionMode):
@@ -73,7 +78,7 @@ class FusedLinearMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is F.linear and _will_engine_execute_node is not None:
+        if func in _LINEARS and _will_engine_execute_node is not None:
             x, weight, bias = _linear_args(*args, **kwargs)
             if self._eligible(x, weight, bias):
                 return _FusedLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]
