@@ -13,8 +13,7 @@ from torch import nn
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device, resolve_devices, threads_per_worker
-from pipesched.distributed.mesh import MeshInfo
-from pipesched.distributed.placement import keep_own_stages, stage_parameters
+from pipesched.distributed.mesh import MeshInfo, rank0_value
 from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size, gather, scatter
 from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
@@ -172,7 +171,7 @@ class Pipeline(nn.Module):
             num_threads=cpu_threads,
         )
         plan = plan_of(balance=balance, split_points=split_points)
-        if info is not None and list(plan.counts) != (agreed := _rank0_counts(plan.counts)):
+        if info is not None and list(plan.counts) != (agreed := rank0_value(list(plan.counts))):
             # Measured balances (time, schedule) can differ between ranks: rank 0's cut wins.
             plan = plan_of(balance=agreed)
         if deferred_batch_norm and not sequential:
@@ -196,13 +195,8 @@ class Pipeline(nn.Module):
                 stages, self.devices, threads_per_worker(cpu_workers), fused
             )
         else:
-            own, tied = keep_own_stages(stages, self.placement, info.pp_rank, info.device)
-            kept = [stage if s in own else None for s, stage in enumerate(stages)]
-            fused = unshared_parameters(kept) if fuse_weight_grads else None
-            # A traced stage passes a dict: it travels as a tuple in the sender's key order.
-            keys = [None] + [st.sends if isinstance(st, TracedStage) else None for st in stages]
-            self._runtime = DistributedRuntime(
-                kept, self.placement, info, torch.get_num_threads(), fused, keys[:-1]
+            self._runtime, own, tied = DistributedRuntime.on_rank(
+                stages, self.placement, info, fuse=fuse_weight_grads
             )
         if sequential:
             children = [item for s in own for item in stages[s].named_children()]
@@ -213,10 +207,7 @@ class Pipeline(nn.Module):
             _check_free(self, name)
             self.add_module(name, layer)
         if info is not None:
-            used = {s: stage_parameters(stages[s]) for s in own}
-            own_ids = {id(p) for params in used.values() for p in params}
-            mine = [p for p in self.parameters() if id(p) in own_ids]  # not other ranks' (meta)
-            self.sync = GradientSync(info, mine, tied, used)
+            self.sync = GradientSync(info, self.parameters(), tied, {s: stages[s] for s in own})
             self._runtime.on_stage_done = self.sync.stage_done  # type: ignore[attr-defined]
         self._stages = stages
         self._own_stages = own
@@ -439,13 +430,6 @@ def _deny_move(call: str) -> NoReturn:
         f"Pipeline.{call} would move every stage to one device; a Pipeline keeps stage s on "
         "devices[placement[s]]. Move the model before wrapping it, or pass devices="
     )
-
-
-def _rank0_counts(counts: Sequence[int]) -> list[int]:
-    """Global rank 0's layers per stage, on every rank of the job (a collective)."""
-    box: list[Any] = [list(counts)]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return list(box[0])
 
 
 @functools.lru_cache(maxsize=64)

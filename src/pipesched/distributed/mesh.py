@@ -13,7 +13,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipesched.errors import ConfigError
 
-__all__ = ["MeshInfo", "init_mesh"]
+__all__ = ["MeshInfo", "init_mesh", "rank0_value"]
 
 
 def init_mesh(pp: int, dp: int = 1, *, timeout: float = 600.0) -> DeviceMesh:
@@ -108,3 +108,14 @@ class MeshInfo:
             pp_ranks=pp_ranks,
             device=device,
         )
+
+
+def rank0_value(value: Any) -> Any:
+    """Global rank 0's ``value`` (any picklable object), on every rank of the job.
+
+    A collective: every rank calls it. Where ranks compute something that
+    should agree but may not (a cut chosen from measured times), rank 0's wins.
+    """
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -17,7 +17,9 @@ import torch.distributed as dist
 from torch import nn
 
 from pipesched.distributed.mesh import MeshInfo
+from pipesched.distributed.placement import keep_own_stages
 from pipesched.errors import ConfigError
+from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.local import LocalRuntime, _Run
 from pipesched.runtime.p2p import FailureChannel, Transport
 from pipesched.runtime.streams import Stream
@@ -61,6 +63,29 @@ class DistributedRuntime(LocalRuntime):
         """Called with a stage's index once it has run its last backward action of a step."""
         self._last_backward: dict[int, Action] = {}
         self._keys = list(keys) if keys is not None else [None] * len(placement)
+
+    @classmethod
+    def on_rank(
+        cls,
+        stages: Sequence[nn.Module],
+        placement: tuple[int, ...],
+        info: MeshInfo,
+        *,
+        fuse: bool,
+    ) -> tuple[DistributedRuntime, list[int], dict[int, tuple[int, ...]]]:
+        """This rank's runtime, its own stages' indices, and its parameters tied to other ranks.
+
+        Keeps this rank's stages on its device and frees the others
+        (:func:`~pipesched.distributed.placement.keep_own_stages`); ``fuse``:
+        fused weight-gradient accumulation for parameters no other stage holds.
+        """
+        own, tied = keep_own_stages(stages, placement, info.pp_rank, info.device)
+        kept = [stage if s in own else None for s, stage in enumerate(stages)]
+        fused = unshared_parameters(kept) if fuse else None
+        # A traced stage passes a dict: it crosses ranks as a tuple in the sender's key order.
+        keys = [None, *(getattr(stage, "sends", None) for stage in stages[:-1])]
+        runtime = cls(kept, placement, info, torch.get_num_threads(), fused, keys)
+        return runtime, own, tied
 
     def workers(self, schedule: Schedule) -> list[int]:
         _check_channel_order(schedule)

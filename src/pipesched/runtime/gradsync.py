@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipesched.distributed.mesh import MeshInfo
+from pipesched.distributed.placement import stage_parameters
 
 __all__ = ["BUCKET_BYTES", "GradientSync", "LocalSync", "Sync"]
 
@@ -85,13 +86,15 @@ class GradientSync:
 
     Args:
         info: this rank's place in the mesh.
-        parameters: this rank's parameters, in an order every replica shares.
+        parameters: the pipeline's parameters, in an order every replica
+            shares; only those this rank's stages compute with are reduced (a
+            traced model's pipeline also holds other ranks' ones, on "meta").
         tied: for each parameter shared with stages on other pp ranks, the
             sorted pp ranks that hold it.
-        stages: this rank's stages: index -> the parameters it computes with.
-            A stage's own parameters (no other stage holds them) form its
-            buckets, reduced as soon as the stage is done in a window's last
-            step; the rest are reduced at the window's end.
+        stages: this rank's stages by index. A stage's own parameters (no
+            other stage holds them) form its buckets, reduced as soon as the
+            stage is done in a window's last step; the rest are reduced at the
+            window's end.
     """
 
     def __init__(
@@ -99,14 +102,16 @@ class GradientSync:
         info: MeshInfo,
         parameters: Iterable[nn.Parameter],
         tied: dict[int, tuple[int, ...]],
-        stages: dict[int, list[nn.Parameter]] | None = None,
+        stages: dict[int, nn.Module],
     ) -> None:
+        used = {s: stage_parameters(stage) for s, stage in stages.items()}
+        mine = {id(p) for params in used.values() for p in params}
         self.info = info
-        self.parameters = list(parameters)
+        self.parameters = [p for p in parameters if id(p) in mine]
         self.tied = tied
         self.all_reduces = 0  # gradient all-reduces run so far (tests count them)
         self.overlapped = 0  # of which started before the window's end (tests count them)
-        self._stage_buckets, self._rest = _stage_buckets(self.parameters, stages or {}, tied)
+        self._stage_buckets, self._rest = _stage_buckets(self.parameters, used, tied)
         self._armed = False
         self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
         # One group per set of pp ranks sharing parameters, for each replica. Every rank
