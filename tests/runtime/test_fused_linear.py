@@ -276,3 +276,37 @@ def test_traced_stages_fuse_their_aten_linears(fp64, schedule) -> None:
         grads.append(_grads(model))
     assert calls[0] == 0 and calls[1] >= 3 * 4
     _assert_same(grads[1], grads[0])
+
+
+class _Conv1D(nn.Module):
+    """GPT-2's ``Conv1D``: ``bias + x @ weight`` with a ``(in, out)`` weight, via addmm."""
+
+    def __init__(self, nx: int, nf: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) * 0.3)
+        self.bias = nn.Parameter(torch.randn(nf) * 0.1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
+        return out.view(*x.shape[:-1], -1)
+
+
+def test_gpt2_conv1d_addmm_is_fused_full_and_split() -> None:
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(_Conv1D(6, 8), nn.Tanh(), _Conv1D(8, 5)).double()
+
+    plain, full, split = build(), build(), build()
+    x, g = torch.randn(3, 4, 6, dtype=torch.float64), torch.randn(3, 4, 5, dtype=torch.float64)
+    xp, xf, xs = (x.clone().requires_grad_() for _ in range(3))
+    plain(xp).backward(g)
+    returned: list[Any] = []
+    assert _linear_calls(lambda: returned.extend(backward_full([_fused(full)(xf)], [g], [xf]))) == 2
+    (gx,), w = backward_input([_fused(split)(xs)], [g], [xs])
+    assert all(p.grad is None for p in split.parameters())
+    w.run()
+    for model, grad_x in ((full, returned[0]), (split, gx)):
+        torch.testing.assert_close(grad_x, xp.grad, **EXACT)
+        _assert_same(_grads(model), _grads(plain))
+    with FusedLinearMode(unshared_parameters([plain])[0]):  # only beta = alpha = 1 is fused
+        assert _linear_calls(lambda: torch.addmm(plain[0].bias, x[0], plain[0].weight, beta=2)) == 0

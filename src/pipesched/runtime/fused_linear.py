@@ -5,8 +5,9 @@ time *adding* each micro-batch's weight gradient into ``.grad``: for a
 ``Linear(1024, 1024)`` and 32 rows, autograd's ``mm`` then ``AccumulateGrad``'s
 add (a 4 MiB read-modify-write) cost about 2.5x one ``addmm_`` into ``.grad``.
 Megatron-LM fuses the two (``gradient_accumulation_fusion``); pipesched does
-the same for ``torch.nn.functional.linear`` calls (``aten.linear`` in traced
-stages) inside its own forward and backward of a step.
+the same for ``torch.nn.functional.linear`` calls, and ``addmm(bias, x,
+weight)`` (GPT-2's ``Conv1D``), eager or in traced stages, inside its own
+forward and backward of a step.
 
 Why not always: the fused backward writes ``.grad`` itself instead of returning
 the weight's gradient to autograd, so it is used only where pipesched runs the
@@ -39,6 +40,8 @@ __all__ = ["FusedLinearMode", "unshared_parameters"]
 
 _LINEARS = (F.linear, torch.ops.aten.linear.default)
 """``F.linear`` (eager modules) and the ATen operation a torch.export-traced stage calls."""
+_ADDMMS = (torch.addmm, torch.ops.aten.addmm.default)
+"""``bias + x @ weight`` with a ``(in, out)`` weight: GPT-2's ``Conv1D``, eager and traced."""
 
 _will_engine_execute_node: Callable[[Any], bool] | None = getattr(
     torch._C, "_will_engine_execute_node", None
@@ -78,10 +81,15 @@ class FusedLinearMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _LINEARS and _will_engine_execute_node is not None:
-            x, weight, bias = _linear_args(*args, **kwargs)
-            if self._eligible(x, weight, bias):
-                return _FusedLinear.apply(x, weight, bias)  # type: ignore[no-untyped-call]
+        if _will_engine_execute_node is not None:
+            if func in _LINEARS:
+                x, weight, bias = _linear_args(*args, **kwargs)
+                if self._eligible(x, weight, bias):
+                    return _FusedLinear.apply(x, weight, bias, False)  # type: ignore[no-untyped-call]
+            elif func in _ADDMMS:
+                bias, x, weight, plain = _addmm_args(*args, **kwargs)
+                if plain and x.dim() == 2 and self._eligible(x, weight, bias):
+                    return _FusedLinear.apply(x, weight, bias, True)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
     def _eligible(self, x: Any, weight: Any, bias: Any) -> bool:
@@ -89,7 +97,8 @@ class FusedLinearMode(TorchFunctionMode):
             torch.is_grad_enabled()
             and type(x) is Tensor
             and _fusable(weight, self.allowed)
-            and (bias is None or _fusable(bias, self.allowed))
+            and weight.dim() == 2
+            and (bias is None or (_fusable(bias, self.allowed) and bias.dim() == 1))
             and x.dtype == weight.dtype
             and x.device == weight.device
             and x.dim() >= 1
@@ -99,6 +108,13 @@ class FusedLinearMode(TorchFunctionMode):
 
 def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
     return input, weight, bias
+
+
+def _addmm_args(
+    input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None
+) -> tuple[Any, Any, Any, bool]:
+    """``(bias, x, weight, whether it is bias + x @ weight)`` of an ``addmm`` call."""
+    return input, mat1, mat2, beta == 1 and alpha == 1 and out is None
 
 
 def _fusable(p: Any, allowed: frozenset[int]) -> bool:
@@ -114,33 +130,44 @@ def _fusable(p: Any, allowed: frozenset[int]) -> bool:
 
 
 class _FusedLinear(torch.autograd.Function):
-    """``F.linear`` whose backward accumulates the weight gradient into ``.grad`` itself."""
+    """``F.linear`` (``addmm`` where ``transposed``: weight ``(in, out)``) whose backward
+    accumulates the weight gradient into ``.grad`` itself."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, transposed: bool
+    ) -> Tensor:
         # As addmm: the input only for the weight's gradient, the weight only for the input's.
         ctx.save_for_backward(x, weight if x.requires_grad else None)
         # The Parameters themselves: under checkpointing, saved tensors come back
         # as recomputed aliases, and a .grad set on an alias is lost.
         ctx.parameters = (weight, bias)
+        ctx.transposed = transposed
+        if transposed:
+            return x @ weight if bias is None else torch.addmm(bias, x, weight)
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None]:
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
         x, saved_weight = ctx.saved_tensors
         weight, bias = ctx.parameters
         edges = [node for node, _ in ctx.next_functions]  # no edge for a None bias
         x_edge, weight_edge = edges[0], edges[1]
         bias_edge = edges[2] if bias is not None else None
-        grad_x = grad.matmul(saved_weight) if _will_run(x_edge) else None
+        grad_x = None
+        if _will_run(x_edge):
+            grad_x = grad.matmul(saved_weight.t() if ctx.transposed else saved_weight)
         if _will_run(weight_edge) or (bias is not None and _will_run(bias_edge)):
             grad_2d = grad.reshape(-1, grad.shape[-1])
+            x_2d = x.reshape(-1, x.shape[-1])
             with torch.no_grad():
-                if _will_run(weight_edge):
-                    _accumulate_mm(weight, grad_2d.t(), x.reshape(-1, x.shape[-1]))
+                if _will_run(weight_edge) and ctx.transposed:
+                    _accumulate_mm(weight, x_2d.t(), grad_2d)
+                elif _will_run(weight_edge):
+                    _accumulate_mm(weight, grad_2d.t(), x_2d)
                 if bias is not None and _will_run(bias_edge):
                     _accumulate(bias, grad_2d.sum(0))
-        return grad_x, None, None
+        return grad_x, None, None, None
 
 
 def _will_run(node: Any) -> bool:
