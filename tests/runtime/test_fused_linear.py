@@ -310,3 +310,52 @@ def test_gpt2_conv1d_addmm_is_fused_full_and_split() -> None:
         _assert_same(_grads(model), _grads(plain))
     with FusedLinearMode(unshared_parameters([plain])[0]):  # only beta = alpha = 1 is fused
         assert _linear_calls(lambda: torch.addmm(plain[0].bias, x[0], plain[0].weight, beta=2)) == 0
+
+
+def test_a_checkpoint_inside_the_stage_runs_the_ordinary_linear() -> None:
+    """Its recomputation runs without the mode, so its region must not fuse (found in review)."""
+    torch.manual_seed(0)
+    plain, fused = _model(), _model()  # Linear(6, 8): not square, a mix-up would also raise
+    x = torch.randn(4, 6, dtype=torch.float64)
+    plain(x).sum().backward()
+    inner = lambda m, t: checkpoint(m, t, use_reentrant=False)  # noqa: E731
+    allowed = unshared_parameters([fused])[0]
+    with FusedLinearMode(allowed):
+        calls = _linear_calls(lambda: inner(fused, x).sum().backward())
+    assert calls == 0
+    _assert_same(_grads(fused), _grads(plain))
+
+
+def test_autograd_grad_of_a_weight_inside_the_stage_gets_it_returned() -> None:
+    model = _model()
+    x = torch.randn(4, 6, dtype=torch.float64)
+    expected = torch.autograd.grad(model(x).sum(), model[0].weight)[0]
+    with FusedLinearMode(unshared_parameters([model])[0]):
+        out = model(x)
+    (got,) = torch.autograd.grad(out.sum(), model[0].weight)
+    torch.testing.assert_close(got, expected, **EXACT)
+    assert all(p.grad is None for p in model.parameters())  # nothing accumulated
+
+
+def test_odd_biases_complex_inputs_and_sparse_grads() -> None:
+    weight = nn.Parameter(torch.randn(5, 6, dtype=torch.float64))
+    one = nn.Parameter(torch.randn(1, dtype=torch.float64))  # broadcasts: autograd's job
+    x = torch.randn(3, 6, dtype=torch.float64)
+    with FusedLinearMode(frozenset({id(weight), id(one)})):
+        assert _linear_calls(lambda: nn.functional.linear(x, weight, one)) == 0
+    cw = nn.Parameter(torch.randn(5, 6, dtype=torch.complex128))
+    with FusedLinearMode(frozenset({id(cw)})):  # complex gradients need conj()
+        assert _linear_calls(lambda: nn.functional.linear(x.to(cw.dtype), cw)) == 0
+    # A weight tied to a sparse embedding already holding a sparse .grad.
+    emb = nn.Embedding(5, 6, sparse=True).double()
+    idx = torch.tensor([1, 3])
+    emb(idx).sum().backward()
+    assert emb.weight.grad.is_sparse
+    expected = (
+        emb.weight.grad.to_dense()
+        + torch.autograd.grad(nn.functional.linear(x, emb.weight).sum(), emb.weight)[0]
+    )
+    with FusedLinearMode(frozenset({id(emb.weight)})):
+        out = nn.functional.linear(x, emb.weight)
+    out.sum().backward()
+    torch.testing.assert_close(emb.weight.grad.to_dense(), expected, **EXACT)

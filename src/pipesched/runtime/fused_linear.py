@@ -72,6 +72,13 @@ class FusedLinearMode(TorchFunctionMode):
     def __init__(self, allowed: frozenset[int]) -> None:
         super().__init__()
         self.allowed = allowed
+        self._hooks: Any = None
+
+    def __enter__(self) -> FusedLinearMode:
+        # Saved-tensor hooks pushed after this (a checkpoint inside the stage) recompute
+        # without this mode, so their region must run the ordinary linear.
+        self._hooks = _saved_tensor_hooks()
+        return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
 
     def __torch_function__(
         self,
@@ -84,26 +91,44 @@ class FusedLinearMode(TorchFunctionMode):
         if _will_engine_execute_node is not None:
             if func in _LINEARS:
                 x, weight, bias = _linear_args(*args, **kwargs)
-                if self._eligible(x, weight, bias):
+                if self._eligible(x, weight, bias, _rows(weight)):
                     return _FusedLinear.apply(x, weight, bias, False)  # type: ignore[no-untyped-call]
             elif func in _ADDMMS:
                 bias, x, weight, plain = _addmm_args(*args, **kwargs)
-                if plain and x.dim() == 2 and self._eligible(x, weight, bias):
+                if plain and _dim(x) == 2 and self._eligible(x, weight, bias, _columns(weight)):
                     return _FusedLinear.apply(x, weight, bias, True)  # type: ignore[no-untyped-call]
         return func(*args, **kwargs)
 
-    def _eligible(self, x: Any, weight: Any, bias: Any) -> bool:
+    def _eligible(self, x: Any, weight: Any, bias: Any, out_dim: int) -> bool:
         return (
             torch.is_grad_enabled()
             and type(x) is Tensor
             and _fusable(weight, self.allowed)
             and weight.dim() == 2
-            and (bias is None or (_fusable(bias, self.allowed) and bias.dim() == 1))
+            and (bias is None or (_fusable(bias, self.allowed) and bias.shape == (out_dim,)))
             and x.dtype == weight.dtype
+            and not x.is_complex()  # its gradients need conj(): left to autograd
             and x.device == weight.device
             and x.dim() >= 1
             and not torch.is_autocast_enabled(x.device.type)
+            and _saved_tensor_hooks() == self._hooks
         )
+
+
+def _saved_tensor_hooks() -> Any:
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+def _dim(t: Any) -> int:
+    return t.dim() if isinstance(t, Tensor) else -1
+
+
+def _rows(t: Any) -> int:
+    return t.shape[0] if _dim(t) == 2 else -1
+
+
+def _columns(t: Any) -> int:
+    return t.shape[1] if _dim(t) == 2 else -1
 
 
 def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
@@ -148,50 +173,63 @@ class _FusedLinear(torch.autograd.Function):
         return F.linear(x, weight, bias)
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, None, None, None]:
+    def backward(
+        ctx: Any, grad: Tensor
+    ) -> tuple[Tensor | None, Tensor | None, Tensor | None, None]:
         x, saved_weight = ctx.saved_tensors
         weight, bias = ctx.parameters
         edges = [node for node, _ in ctx.next_functions]  # no edge for a None bias
-        x_edge, weight_edge = edges[0], edges[1]
-        bias_edge = edges[2] if bias is not None else None
+        want_x, want_w = _wanted(edges[0]), _wanted(edges[1])
+        want_b = _wanted(edges[2]) if bias is not None else _SKIP
         grad_x = None
-        if _will_run(x_edge):
+        if want_x != _SKIP:
             grad_x = grad.matmul(saved_weight.t() if ctx.transposed else saved_weight)
-        if _will_run(weight_edge) or (bias is not None and _will_run(bias_edge)):
-            grad_2d = grad.reshape(-1, grad.shape[-1])
-            x_2d = x.reshape(-1, x.shape[-1])
-            with torch.no_grad():
-                if _will_run(weight_edge) and ctx.transposed:
-                    _accumulate_mm(weight, x_2d.t(), grad_2d)
-                elif _will_run(weight_edge):
-                    _accumulate_mm(weight, grad_2d.t(), x_2d)
-                if bias is not None and _will_run(bias_edge):
-                    _accumulate(bias, grad_2d.sum(0))
-        return grad_x, None, None, None
+        if want_w == _SKIP and want_b == _SKIP:
+            return grad_x, None, None, None
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        x_2d = x.reshape(-1, x.shape[-1])
+        a, b = (x_2d.t(), grad_2d) if ctx.transposed else (grad_2d.t(), x_2d)
+        grad_w = grad_b = None
+        with torch.no_grad():
+            if want_w == _ACCUMULATE:
+                _accumulate_mm(weight, a, b)
+            elif want_w == _RETURN:  # autograd.grad() asks for it: no .grad is touched
+                grad_w = torch.mm(a, b)
+            if want_b == _ACCUMULATE:
+                _accumulate(bias, grad_2d.sum(0))
+            elif want_b == _RETURN:
+                grad_b = grad_2d.sum(0)
+        return grad_x, grad_w, grad_b, None
 
 
-def _will_run(node: Any) -> bool:
-    """Whether the current backward uses the gradient flowing into ``node``."""
+_SKIP, _ACCUMULATE, _RETURN = 0, 1, 2
+"""What the current backward wants of an input: nothing, its ``.grad`` (the engine would
+run its AccumulateGrad), or its gradient returned (``autograd.grad`` captures the leaf)."""
+
+
+def _wanted(node: Any) -> int:
     if node is None:
-        return False
+        return _SKIP
     try:
-        return bool(_will_engine_execute_node(node))  # type: ignore[misc]
-    except RuntimeError:  # a leaf that autograd.grad() captures: its gradient is wanted
-        return True
+        return _ACCUMULATE if _will_engine_execute_node(node) else _SKIP  # type: ignore[misc]
+    except RuntimeError:  # torch: a leaf autograd.grad() captures
+        return _RETURN
 
 
 def _accumulate_mm(p: Tensor, a: Tensor, b: Tensor) -> None:
     """``p.grad += a @ b`` in one GEMM (or ``p.grad = a @ b``)."""
     if p.grad is None:
         p.grad = torch.mm(a, b)
-    elif p.grad.layout == torch.strided and p.grad.dtype == a.dtype:
+    elif p.grad.layout == torch.strided:
         p.grad.addmm_(a, b)
-    else:
-        p.grad += torch.mm(a, b)
+    else:  # a sparse .grad (a tied sparse embedding): dense + sparse, as AccumulateGrad
+        p.grad = torch.mm(a, b) + p.grad
 
 
 def _accumulate(p: Tensor, g: Tensor) -> None:
     if p.grad is None:
         p.grad = g
-    else:
+    elif p.grad.layout == torch.strided:
         p.grad += g
+    else:
+        p.grad = g + p.grad

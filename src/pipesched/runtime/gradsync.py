@@ -48,8 +48,11 @@ class Sync(Protocol):
     def gradients(self) -> None:
         """Sums gradients over replicas (and over ranks that share a parameter)."""
 
-    def window_ends(self) -> None:
-        """The next step is the window's last: reductions may start as its stages finish."""
+    def window_ends(self, ending: bool = True) -> None:
+        """The next step is the window's last: reductions may start as its stages finish.
+
+        ``window_ends(False)`` takes it back (the step failed before running).
+        """
 
     def stage_done(self, stage: int) -> None:
         """Called when ``stage`` has run its last backward action of a step."""
@@ -70,7 +73,7 @@ class LocalSync:
     def gradients(self) -> None:
         return None
 
-    def window_ends(self) -> None:
+    def window_ends(self, ending: bool = True) -> None:
         return None
 
     def stage_done(self, stage: int) -> None:
@@ -160,8 +163,8 @@ class GradientSync:
                 self._start(bucket, group)
             self._finish_in_flight()
 
-    def window_ends(self) -> None:
-        self._armed = self.info.dp_size > 1
+    def window_ends(self, ending: bool = True) -> None:
+        self._armed = ending and self.info.dp_size > 1
 
     def stage_done(self, stage: int) -> None:
         if not self._armed:

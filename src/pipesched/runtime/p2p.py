@@ -123,6 +123,10 @@ class Transport:
         self._posted: dict[tuple[Hashable, int], tuple[Any, torch.Tensor]] = {}
         self.notices = 0  # layout changes sent so far (tests count them)
         self.unplanned = 0  # receives that plan() did not announce (tests count them)
+        # NCCL ignores tags and runs a pair's sends and receives on one stream in issue
+        # order: a receive posted ahead of this rank's own sends to that peer would wait
+        # for a message that waits behind it. Only gloo, which matches by tag, posts ahead.
+        self._post_ahead = dist.is_initialized() and dist.get_backend() == "gloo"
 
     def send(self, value: Any, dst: int, channel: Hashable, tag: int) -> None:
         """Starts sending ``value`` to pp rank ``dst`` on ``channel`` under ``tag``."""
@@ -141,11 +145,14 @@ class Transport:
         """Announces a step's receives, per channel in order, and posts each channel's first.
 
         A channel's next receive is posted as soon as the one before it is
-        read, when its size is known: one receive ahead per channel.
+        read, when its size is known: one receive ahead per channel. On gloo
+        only (see ``__init__``); elsewhere each receive is posted when taken.
 
         Args:
             receives: per channel, the ``(source pp rank, tag)`` of each transfer.
         """
+        if not self._post_ahead:
+            return
         self._planned = {channel: deque(queue) for channel, queue in receives.items()}
         for channel in self._planned:
             self._post_next(channel)

@@ -148,11 +148,17 @@ class GradientAccumulator:
         if self.position == 0:
             self.pipe.zero_grad(set_to_none=True)
             self._scale = self.loss_scale.value()  # constant through the window
-        if self.position + 1 == self.accumulation_steps:
+        last = self.position + 1 == self.accumulation_steps
+        if last:
             self.pipe.sync.window_ends()  # replicas may start summing as stages finish
-        loss_sum, items = self.pipe.accumulate(
-            inputs, target, loss_fn=loss_fn, num_items=num_items, scale=self._scale
-        )
+        try:
+            loss_sum, items = self.pipe.accumulate(
+                inputs, target, loss_fn=loss_fn, num_items=num_items, scale=self._scale
+            )
+        except BaseException:
+            if last:
+                self.pipe.sync.window_ends(False)
+            raise
         loss = float(loss_sum)
         self._loss_sum += loss
         self._items += items
