@@ -1,6 +1,6 @@
 """Distributed runtime on 2 CPU processes (gloo): pipesched vs torch.distributed.pipelining.
 
-Run: .venv/bin/python benchmarks/distributed_cpu.py [--rounds 7]
+Run: .venv/bin/python benchmarks/distributed_cpu.py [--rounds 11]
      (it launches itself under torchrun with 2 processes, one intra-op thread each)
 
 Model: 8 x (Linear(1024, 1024) + ReLU), batch 256, chunks 8, cut into 2
@@ -136,7 +136,7 @@ def report(median: dict[str, float], rounds: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rounds", type=int, default=11)
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args.rounds)
