@@ -12,7 +12,7 @@ from torch import nn
 
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
-from pipesched.devices import Device, resolve_devices, threads_per_worker
+from pipesched.devices import Device, resolve_workers, threads_per_worker
 from pipesched.distributed.mesh import MeshInfo, rank0_value
 from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size, gather, scatter
@@ -129,29 +129,10 @@ class Pipeline(nn.Module):
         requested = num_stages
         if counts is not None or split_points is not None:
             requested = len(counts) if counts is not None else len(list(split_points or ())) + 1
-        info = None
-        if mesh is not None:
-            info = MeshInfo.of(mesh)
-            if devices is not None:
-                raise ConfigError(
-                    "pass either mesh= or devices=, not both: with a mesh each rank runs its "
-                    "stages on its own device"
-                )
-            workers = info.pp_size
-            chosen_devices: list[Device] = [info.device] * info.pp_size
-        else:
-            workers, chosen_devices = resolve_devices(devices, counts, requested, v, schedule)
+        info = None if mesh is None else MeshInfo.of(mesh)
+        workers, chosen_devices = resolve_workers(schedule, v, devices, counts, requested, info)
         if counts is not None and isinstance(module, nn.Sequential):
-            counts = check_balance(module, counts)
-        if requested is not None and requested != workers * v:
-            per = f"{v} stages" if v > 1 else "1 stage"
-            raise ConfigError(
-                f"schedule {schedule!r} runs {per} per worker, so {requested} stages need "
-                f"{requested / v:g} devices, but devices has {workers} "
-                f"({[str(d) for d in chosen_devices]}); give a balance of {workers * v} stages, "
-                f"{requested / v:g} devices, or a schedule with more stages per worker "
-                "('interleaved-1f1b')"
-            )
+            check_balance(module, counts)
         self.chunks = chunks
         self.checkpoint = checkpoint
         self.schedule_name = schedule
