@@ -45,6 +45,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipesched.errors import ConfigError, ScheduleError
+from pipesched.runtime.fused_linear import weight_pass
 
 __all__ = ["WeightGradients", "backward_full", "backward_input"]
 
@@ -214,6 +215,10 @@ class _WeightPass:
     def run(self, *, retain_graph: bool) -> None:
         if not self.sources:
             return
+        if len(self.sources) == 1 and not retain_graph:
+            source = self.sources[0]
+            if weight_pass(source.node, self.grads[0], self.weights):
+                return
         hooks = [node.register_prehook(_replace(grads)) for node, grads in self.clamps]
         try:
             torch.autograd.backward(
