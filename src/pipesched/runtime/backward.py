@@ -17,7 +17,9 @@ part that fills bubbles; ``.grad`` is accumulated by autograd's own
 ``AccumulateGrad`` (layout, hooks), not by hand; the caller's outputs are not
 detached in place: the graph dies with the caller's last reference to them.
 
-Costs beyond one backward (results stay exact):
+Costs beyond one backward (results stay exact): a graph analysis per B,
+and one autograd call per group of weights in W, except for a fused linear
+(:func:`pipesched.runtime.fused_linear.weight_pass` runs its W directly).
 
 - A weight used at several places of one stage (tied, or a layer applied twice):
   W re-runs the input-gradient chain between the uses, clamped so nothing
