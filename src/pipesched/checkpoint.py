@@ -125,8 +125,9 @@ def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True)
     (Dropout draws the same mask) and autocast state, runs with
     :func:`is_recomputing` True in the thread that runs it, and leaves the
     running statistics of every BatchNorm inside ``module`` as the forward
-    left them. torch stops a recomputation as soon as it has rebuilt the last
-    tensor backward needs, so layers after that point are not rerun at all.
+    left them. The recomputation runs the whole forward: torch's early stop
+    (at the last tensor backward needs) saved RReLU's noise before RReLU
+    filled it in, and backward then read uninitialized memory.
 
     Under grad mode off (``torch.no_grad()``, evaluation) this is a plain call.
 
@@ -171,6 +172,10 @@ def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True)
         use_reentrant=False,
         preserve_rng_state=preserve_rng_state,
         context_fn=context_fn,
+        # torch saves an operation's inputs before running it, and stopping early
+        # raises right there: an input the operation fills in place (RReLU's
+        # noise) is then saved unfilled, and backward reads uninitialized memory.
+        early_stop=False,
     )
 
 

@@ -17,7 +17,8 @@ from pipesched.distributed.mesh import MeshInfo, rank0_value
 from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size, gather, scatter
 from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
-from pipesched.rng import seed_random_layers
+from pipesched.partition.sequential import sequential_layers
+from pipesched.rng import draw_seed, module_names
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
@@ -180,7 +181,7 @@ class Pipeline(nn.Module):
                 stages, self.placement, info, fuse=fuse_weight_grads
             )
         if sequential:
-            children = [item for s in own for item in stages[s].named_children()]
+            children = [item for s in own for item in sequential_layers(stages[s])]
         else:  # the whole model's children, its own parameters and buffers
             children = list(module.named_children())
             _register_state(self, module)
@@ -192,11 +193,9 @@ class Pipeline(nn.Module):
             self._runtime.on_stage_done = self.sync.stage_done  # type: ignore[attr-defined]
         self._stages = stages
         self._own_stages = own
-        self._random_layers = seed_random_layers(self)
-        for stage in stages:  # a traced model's functional random operations
-            random_ops = stage.random_ops if isinstance(stage, TracedStage) else None
-            if random_ops is not None:
-                self._random_layers += seed_random_layers(random_ops)
+        # Where random draws happen: the model's modules, and a traced model's random operations.
+        random_ops = [t.random_ops for t in stages if isinstance(t, TracedStage)]
+        self._runtime.module_names = module_names(self, stages, [r for r in random_ops if r])
         self.last_timeline: Timeline | None = None
 
     @property
@@ -345,11 +344,14 @@ class Pipeline(nn.Module):
             return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
         return broadcast_loss(run.losses, len(micro), self.placement[-1], self.mesh)
 
-    def _call_seed(self) -> int:
-        """A seed for this call's random layers, drawn from torch's global generator."""
-        if not (self._random_layers and self.training):
-            return 0
-        return int(torch.randint(0, 2**62, ()).item())
+    def _call_seed(self) -> int | None:
+        """This call's seed for random operations (:mod:`pipesched.rng`).
+
+        Locally None: the runtime draws it from torch's default CPU generator
+        when a stage first needs it. On a mesh every rank draws it up front, and
+        the ranks run with pp rank 0's.
+        """
+        return None if self.mesh is None else draw_seed()
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's timeline with every rank's actions, on pipeline rank 0.

@@ -1,32 +1,55 @@
-"""Reproducible dropout under concurrent stage threads: seeds per (call, micro-batch, layer).
+"""Randomness inside stages: every random draw a pure function of (step seed, micro-batch, place).
 
-Why: torch draws dropout masks from one generator per device, shared by every
-thread. With one worker thread per stage, two stages on the CPU draw from it
-concurrently, so masks depend on thread timing; worse, activation
-checkpointing stashes the generator's state before a stage's forward and
-replays it in recomputation, and a concurrent draw in between makes the
-recomputed mask differ from the forward's: silently wrong gradients.
+Why: torch draws random numbers from one generator per device, shared by
+every thread. With one worker thread per stage, two stages on the CPU draw
+from it concurrently, so dropout masks depend on thread timing; worse,
+activation checkpointing replays the generator's state before recomputing a
+stage, and a concurrent draw in between makes the recomputed mask differ from
+the forward's: gradients that do not belong to the output, silently.
 torchgpipe avoids the race by running all CPU stages on one thread, giving up
-parallelism. We keep the threads and instead give every random module a seed
-of its own: each random layer runs under a process-wide lock with its
-device's generator seeded from (the call's seed, the micro-batch, the
-layer's name in the model), and restored afterwards. Masks then depend on
-neither timing, nor balance, nor schedule, and recomputation reproduces
-them exactly.
+parallelism; seeding only ``nn.Dropout`` modules (our first release) misses
+functional dropout, attention dropout (``nn.MultiheadAttention``, SDPA),
+``torch.rand_like`` masks, drop-path and ``bernoulli_``.
+
+So we seed at the one place every random draw passes: the dispatcher. While a
+stage runs a micro-batch's forward (or recomputes it), a ``TorchDispatchMode``
+sees each ATen operation; those tagged ``nondeterministic_seeded`` (every
+random operation torch has, including ones no list here names) run with
+their device's default generator seeded from
+
+    (the step's seed, the micro-batch, the module path that called it, its draw count there)
+
+under a process-wide lock, and the generator's state is restored afterwards.
+The module path is the chain of the model's own module names on the call
+stack (``"encoder.layers.1" > "encoder.layers.1.self_attn"``), found only
+when a random operation runs, so it does not depend on how the model was cut
+into stages: masks depend on neither timing, balance, schedule, nor process,
+and recomputation reproduces them exactly. The step's seed is drawn from
+torch's default CPU generator once per step, when the step first needs it: a
+model with no random operations leaves that generator as the plain model
+would, and ``torch.manual_seed`` makes runs repeat.
+
+What this cannot cover: random numbers drawn outside torch's dispatcher
+(Python's ``random``, NumPy), draws inside a custom autograd Function's
+backward, and operations given an explicit ``generator=`` (they draw from the
+user's generator, which is left alone). A model's non-random operations pay
+one Python dispatch per operation in forward (a few microseconds each).
 """
 
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Sequence
+from types import FrameType
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RANDOM_MODULES", "microbatch_seed", "seed_random_layers"]
+__all__ = ["RANDOM_MODULES", "SeededRandomness", "StepSeed", "draw_seed", "module_names"]
 
 RANDOM_MODULES: tuple[type[nn.Module], ...] = (
     nn.modules.dropout._DropoutNd,
@@ -34,64 +57,136 @@ RANDOM_MODULES: tuple[type[nn.Module], ...] = (
     nn.FeatureAlphaDropout,
     nn.RReLU,
 )
-"""Modules that draw random numbers in training mode."""
+"""Modules that draw random numbers in training mode (a traced graph calls them as layers)."""
 
+_SEEDED = torch.Tag.nondeterministic_seeded
 _LOCK = threading.RLock()
-_context = threading.local()
+_CALL_IMPL = nn.Module._call_impl.__code__
 
 
-@contextmanager
-def microbatch_seed(call_seed: int, microbatch: int) -> Iterator[None]:
-    """Within this block, random layers in this thread draw for ``(call_seed, microbatch)``."""
-    previous = getattr(_context, "key", None)
-    _context.key = (call_seed, microbatch)
-    try:
-        yield
-    finally:
-        _context.key = previous
+class StepSeed:
+    """A step's seed: given, or drawn from torch's default CPU generator when first asked for.
 
-
-def seed_random_layers(model: nn.Module) -> list[Any]:
-    """Makes every random layer of ``model`` seed itself when run inside :func:`microbatch_seed`.
-
-    Returns the hook handles (``handle.remove()`` undoes it). Outside a
-    ``microbatch_seed`` block, or in eval mode, layers run unchanged.
+    Args:
+        value: the seed (every rank of a mesh must use one value); None: draw it lazily.
     """
-    handles = []
-    for name, module in model.named_modules():
-        if isinstance(module, RANDOM_MODULES):
-            handles.append(module.register_forward_pre_hook(_Enter(name)))
-            handles.append(module.register_forward_hook(_exit, always_call=True))
-    return handles
+
+    def __init__(self, value: int | None = None) -> None:
+        self._value = value
+
+    def get(self) -> int:
+        """The seed, drawing it on the first call (thread-safe)."""
+        with _LOCK:
+            if self._value is None:
+                self._value = draw_seed()
+            return self._value
 
 
-class _Enter:
-    def __init__(self, name: str) -> None:
-        self.name = name
+def draw_seed() -> int:
+    """A 62-bit seed from torch's default CPU generator."""
+    return int(torch.randint(0, 2**62, ()).item())
 
-    def __call__(self, module: nn.Module, args: tuple[Any, ...]) -> None:
-        key = getattr(_context, "key", None)
-        if key is None or not module.training:
-            return
-        device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
-        digest = hashlib.blake2b(repr((*key, self.name)).encode(), digest_size=8).digest()
+
+def module_names(
+    model: nn.Module, stages: Sequence[nn.Module], extra: Sequence[nn.Module] = ()
+) -> list[dict[int, str]]:
+    """Per stage, ``id(module) -> name`` for the modules of ``model``: the places of draws.
+
+    Names are the model's own, so places do not depend on the cut; a module
+    that runs in several stages (one Dropout called twice in a Sequential)
+    gets the stage in its name there, or both calls would draw alike.
+    ``extra`` adds modules (a traced model's random operations) under their names.
+    """
+    names: dict[int, str] = {}
+    for root in (model, *extra):
+        for name, module in root.named_modules():
+            if name:
+                names.setdefault(id(module), name)
+    holders: dict[int, set[int]] = {}
+    for s, stage in enumerate(stages):
+        for module in stage.modules():
+            holders.setdefault(id(module), set()).add(s)
+    shared = [i for i, held in holders.items() if len(held) > 1 and i in names]
+    if not shared:
+        return [names] * len(stages)
+    return [names | {i: f"{names[i]}@stage{s}" for i in shared} for s in range(len(stages))]
+
+
+class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Runs every random operation of one stage's micro-batch with a seed of its own.
+
+    Enter a fresh instance around each forward (and each recomputation) of a
+    stage for one micro-batch: draw counts start from zero each time, so a
+    recomputation draws what the forward drew.
+
+    Args:
+        names: the model's modules by id (:func:`module_names`).
+        seed: the step's seed.
+        microbatch: the micro-batch index.
+        place: a name for draws outside every named module (e.g. ``"loss"``).
+    """
+
+    def __init__(
+        self, names: dict[int, str], seed: StepSeed, microbatch: int, place: str = ""
+    ) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.names = names
+        self.seed = seed
+        self.microbatch = microbatch
+        self.place = place
+        self.counts: dict[tuple[str, ...], int] = {}
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if _SEEDED not in func.tags or kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        path = self._path(sys._getframe(1))
+        count = self.counts.get(path, 0)
+        self.counts[path] = count + 1
+        key = (self.seed.get(), self.microbatch, path, count)
+        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
         seed = int.from_bytes(digest, "little") >> 1
-        _LOCK.acquire()
-        saved: list[tuple[str, Any]] = [("cpu", torch.get_rng_state())]
-        torch.default_generator.manual_seed(seed)
-        if device is not None and device.type == "cuda":
-            saved.append((str(device), torch.cuda.get_rng_state(device)))
-            torch.cuda.default_generators[device.index or 0].manual_seed(seed)
-        module._pipesched_rng = saved  # type: ignore[assignment]
+        generator = _generator(_device(args, kwargs))
+        with _LOCK:
+            saved = generator.get_state()
+            generator.manual_seed(seed)
+            try:
+                return func(*args, **kwargs)
+            finally:
+                generator.set_state(saved)
+
+    def _path(self, frame: FrameType | None) -> tuple[str, ...]:
+        """The model's named modules on the call stack, outermost first."""
+        path: list[str] = []
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL:
+                name = self.names.get(id(frame.f_locals.get("self")))
+                if name is not None:
+                    path.append(name)
+            frame = frame.f_back
+        path.append(self.place)
+        return tuple(reversed(path))
 
 
-def _exit(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-    saved = module.__dict__.pop("_pipesched_rng", None)
-    if saved is None:
-        return
-    for device, state in saved:
-        if device == "cpu":
-            torch.set_rng_state(state)
-        else:
-            torch.cuda.set_rng_state(state, device)
-    _LOCK.release()
+def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
+    """The device an operation draws on: its first tensor's, its ``device=``, or the CPU."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            return value.device
+    device = kwargs.get("device")
+    return torch.device(device) if device is not None else torch.device("cpu")
+
+
+def _generator(device: torch.device) -> torch.Generator:
+    """The default generator of ``device``."""
+    if device.type == "cuda":
+        return torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()
+        ]
+    return torch.default_generator

@@ -21,7 +21,7 @@ from pipesched.errors import ConfigError, PartitionError
 from pipesched.partition.balance import check_cuttable, min_max_counts, search_schedule
 from pipesched.partition.graph import Layer
 from pipesched.partition.profile import NodeCost
-from pipesched.partition.sequential import balance_by_params, check_balance
+from pipesched.partition.sequential import balance_by_params, check_balance, sequential_layers
 from pipesched.partition.trace import TracedModel
 from pipesched.schedule import Schedule
 
@@ -207,7 +207,7 @@ def split_positions(
             "e.g. split_points=['transformer.h.2']"
         )
     if traced is None:
-        children = [n for n, _ in module.named_children()]
+        children = [n for n, _ in sequential_layers(module)]
         positions = []
         for name in names:
             if name not in children:

@@ -39,6 +39,7 @@ import torch
 from torch import fx, nn
 
 from pipesched.partition.profile import NodeCost
+from pipesched.partition.sequential import sequential_layers
 from pipesched.partition.trace import TracedModel
 
 __all__ = ["INPUT", "OUTPUT", "Layer", "layer_graph", "layers", "sequential_graph", "traced_graph"]
@@ -92,7 +93,7 @@ def sequential_graph(
     names = {id(p): n for n, p in module.named_parameters()}
     previous = INPUT.format("x")
     graph.add_node(previous, kind="input", order=-1, layer=None, output_bytes=input_bytes)
-    for order, (name, layer) in enumerate(module.named_children()):
+    for order, (name, layer) in enumerate(sequential_layers(module)):
         params = tuple(names[id(p)] for p in layer.parameters() if id(p) in names)
         graph.add_node(
             name,

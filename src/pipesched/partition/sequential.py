@@ -11,7 +11,12 @@ from torch import nn
 from pipesched.errors import PartitionError
 from pipesched.partition.balance import min_max_counts
 
-__all__ = ["balance_by_params", "check_balance", "split_sequential"]
+__all__ = ["balance_by_params", "check_balance", "sequential_layers", "split_sequential"]
+
+
+def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``module``'s children by name, a layer listed twice kept twice (not so named_children)."""
+    return [(name, layer) for name, layer in module._modules.items() if layer is not None]
 
 
 def check_balance(module: nn.Sequential, balance: Sequence[int]) -> list[int]:
@@ -46,7 +51,7 @@ def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.S
     parameters, so ``module.state_dict()`` keeps the original names.
     """
     counts = check_balance(module, balance)
-    layers = list(module.named_children())
+    layers = sequential_layers(module)
     stages, start = [], 0
     for count in counts:
         stages.append(nn.Sequential(OrderedDict(layers[start : start + count])))

@@ -27,7 +27,7 @@ from torch import nn
 
 from pipesched.checkpoint import checkpoint
 from pipesched.errors import ConfigError
-from pipesched.rng import microbatch_seed
+from pipesched.rng import SeededRandomness, StepSeed
 from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.fused_linear import FusedLinearMode
 from pipesched.runtime.mailbox import Aborted, Mailbox
@@ -91,7 +91,8 @@ class StepInputs:
         loss_fn: applied to the last stage's output (and target); None runs forward only.
         loss_weights: each micro-batch's loss is multiplied by its weight.
         checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed.
-        seed: this call's seed for random layers (see :mod:`pipesched.rng`).
+        seed: this call's seed for random operations (see :mod:`pipesched.rng`);
+            None: drawn from torch's default CPU generator when first needed.
     """
 
     inputs: list[Any]
@@ -99,7 +100,7 @@ class StepInputs:
     loss_fn: LossFn | None = None
     loss_weights: list[float] = field(default_factory=list)
     checkpoint_stop: int = 0
-    seed: int = 0
+    seed: int | None = None
 
 
 @dataclass
@@ -118,6 +119,7 @@ class _Run:
     lock: threading.Lock = field(default_factory=threading.Lock)
     timeline: Timeline | None = None
     origin_wall: float = 0.0
+    seed: StepSeed = field(default_factory=StepSeed)
 
 
 class LocalRuntime:
@@ -144,6 +146,8 @@ class LocalRuntime:
         self.num_threads = num_threads
         self.fused = None if fused is None else list(fused)
         self._streams: list[Stream] = [new_stream(d) for d in self.devices]
+        self.module_names: list[dict[int, str]] = [{} for _ in self.stages]
+        """Per stage, the model's modules by id: places of random draws (:mod:`pipesched.rng`)."""
         self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
         """Optional: a context manager entered around each forward of stage ``s``
         (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
@@ -169,6 +173,7 @@ class LocalRuntime:
         run.origin_wall = time.time()  # the same instant on the wall clock, to align processes
         workers = self.workers(schedule)
         self.start_step(schedule, {w: rows[w] for w in workers})
+        run.seed = StepSeed(step.seed)  # after start_step: ranks may have agreed on it there
         if len(workers) == 1:  # one worker (a rank of a mesh): no thread to hand over to
             previous_threads = torch.get_num_threads()
             try:
@@ -263,10 +268,10 @@ class LocalRuntime:
             x = map_tensors(x, _fresh_leaf)
         # Fused weight-gradient accumulation only where pipesched runs the backward.
         fused = self.fused[s] if self.fused is not None and run.detach else None
-        stage = _Seeded(self.stages[s], run.step.seed, i, fused)
+        stage = _Seeded(self.stages[s], self.module_names[s], run.seed, i, fused)
         with self.forward_context(s) if self.forward_context else nullcontext():
             if i < run.step.checkpoint_stop and torch.is_grad_enabled():
-                # No RNG replay: _Seeded reseeds random layers itself, and torch's
+                # No RNG replay: _Seeded reseeds random operations itself, and torch's
                 # replay sets the process-wide generator unlocked (racing other stages).
                 y = checkpoint(stage, x, preserve_rng_state=False)
             else:
@@ -282,7 +287,8 @@ class LocalRuntime:
             return start
         target = () if run.step.targets is None else (run.step.targets[i],)
         target = map_tensors(target, lambda t: copy_to(t, device, stream))
-        loss = run.step.loss_fn(y, *target)
+        with SeededRandomness(self.module_names[s], run.seed, i, "loss"):
+            loss = run.step.loss_fn(y, *target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
             raise ConfigError(
@@ -355,23 +361,28 @@ class LocalRuntime:
 
 
 class _Seeded(nn.Module):
-    """A stage run for one micro-batch, with its random layers seeded for it.
+    """A stage run for one micro-batch, with its random operations seeded for it.
 
     Checkpointing recomputes this module, so recomputation (in whichever
     thread runs it) reseeds exactly as the forward did.
     """
 
     def __init__(
-        self, stage: nn.Module, seed: int, microbatch: int, fused: frozenset[int] | None
+        self,
+        stage: nn.Module,
+        names: dict[int, str],
+        seed: StepSeed,
+        microbatch: int,
+        fused: frozenset[int] | None,
     ) -> None:
         super().__init__()
         self.stage = stage
-        self.seed, self.microbatch = seed, microbatch
+        self.names, self.seed, self.microbatch = names, seed, microbatch
         self.fused = fused
 
     def forward(self, x: Any) -> Any:
         fusing = FusedLinearMode(self.fused) if self.fused else nullcontext()
-        with microbatch_seed(self.seed, self.microbatch), fusing:
+        with SeededRandomness(self.names, self.seed, self.microbatch), fusing:
             return self.stage(x)
 
 
