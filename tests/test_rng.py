@@ -8,6 +8,8 @@ forward's, i.e. the gradients belong to the output.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -119,3 +121,19 @@ def test_a_random_loss_function_is_seeded_too():
         return pipe.step(torch.randn(ROWS, 8), torch.randn(ROWS, 8), loss_fn=noisy_mse)
 
     assert torch.equal(run("always"), run("never"))
+
+
+def test_a_mesh_draws_what_one_process_draws(tmp_path):
+    # Two gloo processes (pp=2), every kind, against the two-thread run in this process.
+    from tests.distributed import random_worker
+    from tests.distributed.launch import launch
+
+    exits = launch("random", 2, tmp_path, timeout=120, worker=Path(random_worker.__file__))
+    for e in exits:
+        assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-3000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for kind in KINDS:
+        loss, grads = _run(kind, "always", balance=random_worker.BALANCE)
+        mesh_grads = {**ranks[0][kind][1], **ranks[1][kind][1]}
+        _assert_bitwise((loss, grads), (ranks[0][kind][0], mesh_grads))
+        assert torch.equal(ranks[1][kind][0], loss), kind
