@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from pipesched import DeferredBatchNorm, Pipeline, is_recomputing
-from pipesched.runtime import local
 from pipesched.schedule import SCHEDULES, stages_per_worker
+from pipesched.seeding import StageSeeding
 
 MODES = ["always", "except_last", "never"]
 
@@ -121,7 +121,7 @@ def test_without_seeding_recomputed_masks_differ(monkeypatch):
     probe = MaskProbe()
     model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.5), probe, nn.Linear(6, 6), nn.Linear(6, 6))
     pipe = Pipeline(model, 3, balance=[4, 1], devices=["cpu", "cpu"], checkpoint="always")
-    monkeypatch.setattr(local, "SeededRandomness", lambda *args: contextlib.nullcontext())
+    monkeypatch.setattr(StageSeeding, "forward", lambda *args: contextlib.nullcontext())
     _step(pipe, batch=9)
     forward = {h for recomputing, h in probe.seen if not recomputing}
     recompute = {h for recomputing, h in probe.seen if recomputing}

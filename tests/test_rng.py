@@ -137,3 +137,94 @@ def test_a_mesh_draws_what_one_process_draws(tmp_path):
         mesh_grads = {**ranks[0][kind][1], **ranks[1][kind][1]}
         _assert_bitwise((loss, grads), (ranks[0][kind][0], mesh_grads))
         assert torch.equal(ranks[1][kind][0], loss), kind
+
+
+def _seeded_throughout(pipe):
+    for seeding in pipe._seedings():
+        seeding.permanent, seeding.full = True, {True: True, False: True}
+    return pipe
+
+
+class LateNoise(nn.Module):
+    """Draws only once switched on: a place the first steps never saw drawing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x):
+        return x + torch.randn_like(x) if self.on else x
+
+
+@pytest.mark.parametrize("kind", ["TransformerEncoderLayer", "drop-path bernoulli_", "F.dropout"])
+def test_seeding_only_where_draws_were_seen_changes_no_number(kind):
+    # After its first step a stage seeds only the modules seen drawing; the numbers
+    # must be those of seeding every operation, step after step.
+    def steps(pipe):
+        torch.manual_seed(3)
+        out = []
+        for _ in range(3):
+            x, y = torch.randn(ROWS, 8), torch.randn(ROWS, 8)
+            out.append(pipe.step(x, y, loss_fn=F.mse_loss))
+        return out, {n: p.grad.clone() for n, p in pipe.named_parameters()}
+
+    def pipe():
+        return Pipeline(model_of(kind), CHUNKS, balance=[2, 3], devices=["cpu"] * 2)
+
+    adaptive = pipe()
+    learned, throughout = steps(adaptive), steps(_seeded_throughout(pipe()))
+    assert all(torch.equal(a, b) for a, b in zip(learned[0], throughout[0], strict=True))
+    _assert_bitwise((learned[0][0], learned[1]), (throughout[0][0], throughout[1]))
+    assert any(s.hooked for s in adaptive._seedings())  # only the drawing modules are seeded
+    assert not any(s.full[True] for s in adaptive._seedings())
+
+
+def test_a_draw_in_a_new_place_reruns_the_step_and_changes_nothing_else():
+    # A module starts drawing in step 2: the tripwire sees it, the step is put back
+    # (gradients, BatchNorm statistics, generators) and rerun seeded throughout.
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(
+            nn.Linear(8, 8), nn.BatchNorm1d(8), LateNoise(), nn.Linear(8, 8), nn.Dropout(0.3)
+        )
+
+    def run(pipe):
+        torch.manual_seed(4)
+        losses = []
+        for step in range(3):
+            pipe.get_submodule("2").on = step >= 1
+            x, y = torch.randn(ROWS, 8), torch.randn(ROWS, 8)
+            losses.append(pipe.step(x, y, loss_fn=F.mse_loss))
+        grads = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+        return losses, grads, {n: b.clone() for n, b in pipe.named_buffers()}
+
+    def pipe():
+        return Pipeline(model(), CHUNKS, balance=[3, 2], devices=["cpu"] * 2)
+
+    adaptive = pipe()
+    rerun, reference = run(adaptive), run(_seeded_throughout(pipe()))
+    assert [s.strikes for s in adaptive._seedings()] == [1, 0, 0]  # stage 0 tripped, once
+    assert all(torch.equal(a, b) for a, b in zip(rerun[0], reference[0], strict=True))
+    for got, want in zip(rerun[1:], reference[1:], strict=True):
+        assert got.keys() == want.keys()
+        assert all(torch.equal(got[k], want[k]) for k in got), "grads or BatchNorm stats differ"
+
+
+def test_evaluation_first_then_training_learns_each_mode_apart():
+    pipe = Pipeline(model_of("F.dropout"), CHUNKS, balance=[2, 3], devices=["cpu"] * 2)
+    reference = _seeded_throughout(
+        Pipeline(model_of("F.dropout"), CHUNKS, balance=[2, 3], devices=["cpu"] * 2)
+    )
+    results = []
+    for p in (pipe, reference):
+        torch.manual_seed(2)
+        x, y = torch.randn(ROWS, 8), torch.randn(ROWS, 8)
+        p.eval()
+        with torch.no_grad():
+            evaluated = p(x)
+        p.train()
+        results.append(
+            (evaluated, p.step(x, y, loss_fn=F.mse_loss), p.step(x, y, loss_fn=F.mse_loss))
+        )
+    for a, b in zip(*results, strict=True):
+        assert torch.equal(a, b)

@@ -22,9 +22,11 @@ from pipesched.rng import draw_seed, module_names
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
-from pipesched.runtime.local import LocalRuntime, StepInputs
+from pipesched.runtime.local import LocalRuntime, StepInputs, _Run
 from pipesched.runtime.tree import tensors
 from pipesched.schedule import Schedule, Timeline, get_schedule, stages_per_worker
+from pipesched.seeding import StageSeeding, UnseededDraws
+from pipesched.transaction import Snapshot
 
 __all__ = ["Pipeline"]
 
@@ -195,7 +197,14 @@ class Pipeline(nn.Module):
         self._own_stages = own
         # Where random draws happen: the model's modules, and a traced model's random operations.
         random_ops = [t.random_ops for t in stages if isinstance(t, TracedStage)]
-        self._runtime.module_names = module_names(self, stages, [r for r in random_ops if r])
+        names = module_names(self, stages, [r for r in random_ops if r is not None])
+        self._runtime.seeding = [  # on a mesh a rerun would need every rank: seed throughout
+            StageSeeding(names[s], stages[s], stage_devices[s], adaptive=info is None)
+            for s in range(len(stages))
+        ]
+        self._runtime.loss_seeding = StageSeeding(
+            {}, stages[-1], stage_devices[-1], adaptive=info is None
+        )
         self.last_timeline: Timeline | None = None
 
     @property
@@ -235,10 +244,9 @@ class Pipeline(nn.Module):
             )
         micro = scatter(inputs[0], self.chunks)
         stop = checkpoint_stop(self.checkpoint, len(micro))
-        step = StepInputs(micro, checkpoint_stop=stop, seed=self._call_seed())
-        run = self._runtime.run(self.schedule(len(micro)), step, detach=False)
-        self.last_timeline = run.timeline
-        self._commit_batch_norm()
+        run = self._transaction(
+            lambda: StepInputs(micro, checkpoint_stop=stop, seed=self._call_seed()), detach=False
+        )
         if self.mesh is not None and self.placement[-1] != self.mesh.pp_rank:
             return None
         return gather([run.outputs[i] for i in range(len(micro))])
@@ -327,31 +335,87 @@ class Pipeline(nn.Module):
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; micro-batch i's loss weighs
         ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
+        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+            raise ConfigError(
+                "pipe.step and pipe.accumulate run backward, but grad mode is off here "
+                "(inside torch.no_grad() or torch.inference_mode()): call them outside that "
+                "block, or evaluate with pipe(x)"
+            )
         micro = scatter((inputs, target), self.chunks)
         weights = [scale if summed else scale * _rows(x) for x, _ in micro]
-        step = StepInputs(
-            inputs=[x for x, _ in micro],
-            targets=None if target is None else [t for _, t in micro],
-            loss_fn=loss_fn,
-            loss_weights=weights,
-            checkpoint_stop=checkpoint_stop(self.checkpoint, len(micro)),
-            seed=self._call_seed(),
-        )
-        run = self._runtime.run(self.schedule(len(micro)), step, detach=True)
-        self.last_timeline = run.timeline
-        self._commit_batch_norm()
+
+        def make_step() -> StepInputs:
+            return StepInputs(
+                inputs=[x for x, _ in micro],
+                targets=None if target is None else [t for _, t in micro],
+                loss_fn=loss_fn,
+                loss_weights=weights,
+                checkpoint_stop=checkpoint_stop(self.checkpoint, len(micro)),
+                seed=self._call_seed(),
+            )
+
+        run = self._transaction(make_step, detach=True)
         if self.mesh is None:
             return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
         return broadcast_loss(run.losses, len(micro), self.placement[-1], self.mesh)
 
-    def _call_seed(self) -> int | None:
-        """This call's seed for random operations (:mod:`pipesched.rng`).
+    def _transaction(self, make_step: Callable[[], StepInputs], *, detach: bool) -> _Run:
+        """Runs one step as a transaction, one step at a time.
 
-        Locally None: the runtime draws it from torch's default CPU generator
-        when a stage first needs it. On a mesh every rank draws it up front, and
-        the ranks run with pp rank 0's.
+        Another thread's step waits for this one (the pipeline's lock). If the
+        step raises (any stage, any micro-batch, KeyboardInterrupt included),
+        every worker has stopped and gradients, BatchNorm statistics and the
+        generators are as before it (:mod:`pipesched.transaction`). A stage
+        that drew unseeded random numbers (:mod:`pipesched.seeding`) makes the
+        step run again, from the same state, with its seeding on.
         """
-        return None if self.mesh is None else draw_seed()
+        if self._runtime.running_here():
+            raise ConfigError(
+                "this Pipeline was called from inside one of its own steps (a stage's "
+                "forward or the loss_fn); a step cannot run another of the same pipeline: "
+                "call it after the step returns"
+            )
+        with self._runtime.lock:
+            snapshot = Snapshot.take(self)
+            for attempt in range(2):
+                step = make_step()  # after a rerun's restore: the same seed as a first run
+                try:
+                    run = self._runtime.run(self.schedule(len(step.inputs)), step, detach=detach)
+                    self._commit_batch_norm()
+                except UnseededDraws:
+                    snapshot.restore()
+                    if attempt:
+                        raise
+                    for seeding in self._seedings():
+                        seeding.probe()
+                    continue
+                except BaseException:
+                    snapshot.restore()
+                    raise
+                for seeding in self._seedings():
+                    seeding.settle()
+                self.last_timeline = run.timeline
+                return run
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _call_seed(self) -> int | None:
+        """This step's seed for random operations (:mod:`pipesched.rng`), or None.
+
+        On a mesh every rank draws it from torch's default CPU generator, and
+        they run with pp rank 0's. Locally it is drawn when a stage may draw
+        seeded numbers and some stage's tripwire is armed (a draw mid-step
+        would trip it); None otherwise: drawn at the first seeded draw if any,
+        so a model without random operations leaves the generator alone.
+        """
+        seedings = self._seedings()
+        if self.mesh is not None or (
+            any(s.needs_seed for s in seedings) and any(s.watching for s in seedings)
+        ):
+            return draw_seed()
+        return None
+
+    def _seedings(self) -> list[StageSeeding]:
+        return [*self._runtime.seeding, self._runtime.loss_seeding]
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's timeline with every rank's actions, on pipeline rank 0.

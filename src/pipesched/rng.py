@@ -49,7 +49,16 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["RANDOM_MODULES", "SeededRandomness", "StepSeed", "draw_seed", "module_names"]
+__all__ = [
+    "LOCK",
+    "RANDOM_MODULES",
+    "DrawContext",
+    "SeededRandomness",
+    "StepSeed",
+    "draw_seed",
+    "generator_of",
+    "module_names",
+]
 
 RANDOM_MODULES: tuple[type[nn.Module], ...] = (
     nn.modules.dropout._DropoutNd,
@@ -60,7 +69,8 @@ RANDOM_MODULES: tuple[type[nn.Module], ...] = (
 """Modules that draw random numbers in training mode (a traced graph calls them as layers)."""
 
 _SEEDED = torch.Tag.nondeterministic_seeded
-_LOCK = threading.RLock()
+LOCK = threading.RLock()
+"""Held around every seeded draw (and by anything that reads a generator's state)."""
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 
@@ -76,7 +86,7 @@ class StepSeed:
 
     def get(self) -> int:
         """The seed, drawing it on the first call (thread-safe)."""
-        with _LOCK:
+        with LOCK:
             if self._value is None:
                 self._value = draw_seed()
             return self._value
@@ -112,29 +122,72 @@ def module_names(
     return [names | {i: f"{names[i]}@stage{s}" for i in shared} for s in range(len(stages))]
 
 
-class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """Runs every random operation of one stage's micro-batch with a seed of its own.
-
-    Enter a fresh instance around each forward (and each recomputation) of a
-    stage for one micro-batch: draw counts start from zero each time, so a
-    recomputation draws what the forward drew.
+class DrawContext:
+    """One stage's forward (or recomputation) of one micro-batch: what its draws are keyed by.
 
     Args:
         names: the model's modules by id (:func:`module_names`).
         seed: the step's seed.
         microbatch: the micro-batch index.
-        place: a name for draws outside every named module (e.g. ``"loss"``).
+        place: the first element of every draw's path (e.g. ``"loss"``).
+
+    Attributes:
+        counts: draws so far per module path: a recomputation starts from zero
+            again in a fresh context, so it draws what the forward drew.
+        drawn: the innermost named module of each operation that drew numbers
+            (None: no named module); a dropout of p = 0 draws none.
     """
 
     def __init__(
         self, names: dict[int, str], seed: StepSeed, microbatch: int, place: str = ""
     ) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
         self.names = names
         self.seed = seed
         self.microbatch = microbatch
         self.place = place
         self.counts: dict[tuple[str, ...], int] = {}
+        self.drawn: dict[int, nn.Module | None] = {}
+
+    def seed_for(self, frame: FrameType | None) -> tuple[int, nn.Module | None]:
+        """The seed of the next draw made from ``frame``: (step, micro-batch, path, count).
+
+        Returns the seed and the innermost named module on the path (None: none).
+        """
+        path: list[str] = []
+        innermost: nn.Module | None = None
+        while frame is not None:
+            if frame.f_code is _CALL_IMPL:
+                module = frame.f_locals.get("self")
+                name = self.names.get(id(module))
+                if name is not None:
+                    path.append(name)
+                    innermost = innermost or module
+            frame = frame.f_back
+        path.append(self.place)
+        key = tuple(reversed(path))
+        count = self.counts.get(key, 0)
+        self.counts[key] = count + 1
+        digest = hashlib.blake2b(
+            repr((self.seed.get(), self.microbatch, key, count)).encode(), digest_size=8
+        ).digest()
+        return int.from_bytes(digest, "little") >> 1, innermost
+
+
+class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """While active, every random operation draws with the seed :class:`DrawContext` gives it.
+
+    Operations tagged ``nondeterministic_seeded`` run with their device's
+    default generator seeded, under a process-wide lock, and the generator's
+    state restored afterwards. Operations given an explicit ``generator=``
+    are left alone.
+
+    Args:
+        context: the stage forward the draws belong to.
+    """
+
+    def __init__(self, context: DrawContext) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.context = context
 
     def __torch_dispatch__(
         self,
@@ -146,32 +199,18 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         if _SEEDED not in func.tags or kwargs.get("generator") is not None:
             return func(*args, **kwargs)
-        path = self._path(sys._getframe(1))
-        count = self.counts.get(path, 0)
-        self.counts[path] = count + 1
-        key = (self.seed.get(), self.microbatch, path, count)
-        digest = hashlib.blake2b(repr(key).encode(), digest_size=8).digest()
-        seed = int.from_bytes(digest, "little") >> 1
-        generator = _generator(_device(args, kwargs))
-        with _LOCK:
+        seed, module = self.context.seed_for(sys._getframe(1))
+        generator = generator_of(_device(args, kwargs))
+        with LOCK:
             saved = generator.get_state()
             generator.manual_seed(seed)
+            seeded = generator.get_state()
             try:
                 return func(*args, **kwargs)
             finally:
+                if not torch.equal(seeded, generator.get_state()):  # it drew (p = 0 does not)
+                    self.context.drawn[id(module)] = module
                 generator.set_state(saved)
-
-    def _path(self, frame: FrameType | None) -> tuple[str, ...]:
-        """The model's named modules on the call stack, outermost first."""
-        path: list[str] = []
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL:
-                name = self.names.get(id(frame.f_locals.get("self")))
-                if name is not None:
-                    path.append(name)
-            frame = frame.f_back
-        path.append(self.place)
-        return tuple(reversed(path))
 
 
 def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
@@ -183,7 +222,7 @@ def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:
     return torch.device(device) if device is not None else torch.device("cpu")
 
 
-def _generator(device: torch.device) -> torch.Generator:
+def generator_of(device: torch.device) -> torch.Generator:
     """The default generator of ``device``."""
     if device.type == "cuda":
         return torch.cuda.default_generators[

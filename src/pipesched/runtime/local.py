@@ -27,7 +27,7 @@ from torch import nn
 
 from pipesched.checkpoint import checkpoint
 from pipesched.errors import ConfigError
-from pipesched.rng import SeededRandomness, StepSeed
+from pipesched.rng import StepSeed
 from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.fused_linear import FusedLinearMode
 from pipesched.runtime.mailbox import Aborted, Mailbox
@@ -41,6 +41,7 @@ from pipesched.runtime.streams import (
 )
 from pipesched.runtime.tree import map_tensors, tensors
 from pipesched.schedule import BACKWARD, FORWARD, Action, Event, Schedule, Timeline
+from pipesched.seeding import StageSeeding
 
 __all__ = ["LocalRuntime", "StepInputs", "ThreadState"]
 
@@ -146,8 +147,12 @@ class LocalRuntime:
         self.num_threads = num_threads
         self.fused = None if fused is None else list(fused)
         self._streams: list[Stream] = [new_stream(d) for d in self.devices]
-        self.module_names: list[dict[int, str]] = [{} for _ in self.stages]
-        """Per stage, the model's modules by id: places of random draws (:mod:`pipesched.rng`)."""
+        self.seeding = [StageSeeding({}, s, torch.device("cpu"), adaptive=False) for s in stages]
+        """How each stage seeds its random draws (:mod:`pipesched.seeding`)."""
+        self.loss_seeding = StageSeeding({}, self.stages[-1], torch.device("cpu"), adaptive=False)
+        """How the loss function's random draws are seeded."""
+        self.lock = threading.Lock()
+        """Held by the caller for a whole step: steps of one pipeline run one at a time."""
         self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
         """Optional: a context manager entered around each forward of stage ``s``
         (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
@@ -193,6 +198,10 @@ class LocalRuntime:
         run.timeline = Timeline(tuple(run.events), schedule.placement)
         return run
 
+    def running_here(self) -> bool:
+        """Whether the calling thread is one of this runtime's workers, inside a step."""
+        return getattr(_working, "runtime", None) is self
+
     def _start_threads(
         self,
         workers: list[int],
@@ -216,10 +225,13 @@ class LocalRuntime:
         try:
             for thread in threads:
                 thread.start()
-        finally:
             for thread in threads:
-                if thread.ident is not None:
-                    thread.join()
+                thread.join()
+        except BaseException:  # Ctrl-C or SystemExit while waiting: stop everyone first
+            run.mailbox.abort()
+            _join_all(threads)
+            raise
+        finally:
             torch.set_num_threads(previous_threads)
 
     def _work(
@@ -237,11 +249,14 @@ class LocalRuntime:
         }
         events = []
         action = actions[0] if actions else Action(0, FORWARD, 0)
+        previous, _working.runtime = getattr(_working, "runtime", None), self
         try:
             with ExitStack() as stack:
                 state.enter(stack)
                 stack.enter_context(use_stream(self._streams[w]))
                 for action in actions:
+                    if run.mailbox.aborted:  # another worker failed, or the caller was interrupted
+                        raise Aborted
                     # The handler returns when its inputs had arrived: waiting is not work.
                     start = handlers.get(action.kind, self._weight)(action, w, schedule, run)
                     events.append(Event(action, w, start - origin, time.perf_counter() - origin))
@@ -255,6 +270,8 @@ class LocalRuntime:
             run.mailbox.abort()
             if first:
                 self.on_failure(error, action)
+        finally:
+            _working.runtime = previous
         with run.lock:
             run.events += events
 
@@ -268,7 +285,7 @@ class LocalRuntime:
             x = map_tensors(x, _fresh_leaf)
         # Fused weight-gradient accumulation only where pipesched runs the backward.
         fused = self.fused[s] if self.fused is not None and run.detach else None
-        stage = _Seeded(self.stages[s], self.module_names[s], run.seed, i, fused)
+        stage = _Seeded(self.stages[s], self.seeding[s], run.seed, i, fused)
         with self.forward_context(s) if self.forward_context else nullcontext():
             if i < run.step.checkpoint_stop and torch.is_grad_enabled():
                 # No RNG replay: _Seeded reseeds random operations itself, and torch's
@@ -287,13 +304,20 @@ class LocalRuntime:
             return start
         target = () if run.step.targets is None else (run.step.targets[i],)
         target = map_tensors(target, lambda t: copy_to(t, device, stream))
-        with SeededRandomness(self.module_names[s], run.seed, i, "loss"):
+        with self.loss_seeding.forward(run.seed, i, "loss"):
             loss = run.step.loss_fn(y, *target)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
             shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
             raise ConfigError(
                 f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}; "
                 "reduce it with .mean() or .sum() (use num_items= with a sum)"
+            )
+        if not loss.requires_grad:
+            why = "an integer tensor" if not loss.is_floating_point() else "detached from the model"
+            raise ConfigError(
+                f"loss_fn returned a loss that cannot be differentiated ({why}, "
+                f"dtype {loss.dtype}); return a floating-point loss computed from the output "
+                "without .detach(), .item() or torch.no_grad(), as loss.backward() would need"
             )
         weighted = loss.reshape(()) * run.step.loss_weights[i]
         run.losses[i] = weighted.detach()
@@ -370,19 +394,19 @@ class _Seeded(nn.Module):
     def __init__(
         self,
         stage: nn.Module,
-        names: dict[int, str],
+        seeding: StageSeeding,
         seed: StepSeed,
         microbatch: int,
         fused: frozenset[int] | None,
     ) -> None:
         super().__init__()
         self.stage = stage
-        self.names, self.seed, self.microbatch = names, seed, microbatch
+        self.seeding, self.seed, self.microbatch = seeding, seed, microbatch
         self.fused = fused
 
     def forward(self, x: Any) -> Any:
         fusing = FusedLinearMode(self.fused) if self.fused else nullcontext()
-        with SeededRandomness(self.names, self.seed, self.microbatch), fusing:
+        with self.seeding.forward(self.seed, self.microbatch), fusing:
             return self.stage(x)
 
 
@@ -392,3 +416,21 @@ def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
     if torch.is_grad_enabled() and (leaf.is_floating_point() or leaf.is_complex()):
         leaf.requires_grad_(True)
     return leaf
+
+
+_working = threading.local()  # .runtime: the runtime whose worker this thread is, inside a step
+
+
+def _join_all(threads: list[threading.Thread]) -> None:
+    """Waits for every started worker, whatever further interrupts arrive meanwhile.
+
+    A worker stops at its next action (the mailbox was aborted), so this is
+    short; returning earlier would leave threads running the interrupted step
+    (and a process ending then aborts in torch's C++ teardown).
+    """
+    for thread in threads:
+        while thread.ident is not None and thread.is_alive():
+            try:
+                thread.join()
+            except BaseException:
+                continue

@@ -44,6 +44,11 @@ class Mailbox:
                 self._ready.wait()
             return self._items.pop(key)
 
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called."""
+        return self._aborted
+
     def abort(self) -> None:
         """Wakes every waiting worker with :class:`Aborted`."""
         with self._ready:

@@ -1,0 +1,117 @@
+"""What seeding every random operation costs: pipesched with and without the dispatch-level seeding.
+
+Run: .venv/bin/python benchmarks/randomness.py [--rounds 9] [--json out.json]
+
+Every stage forward (and recomputation) runs under a ``TorchDispatchMode`` that
+seeds random operations (:mod:`pipesched.rng`); a stage with no random
+operations still pays one Python dispatch per ATen operation. This measures
+that cost on the local benchmark's model (8 x Linear(1024) + ReLU, batch 256,
+chunks 8, 2 CPU stages, 1F1B, checkpoint "except_last"), the target being
+below 2% of step time, and, for the record, on a small Transformer (width 64,
+many small operations: the worst case) without dropout and with it. "off" is
+the same pipeline with the mode replaced by a no-op (not a configuration
+users can pick: unseeded draws are wrong under threads and recomputation).
+Rounds alternate on and off so machine noise hits both alike; medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from mlp_bench import BATCH, CHUNKS, LAYERS, WIDTH, loss_fn, mlp
+from torch import nn
+
+from pipesched import Pipeline
+from pipesched.seeding import StageSeeding
+
+TARGET = 0.02
+
+
+def transformer(dropout: float) -> nn.Sequential:
+    """4 encoder layers of width 64 on (batch, 16 tokens, 64)."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.TransformerEncoderLayer(64, 4, 128, dropout=dropout, batch_first=True)
+            for _ in range(4)
+        ]
+    )
+
+
+def cases() -> dict[str, tuple[Pipeline, torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(1)
+    mlp_pipe = Pipeline(
+        mlp(), CHUNKS, balance=[LAYERS, LAYERS], devices=["cpu", "cpu"], schedule="1f1b"
+    )
+    x, y = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    found: dict[str, tuple[Pipeline, torch.Tensor, torch.Tensor]] = {
+        "mlp 8 x Linear(1024)": (mlp_pipe, x, y)
+    }
+    for p in (0.0, 0.1):
+        pipe = Pipeline(transformer(p), 8, balance=[2, 2], devices=["cpu"] * 2, schedule="1f1b")
+        t, u = torch.randn(64, 16, 64), torch.randn(64, 16, 64)
+        found[f"transformer d64 dropout {p}"] = (pipe, t, u)
+    return found
+
+
+def timed(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, steps: int) -> float:
+    start = time.perf_counter()
+    for _ in range(steps):
+        pipe.step(x, y, loss_fn=loss_fn)
+    return (time.perf_counter() - start) / steps
+
+
+@contextlib.contextmanager
+def seeding(on: bool) -> Any:
+    if on:
+        yield
+        return
+    real: Callable[..., Any] = StageSeeding.forward
+    StageSeeding.forward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        StageSeeding.forward = real  # type: ignore[method-assign]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--json", help="write the medians here")
+    args = parser.parse_args()
+    results = {}
+    print(f"{'model':<30}{'on ms':>9}{'off ms':>9}{'cost':>8}")
+    for name, (pipe, x, y) in cases().items():
+        times: dict[bool, list[float]] = {True: [], False: []}
+        for on in (True, False):  # warm-up
+            with seeding(on):
+                timed(pipe, x, y, 1)
+        for r in range(args.rounds):
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                with seeding(on):
+                    times[on].append(timed(pipe, x, y, args.steps))
+        on_ms, off_ms = (1000 * statistics.median(times[k]) for k in (True, False))
+        cost = on_ms / off_ms - 1
+        results[name] = {"on_ms": on_ms, "off_ms": off_ms, "cost": cost}
+        print(f"{name:<30}{on_ms:>9.2f}{off_ms:>9.2f}{100 * cost:>7.1f}%")
+    cost = results["mlp 8 x Linear(1024)"]["cost"]
+    verdict = "ok" if cost < TARGET else "MISSED"
+    print(
+        f"target: seeding costs < {100 * TARGET:.0f}% of the local benchmark's step: "
+        f"{100 * cost:.1f}% {verdict}"
+    )
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
