@@ -44,7 +44,9 @@ def _acc(
     scaler: bool = True,
     window: int = WINDOW,
     groups: int = 1,
+    covered: int = 4,
 ) -> GradientAccumulator:
+    """An Adam accumulator; ``covered``: how many of the 4 parameters its one group holds."""
     pipe = Pipeline(_model(width), 2, balance=[2, 1], devices=["cpu", "cpu"], schedule="1f1b")
     params = list(pipe.parameters())
     if optimizers == 2:  # one per stage
@@ -52,7 +54,7 @@ def _acc(
     elif groups == 2:
         opts = [torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)]
     else:
-        opts = [torch.optim.Adam(params[: 4 if groups == 1 else groups], lr=1e-2)]
+        opts = [torch.optim.Adam(params[:covered], lr=1e-2)]
     return GradientAccumulator(
         pipe,
         opts if optimizers == 2 else opts[0],
@@ -154,7 +156,7 @@ def test_another_optimizer_count_changes_nothing(tmp_path):
 
 
 def test_another_param_group_size_changes_nothing(tmp_path):
-    path = _saved(tmp_path, groups=3)  # Adam over the first 3 of 4 parameters
+    path = _saved(tmp_path, covered=3)  # Adam over the first 3 of 4 parameters
     message = "optimizer 1 of 1: param group 0 has 3 parameters in the checkpoint, 4 here"
     _resumes_exactly(_refused_and_unchanged(path, message), tmp_path)
 
