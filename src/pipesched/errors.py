@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["ConfigError", "PartitionError", "PipeschedError", "RemoteError", "ScheduleError"]
+__all__ = [
+    "CheckpointError",
+    "ConfigError",
+    "PartitionError",
+    "PipeschedError",
+    "RemoteError",
+    "ScheduleError",
+]
 
 
 class PipeschedError(Exception):
@@ -29,3 +36,12 @@ class PartitionError(PipeschedError, ValueError):
 
 class RemoteError(PipeschedError, RuntimeError):
     """Another rank of a distributed pipeline failed or died; the message names it."""
+
+
+class CheckpointError(PipeschedError, ValueError):
+    """A checkpoint cannot be read, or does not fit what it is loaded into.
+
+    Raised before anything was changed. The message names the file (when
+    loading from a path), what does not fit and the fix; an unreadable file's
+    own error is chained as ``__cause__``.
+    """

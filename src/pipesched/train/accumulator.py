@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipesched.errors import ConfigError
+from pipesched.errors import CheckpointError, ConfigError
 from pipesched.microbatch import batch_size
+from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, describe
 from pipesched.train.gradients import all_finite, clip_to_, grads_of, scale_
 from pipesched.train.loss_scale import LossScale
 from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -289,7 +290,55 @@ class GradientAccumulator:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restores :meth:`state_dict` into this accumulator, its pipeline and optimizers."""
+        """Restores :meth:`state_dict` into this accumulator, its pipeline and optimizers.
+
+        All or nothing: the whole checkpoint is checked against this
+        accumulator first (model keys, shapes and dtypes; optimizers, their
+        param groups and per-parameter state; schedulers; scaler; counters;
+        the window and its gradients), and should applying it still fail,
+        everything it changed is put back before the error is raised.
+
+        Raises:
+            CheckpointError: ``state`` does not fit; the message lists every
+                misfit and the fix. Nothing was changed.
+        """
+        self._load(state, None)
+
+    def save(self, path: str) -> None:
+        """Writes :meth:`state_dict` to ``path`` atomically (a crash mid-save loses nothing).
+
+        A save killed outright leaves a ``.{name}.pipesched-*.tmp`` file beside
+        ``path``; the next save to ``path`` removes it.
+        """
+        save_checkpoint(self.state_dict(), path)
+
+    def load(self, path: str) -> None:
+        """Resumes from a file written by :meth:`save`; all or nothing, as :meth:`load_state_dict`.
+
+        Raises:
+            FileNotFoundError: there is no file at ``path``.
+            CheckpointError: the file cannot be read (truncated, empty, not a
+                checkpoint: the reader's error is chained), or does not fit.
+                The message names ``path``. Nothing was changed.
+        """
+        self._load(load_checkpoint(path), path)
+
+    def _load(self, state: Any, source: str | None) -> None:
+        check_fits(self, state, source)
+        snapshot = Snapshot(self)
+        try:
+            self._apply(state)
+        except BaseException as err:
+            snapshot.restore()
+            if not isinstance(err, Exception):
+                raise
+            raise CheckpointError(
+                f"{describe(source)} passed the checks but could not be applied "
+                f"({type(err).__name__}: {err}); everything it changed was put back. Fix: "
+                f"{FIX}"
+            ) from err
+
+    def _apply(self, state: dict[str, Any]) -> None:
         self.pipe.load_state_dict(state["model"])
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
@@ -305,11 +354,3 @@ class GradientAccumulator:
         for name, p in self.pipe.named_parameters():
             grad = window["grads"].get(name)
             p.grad = None if grad is None else grad.to(p.device).clone()
-
-    def save(self, path: str) -> None:
-        """Writes :meth:`state_dict` to ``path`` atomically (a crash mid-save loses nothing)."""
-        save_checkpoint(self.state_dict(), path)
-
-    def load(self, path: str) -> None:
-        """Resumes from a file written by :meth:`save`."""
-        self.load_state_dict(load_checkpoint(path))

@@ -1,16 +1,26 @@
-"""Checkpoint files: atomic saves, and the random number generators' states."""
+"""Checkpoint files: atomic saves that clean up after killed ones, and the RNG states."""
 
 from __future__ import annotations
 
 import os
 import random
+import re
+import socket
 import sys
 import tempfile
 from typing import Any
 
 import torch
 
-__all__ = ["load_checkpoint", "rng_state", "save_checkpoint", "set_rng_state"]
+from pipesched.errors import CheckpointError
+
+__all__ = [
+    "load_checkpoint",
+    "remove_stale_temp_files",
+    "rng_state",
+    "save_checkpoint",
+    "set_rng_state",
+]
 
 
 def rng_state() -> dict[str, Any]:
@@ -36,9 +46,18 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save_checkpoint(state: dict[str, Any], path: str) -> None:
-    """``torch.save`` to a temporary file beside ``path``, then an atomic rename over it."""
+    """``torch.save`` to a temporary file beside ``path``, then an atomic rename over it.
+
+    The temporary file is ``.{name}.pipesched-{host}-{pid}-{random}.tmp``
+    beside ``path``. A save killed outright (SIGKILL, power loss) leaves it
+    behind, and the previous file at ``path`` intact; the next save to the
+    same ``path`` first removes such leftovers of processes of this host that
+    are no longer alive (never a live process's file, never another host's).
+    """
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".pipesched-", suffix=".tmp", dir=directory)
+    remove_stale_temp_files(path)
+    prefix = f"{_temp_prefix(path)}{_HOST}-{os.getpid()}-"
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(state, f)
@@ -50,7 +69,69 @@ def save_checkpoint(state: dict[str, Any], path: str) -> None:
         raise
 
 
-def load_checkpoint(path: str) -> dict[str, Any]:
-    """Reads a file written by :func:`save_checkpoint` (CPU tensors are kept on the CPU)."""
-    state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
-    return state
+def load_checkpoint(path: str) -> Any:
+    """Reads a file written by :func:`save_checkpoint` (every tensor is loaded on the CPU).
+
+    Raises:
+        FileNotFoundError: there is no file at ``path`` (Python's convention,
+            so that ``except FileNotFoundError`` can mean "start afresh").
+        CheckpointError: the file cannot be read: truncated, empty, a
+            directory, not a ``torch.save`` file. The reader's error is chained.
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except FileNotFoundError:
+        raise
+    except Exception as err:
+        raise CheckpointError(
+            f"checkpoint {path!r} cannot be read ({type(err).__name__}: {err}): it is "
+            "truncated, empty, a directory or not a file written by torch.save; load "
+            "another checkpoint"
+        ) from err
+
+
+def remove_stale_temp_files(path: str) -> list[str]:
+    """Removes the temporary files that killed saves to ``path`` left; returns their paths.
+
+    Only files named by :func:`save_checkpoint` for this ``path`` on this
+    host whose process is gone; a file of a live process (another save in
+    progress) or of another host (a shared file system) is left alone.
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    prefix = _temp_prefix(path)
+    removed = []
+    for name in os.listdir(directory):
+        if not (name.startswith(prefix) and name.endswith(".tmp")):
+            continue
+        owner = name[len(prefix) : -len(".tmp")].rpartition("-")[0]  # host-pid
+        host, _, pid = owner.rpartition("-")
+        if host != _HOST or not pid.isdigit() or _alive(int(pid)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+        except FileNotFoundError:  # another process cleaned it first
+            continue
+        removed.append(os.path.join(directory, name))
+    return removed
+
+
+def _temp_prefix(path: str) -> str:
+    # Bounded, so that the temporary name stays within the file system's limit.
+    return f".{os.path.basename(path)[:96]}.pipesched-"
+
+
+def _alive(pid: int) -> bool:
+    # This process's own file may be another thread's save in progress; on
+    # Windows os.kill(pid, 0) would terminate the process: keep both.
+    if pid == os.getpid() or sys.platform == "win32":
+        return True
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: another user's live process; else: cannot tell
+        return True
+    return True
+
+
+_HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
