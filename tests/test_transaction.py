@@ -256,3 +256,38 @@ def test_a_loss_that_cannot_be_differentiated_raises(loss_fn, why):
     with pytest.raises(ConfigError, match=why):
         pipe.step(*_data(1), loss_fn=loss_fn)
     assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_accumulator_steps_from_two_threads_count_every_batch_once():
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+
+    generators = [torch.Generator().manual_seed(i) for i in range(8)]
+    batches = [
+        (torch.randn(8, 16, generator=g), torch.randn(8, 2, generator=g)) for g in generators
+    ]
+    pipe = Pipeline(model(), 2, balance=[2, 1], devices=["cpu"] * 2)
+    acc = GradientAccumulator(
+        pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), accumulation_steps=8
+    )
+    results = []
+    threads = [
+        threading.Thread(
+            target=lambda part: results.extend(acc.step(x, y, loss_fn=F.mse_loss) for x, y in part),
+            args=(batches[i::2],),
+        )
+        for i in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(r.step for r in results) == list(range(1, 9))
+    assert [r.stepped for r in results].count(True) == 1
+    plain = model()
+    x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+    F.mse_loss(plain(x), y).backward()
+    torch.optim.SGD(plain.parameters(), lr=0.1).step()
+    for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)

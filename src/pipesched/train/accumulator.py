@@ -12,6 +12,7 @@ stage, clipped by one global norm, stepped, scheduled and zeroed: each once.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -120,6 +121,7 @@ class GradientAccumulator:
         self.loss_scale = LossScale(scaler, list(pipe.devices))
         self.steps = 0
         self.windows = 0
+        self._lock = threading.Lock()  # steps and flushes from several threads: one at a time
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -145,7 +147,21 @@ class GradientAccumulator:
                 otherwise ``loss_fn`` returns a sum over items (e.g. tokens)
                 and this counts them. The window is normalized by the sum of
                 its steps' counts.
+
+        Calls from several threads run one at a time. If the pipeline step
+        raises, the window is as before the call (gradients included): the
+        same batch can be stepped again.
         """
+        with self._lock:
+            return self._step(inputs, target, loss_fn, num_items)
+
+    def _step(
+        self,
+        inputs: Any,
+        target: Any,
+        loss_fn: Callable[..., torch.Tensor],
+        num_items: int | float | torch.Tensor | None,
+    ) -> StepResult:
         if self.position == 0:
             self.pipe.zero_grad(set_to_none=True)
             self._scale = self.loss_scale.value()  # constant through the window
@@ -173,9 +189,10 @@ class GradientAccumulator:
 
     def flush(self) -> StepResult | None:
         """Finishes an incomplete window, normalized by its own content; None if empty."""
-        if self.position == 0:
-            return None
-        return self._finish(math.nan)
+        with self._lock:
+            if self.position == 0:
+                return None
+            return self._finish(math.nan)
 
     def _finish(self, step_loss: float) -> StepResult:
         sync = self.pipe.sync  # the identity locally; reductions over the mesh otherwise
