@@ -9,6 +9,7 @@ from typing import Any, NoReturn
 import networkx as nx
 import torch
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
@@ -192,9 +193,13 @@ class Pipeline(nn.Module):
             self.add_module(name, layer)
         if info is not None:
             self.sync = GradientSync(info, self.parameters(), tied, {s: stages[s] for s in own})
-            self._runtime.on_stage_done = self.sync.stage_done  # type: ignore[attr-defined]
+            self._runtime.on_stage_done = self._stage_done  # type: ignore[attr-defined]
         self._stages = stages
         self._own_stages = own
+        # What a step may change (pipesched.transaction): this process's parameters, BatchNorms.
+        self._params = list(self.parameters())
+        self._batch_norms = [m for m in self.modules() if isinstance(m, _BatchNorm)]
+        self._snapshot: Snapshot | None = None
         # Where random draws happen: the model's modules, and a traced model's random operations.
         random_ops = [t.random_ops for t in stages if isinstance(t, TracedStage)]
         names = module_names(self, stages, [r for r in random_ops if r is not None])
@@ -376,27 +381,39 @@ class Pipeline(nn.Module):
                 "call it after the step returns"
             )
         with self._runtime.lock:
-            snapshot = Snapshot.take(self)
             for attempt in range(2):
-                step = make_step()  # after a rerun's restore: the same seed as a first run
                 try:
-                    run = self._runtime.run(self.schedule(len(step.inputs)), step, detach=detach)
-                    self._commit_batch_norm()
+                    return self._attempt(make_step, detach)
                 except UnseededDraws:
-                    snapshot.restore()
                     if attempt:
                         raise
                     for seeding in self._seedings():
                         seeding.probe()
-                    continue
-                except BaseException:
-                    snapshot.restore()
-                    raise
-                for seeding in self._seedings():
-                    seeding.settle()
-                self.last_timeline = run.timeline
-                return run
         raise AssertionError("unreachable")  # pragma: no cover
+
+    def _attempt(self, make_step: Callable[[], StepInputs], detach: bool) -> _Run:
+        """One run of the step: committed if it returns, put back if it raises."""
+        self._snapshot = snapshot = Snapshot.take(self._params, self._batch_norms)
+        try:
+            step = make_step()  # after a put-back step: the same seed as its first run
+            run = self._runtime.run(self.schedule(len(step.inputs)), step, detach=detach)
+            self._commit_batch_norm()
+        except BaseException:
+            snapshot.restore()
+            raise
+        finally:
+            self._snapshot = None
+        snapshot.commit()
+        for seeding in self._seedings():
+            seeding.settle()
+        self.last_timeline = run.timeline
+        return run
+
+    def _stage_done(self, stage: int) -> None:
+        """A stage's gradients are final for this step: its replicas may start summing them."""
+        if self._snapshot is not None:
+            self._snapshot.commit(list(self._stages[stage].parameters()))
+        self.sync.stage_done(stage)
 
     def _call_seed(self) -> int | None:
         """This step's seed for random operations (:mod:`pipesched.rng`), or None.
