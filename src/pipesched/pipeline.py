@@ -15,6 +15,7 @@ from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device, resolve_workers, threads_per_worker
 from pipesched.distributed.mesh import MeshInfo, rank0_value
+from pipesched.distributed.placement import stage_parameters
 from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size, gather, scatter
 from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
@@ -412,7 +413,7 @@ class Pipeline(nn.Module):
     def _stage_done(self, stage: int) -> None:
         """A stage's gradients are final for this step: its replicas may start summing them."""
         if self._snapshot is not None:
-            self._snapshot.commit(list(self._stages[stage].parameters()))
+            self._snapshot.commit(stage_parameters(self._stages[stage]))
         self.sync.stage_done(stage)
 
     def _call_seed(self) -> int | None:
