@@ -17,7 +17,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from pipesched.errors import ConfigError, PartitionError
+from pipesched.errors import ConfigError, ConfigTypeError, PartitionError
 from pipesched.partition.balance import check_cuttable, min_max_counts, search_schedule
 from pipesched.partition.graph import Layer
 from pipesched.partition.profile import NodeCost
@@ -201,8 +201,8 @@ def split_positions(
 ) -> list[int]:
     """Where each split point's stage begins: a child index (Sequential) or an op position."""
     names = list(split_points)
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise ConfigError(
+    if isinstance(split_points, str) or not all(isinstance(n, str) for n in names):
+        raise ConfigTypeError(
             f"split_points must be a list of module names, got {split_points!r}; "
             "e.g. split_points=['transformer.h.2']"
         )
