@@ -1,0 +1,427 @@
+"""The error taxonomy: wrong types are TypeErrors, and every suggested fix works when applied."""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from packaging.version import Version
+from torch import nn
+
+import pipesched
+from pipesched import ConfigError, GradientAccumulator, Pipeline, PipeschedError, get_schedule
+from pipesched.checkpoint import checkpoint
+from pipesched.runtime.backward import backward_full
+
+mse = nn.functional.mse_loss
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+
+
+def _pipe(**kwargs: Any) -> Pipeline:
+    options: dict[str, Any] = {"balance": [2, 1], "devices": ["cpu", "cpu"], **kwargs}
+    return Pipeline(_model(), 2, **options)
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(6, 4), torch.randn(6, 2)
+
+
+# --- the classes ---------------------------------------------------------------------------
+
+
+def test_config_type_error_is_a_config_error_a_pipesched_error_and_a_type_error():
+    from pipesched.errors import ConfigTypeError
+
+    error = ConfigTypeError("chunks must be an int")
+    assert isinstance(error, ConfigError)
+    assert isinstance(error, PipeschedError)
+    assert isinstance(error, TypeError)
+    assert isinstance(error, ValueError)  # as a ConfigError it always was
+
+
+def test_remote_error_and_config_type_error_are_exported():
+    from pipesched import ConfigTypeError, RemoteError
+
+    assert issubclass(RemoteError, PipeschedError)
+    assert issubclass(ConfigTypeError, TypeError)
+    assert {"RemoteError", "ConfigTypeError"} <= set(pipesched.__all__)
+
+
+# --- wrong types and argument counts are TypeErrors ----------------------------------------
+
+
+def test_input_varargs():
+    # torchgpipe's tests/test_gpipe.py::test_input_varargs, for a Pipeline.
+    pipe = Pipeline(nn.Sequential(nn.Linear(1, 1)), balance=[1], devices=["cpu"])
+    a, b = torch.rand(1), torch.rand(1)
+    with pytest.raises(TypeError):
+        pipe(a, b)  # TypeError: forward() takes 2 positional arguments but 3 were given
+
+
+@pytest.mark.parametrize("chunks", ["4", 2.5, True, None])
+def test_chunks_of_the_wrong_type_is_a_type_error(chunks: Any):
+    with pytest.raises(TypeError, match="chunks"):
+        Pipeline(_model(), chunks, balance=[2, 1], devices=["cpu", "cpu"])
+
+
+def test_chunks_out_of_range_is_a_config_error_but_not_a_type_error():
+    with pytest.raises(ConfigError, match="chunks") as caught:
+        Pipeline(_model(), 0, balance=[2, 1], devices=["cpu", "cpu"])
+    assert not isinstance(caught.value, TypeError)
+    with pytest.raises(TypeError, match="chunks"):  # and the type is checked first
+        Pipeline(_model(), "0", balance=[2, 1], devices=["cpu", "cpu"])
+
+
+@pytest.mark.parametrize("method", ["step", "accumulate"])
+@pytest.mark.parametrize("loss_fn", [None, 3, "mse"])
+def test_a_loss_fn_that_is_not_callable_is_a_type_error_naming_it(method: str, loss_fn: Any):
+    x, y = _batch()
+    with pytest.raises(TypeError, match="loss_fn"):
+        getattr(_pipe(), method)(x, y, loss_fn=loss_fn)
+
+
+def test_a_module_that_is_not_an_nn_module_is_a_type_error():
+    x, _ = _batch()
+    with pytest.raises(TypeError, match="nn.Module"):
+        Pipeline("model", 2)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="nn.Module"):
+        Pipeline(lambda t: t, 2, example_inputs=(x,), num_stages=2)  # type: ignore[arg-type]
+
+
+TYPE_ERRORS: dict[str, Callable[[], Any]] = {
+    "balance=3": lambda: _pipe(balance=3),
+    "devices='cpu'": lambda: _pipe(devices="cpu"),
+    "devices=[1.5]": lambda: _pipe(devices=["cpu", 1.5]),
+    "checkpoint=None": lambda: _pipe(checkpoint=None),
+    "schedule=3": lambda: _pipe(schedule=3),
+    "num_stages='2'": lambda: Pipeline(_model(), 2, num_stages="2"),
+    "mesh='junk'": lambda: Pipeline(_model(), 2, mesh="junk"),
+    "memory_budget='1e9'": lambda: _pipe(
+        balance="time", example_inputs=(torch.randn(3, 4),), memory_budget="1e9"
+    ),
+    "split_points='2'": lambda: Pipeline(_model(), 2, split_points="2", devices=["cpu", "cpu"]),
+    "num_items=[3]": lambda: _pipe().step(*_batch(), loss_fn=mse, num_items=[3]),
+    "optimizer='sgd'": lambda: GradientAccumulator(_pipe(), "sgd", accumulation_steps=2),
+    "max_grad_norm='1'": lambda: GradientAccumulator(
+        (p := _pipe()),
+        torch.optim.SGD(p.parameters(), lr=0.1),
+        accumulation_steps=2,
+        max_grad_norm="1",
+    ),
+    "accumulation_steps=2.0": lambda: GradientAccumulator(
+        (p := _pipe()), torch.optim.SGD(p.parameters(), lr=0.1), accumulation_steps=2.0
+    ),
+    "get_schedule(3, ...)": lambda: get_schedule(3, 2, 2),
+    "get_schedule(..., num_stages='2')": lambda: get_schedule("1f1b", "2", 2),
+    "get_schedule(..., foo=1)": lambda: get_schedule("1f1b", 2, 2, foo=1),
+    "checkpoint(function)": lambda: checkpoint(lambda t: t, torch.ones(2)),
+}
+
+
+@pytest.mark.parametrize("name", list(TYPE_ERRORS))
+def test_wrong_types_are_config_type_errors(name: str):
+    from pipesched.errors import ConfigTypeError
+
+    with pytest.raises(ConfigTypeError):
+        TYPE_ERRORS[name]()
+
+
+# --- devices this torch build does not have ---------------------------------------------
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch build has CUDA")
+def test_cuda_devices_on_a_cpu_build_name_the_device_and_the_fix():
+    with pytest.raises(ConfigError) as caught:
+        _pipe(devices=["cuda:0", "cuda:0"])
+    message = str(caught.value)
+    assert "'cuda:0'" in message and "devices=['cpu', 'cpu']" in message
+    assert "CUDA" in message and torch.__version__ in message
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build with a device")
+def test_a_cuda_index_past_the_device_count_names_the_visible_devices():
+    missing = f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ConfigError, match=re.escape(repr(missing))):
+        _pipe(devices=["cpu", missing])
+
+
+# --- every suggested fix works when applied --------------------------------------------------
+
+
+class _Add(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return pair[0] + pair[1]
+
+
+class _Net(nn.Module):
+    """A model that is not an nn.Sequential."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+class _Clash(nn.Module):
+    """A model with a child named like a Pipeline attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.partition, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.partition(x))
+
+
+class _Holder(nn.Module):
+    """The fix the clash's message suggests: self.model = model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def _trains(pipe: Pipeline) -> None:
+    loss = pipe.step(*_batch(), loss_fn=mse)
+    assert torch.isfinite(loss)
+
+
+def _moved_then_wrapped() -> None:
+    model = _model().to("cpu")  # move the model before wrapping it
+    _trains(Pipeline(model, 2, balance=[2, 1], devices=["cpu", "cpu"]))
+
+
+def _backward_of(x: torch.Tensor) -> None:
+    layer = nn.Linear(4, 2)
+    backward_full([layer(x).sum()], None, [x])
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A failing call, the fix its error message suggests (verbatim), and that fix applied."""
+
+    fails: Callable[[], Any]
+    suggests: str
+    fixed: Callable[[], Any]
+    error: type[Exception] = ConfigError
+
+
+_x_grad = torch.randn(6, 4, requires_grad=True)
+_x_nonleaf = torch.randn(6, 4, requires_grad=True) * 2
+_opt = torch.optim.SGD
+FIXES: dict[str, Fix] = {
+    "pipe(x, x)": Fix(
+        lambda: Pipeline(nn.Sequential(_Add()), balance=[1], devices=["cpu"])(
+            torch.ones(2), torch.ones(2)
+        ),
+        "pass a tuple or dict as one argument",
+        lambda: Pipeline(nn.Sequential(_Add()), balance=[1], devices=["cpu"])(
+            (torch.ones(2), torch.ones(2))
+        ),
+        TypeError,
+    ),
+    "chunks='4'": Fix(
+        lambda: Pipeline(_model(), "4", balance=[2, 1], devices=["cpu", "cpu"]),
+        "pass chunks=4",
+        lambda: _trains(Pipeline(_model(), 4, balance=[2, 1], devices=["cpu", "cpu"])),
+        TypeError,
+    ),
+    "non-Sequential": Fix(
+        lambda: Pipeline(_Net(), 2, devices=["cpu", "cpu"]),
+        "pass example_inputs=(...) and num_stages=",
+        lambda: _trains(
+            Pipeline(
+                _Net(), 2, devices=["cpu", "cpu"], example_inputs=(torch.randn(3, 4),), num_stages=2
+            )
+        ),
+    ),
+    "attribute clash": Fix(
+        lambda: Pipeline(_Clash(), 2, devices=["cpu", "cpu"], example_inputs=(torch.randn(3, 4),)),
+        "(e.g. self.model = model)",
+        lambda: _trains(
+            Pipeline(
+                _Holder(_Clash()), 2, devices=["cpu", "cpu"], example_inputs=(torch.randn(3, 4),)
+            )
+        ),
+    ),
+    "pipe.to(device)": Fix(
+        lambda: _pipe().to("cpu"), "Move the model before wrapping it", _moved_then_wrapped
+    ),
+    "stages != devices": Fix(
+        lambda: _pipe(balance=[1, 1, 1]),
+        "give a balance of 2 stages",
+        lambda: _trains(_pipe(balance=[2, 1])),
+    ),
+    "devices=[]": Fix(
+        lambda: _pipe(balance=[3], devices=[]),
+        "e.g. ['cpu']",
+        lambda: _trains(_pipe(balance=[3], devices=["cpu"])),
+    ),
+    "checkpoint mode": Fix(
+        lambda: _pipe(checkpoint="sometimes"),
+        "use one of 'always'",
+        lambda: _trains(_pipe(checkpoint="always")),
+    ),
+    "schedule name": Fix(
+        lambda: _pipe(schedule="1f2b"), "'1f1b'", lambda: _trains(_pipe(schedule="1f1b"))
+    ),
+    "balance mode": Fix(
+        lambda: _pipe(balance="fast"),
+        "use one of 'params'",
+        lambda: _trains(_pipe(balance="params")),
+    ),
+    "balance='time' without example": Fix(
+        lambda: _pipe(balance="time"),
+        "pass example_inputs=(x,)",
+        lambda: _trains(_pipe(balance="time", example_inputs=(torch.randn(3, 4),))),
+    ),
+    "balance and split_points": Fix(
+        lambda: _pipe(split_points=["2"]),
+        "give balance or split_points, not both",
+        lambda: _trains(Pipeline(_model(), 2, split_points=["2"], devices=["cpu", "cpu"])),
+    ),
+    "split_points a string": Fix(
+        lambda: Pipeline(_model(), 2, split_points="2", devices=["cpu", "cpu"]),
+        "e.g. split_points=['transformer.h.2']",
+        lambda: _trains(Pipeline(_model(), 2, split_points=["2"], devices=["cpu", "cpu"])),
+        TypeError,
+    ),
+    "loss_fn=None": Fix(
+        lambda: _pipe().step(*_batch(), loss_fn=None),
+        "e.g. loss_fn=torch.nn.functional.mse_loss",
+        lambda: _pipe().step(*_batch(), loss_fn=torch.nn.functional.mse_loss),
+        TypeError,
+    ),
+    "loss not a scalar": Fix(
+        lambda: _pipe().step(*_batch(), loss_fn=lambda o, t: mse(o, t, reduction="none")),
+        "reduce it with .mean() or .sum()",
+        lambda: _pipe().step(*_batch(), loss_fn=lambda o, t: mse(o, t, reduction="none").mean()),
+    ),
+    "input requires grad": Fix(
+        lambda: _pipe().step(_x_grad, torch.randn(6, 2), loss_fn=mse),
+        "pass x.detach() instead",
+        lambda: _pipe().step(_x_grad.detach(), torch.randn(6, 2), loss_fn=mse),
+    ),
+    "input requires grad, not a leaf": Fix(
+        lambda: _pipe().step(_x_nonleaf, torch.randn(6, 2), loss_fn=mse),
+        "pass x.detach() instead",
+        lambda: _pipe().step(_x_nonleaf.detach(), torch.randn(6, 2), loss_fn=mse),
+    ),
+    "max_grad_norm=0": Fix(
+        lambda: GradientAccumulator(
+            (p := _pipe()), _opt(p.parameters(), lr=0.1), accumulation_steps=2, max_grad_norm=0
+        ),
+        "use None to not clip",
+        lambda: GradientAccumulator(
+            (p := _pipe()), _opt(p.parameters(), lr=0.1), accumulation_steps=2, max_grad_norm=None
+        ),
+    ),
+    "optimizer=[]": Fix(
+        lambda: GradientAccumulator(_pipe(), [], accumulation_steps=2),
+        "give one optimizer or one per stage",
+        lambda: GradientAccumulator(
+            (p := _pipe()), [_opt(p.parameters(), lr=0.1)], accumulation_steps=2
+        ),
+    ),
+    "get_schedule options": Fix(
+        lambda: get_schedule("interleaved-1f1b", 4, 4, stages_per_worker=2),
+        "the only option is virtual_stages",
+        lambda: get_schedule("interleaved-1f1b", 4, 4, virtual_stages=2).validate(),
+        TypeError,
+    ),
+    "checkpoint(function)": Fix(
+        lambda: checkpoint(torch.relu, torch.ones(2, requires_grad=True)),
+        "wrap a plain function in an nn.Module",
+        lambda: checkpoint(nn.ReLU(), torch.ones(2, requires_grad=True)).sum().backward(),
+        TypeError,
+    ),
+    "backward_full non-leaf input": Fix(
+        lambda: _backward_of(torch.randn(3, 4, requires_grad=True) * 2),
+        "pass x.detach().requires_grad_() to the forward",
+        lambda: _backward_of((torch.randn(3, 4, requires_grad=True) * 2).detach().requires_grad_()),
+    ),
+}
+if not torch.cuda.is_available():
+    FIXES["cuda on a CPU build"] = Fix(
+        lambda: _pipe(devices=["cuda:0", "cuda:0"]),
+        "devices=['cpu', 'cpu']",
+        lambda: _trains(_pipe(devices=["cpu", "cpu"])),
+    )
+
+
+def test_every_suggested_fix_works_when_applied():
+    """For each message that suggests a fix: the call fails, says the fix, and the fix works.
+
+    One test over the whole table, so that a report lists every broken suggestion at once.
+    """
+    broken: list[str] = []
+    for name, fix in FIXES.items():
+        try:
+            fix.fails()
+        except fix.error as error:
+            if fix.suggests not in str(error):
+                broken.append(f"{name}: the message does not say {fix.suggests!r}: {error}")
+                continue
+        except Exception as error:  # the wrong kind of error
+            broken.append(
+                f"{name}: {type(error).__name__} instead of {fix.error.__name__}: {error}"
+            )
+            continue
+        else:
+            broken.append(f"{name}: did not fail")
+            continue
+        try:
+            fix.fixed()
+        except Exception as error:
+            broken.append(f"{name}: the suggested fix fails: {type(error).__name__}: {error}")
+    assert not broken, "\n".join(broken)
+
+
+def test_step_input_that_requires_grad_fails_before_running_and_the_fix_trains_alike():
+    pipe, x, y = _pipe(), *_batch()
+    x.requires_grad_()
+    with pytest.raises(ConfigError, match="inputs requires grad") as caught:
+        pipe.step(x, y, loss_fn=mse)
+    assert "pipe(x)" in str(caught.value)  # names the way to get x's gradient
+    assert all(p.grad is None for p in pipe.parameters())  # nothing ran
+    loss = pipe.step(x.detach(), y, loss_fn=mse)
+    plain = _model()
+    expected = mse(plain(x.detach()), y)
+    expected.backward()
+    assert torch.allclose(loss, expected.detach())
+    for got, want in zip(pipe.parameters(), plain.parameters(), strict=True):
+        assert got.grad is not None and torch.allclose(got.grad, want.grad)
+
+
+# --- the floors pyproject declares ---------------------------------------------------------
+
+PYPROJECT = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+
+
+def test_python_floor_is_3_11_for_add_note():
+    floor = PYPROJECT["project"]["requires-python"]
+    assert floor == ">=3.11", floor  # BaseException.add_note is new in 3.11
+    assert PYPROJECT["tool"]["ruff"]["target-version"] == "py311"
+
+
+def test_torch_floor_is_not_above_the_installed_torch():
+    (spec,) = [d for d in PYPROJECT["project"]["dependencies"] if re.match(r"torch\b", d)]
+    floor = Version(spec.removeprefix("torch>="))
+    # torch.nn.utils.get_total_norm and clip_grads_with_norm_ are new in 2.6.
+    assert floor >= Version("2.6"), spec
+    assert Version(torch.__version__).release >= floor.release
