@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import tempfile
 import tomllib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,9 +17,19 @@ from packaging.version import Version
 from torch import nn
 
 import pipesched
-from pipesched import ConfigError, GradientAccumulator, Pipeline, PipeschedError, get_schedule
-from pipesched.checkpoint import checkpoint
+from pipesched import (
+    ConfigError,
+    Costs,
+    GradientAccumulator,
+    Pipeline,
+    PipeschedError,
+    get_schedule,
+)
+from pipesched.checkpoint import checkpoint, checkpoint_stop
+from pipesched.microbatch import batch_size
 from pipesched.runtime.backward import backward_full
+from pipesched.viz.gantt import gantt
+from pipesched.viz.trace import trace_events
 
 mse = nn.functional.mse_loss
 
@@ -130,10 +142,10 @@ TYPE_ERRORS: dict[str, Callable[[], Any]] = {
 
 @pytest.mark.parametrize("name", list(TYPE_ERRORS))
 def test_wrong_types_are_config_type_errors(name: str):
-    from pipesched.errors import ConfigTypeError
-
-    with pytest.raises(ConfigTypeError):
+    # A TypeError (not torch's or Python's own from deep inside) that is also a ConfigError.
+    with pytest.raises(TypeError) as caught:
         TYPE_ERRORS[name]()
+    assert isinstance(caught.value, ConfigError), repr(caught.value)
 
 
 # --- devices this torch build does not have ---------------------------------------------
@@ -355,8 +367,86 @@ FIXES: dict[str, Fix] = {
         "pass x.detach().requires_grad_() to the forward",
         lambda: _backward_of((torch.randn(3, 4, requires_grad=True) * 2).detach().requires_grad_()),
     ),
+    "backward_full, no grad_outputs": Fix(
+        lambda: backward_full([nn.Linear(4, 2)(torch.randn(3, 4))], None, []),
+        "pass grad_outputs",
+        lambda: backward_full(
+            [(y := nn.Linear(4, 2)(torch.randn(3, 4)))], [torch.ones_like(y)], []
+        ),
+    ),
+    "zb-v with odd stages": Fix(
+        lambda: get_schedule("zb-v", 3, 4),
+        "use num_stages=2 or 4",
+        lambda: get_schedule("zb-v", 4, 4).validate(),
+    ),
+    "virtual_stages not dividing": Fix(
+        lambda: get_schedule("interleaved-1f1b", 3, 4, virtual_stages=2),
+        "use num_stages=2 or 4",
+        lambda: get_schedule("interleaved-1f1b", 4, 4, virtual_stages=2).validate(),
+    ),
+    "fixed virtual_stages": Fix(
+        lambda: get_schedule("1f1b", 4, 4, virtual_stages=2),
+        "leave virtual_stages out",
+        lambda: get_schedule("1f1b", 4, 4).validate(),
+    ),
+    "Costs per stage": Fix(
+        lambda: get_schedule("1f1b", 2, 2).simulate(Costs(forward=[1, 1, 1])),
+        "give one value per stage or a single number",
+        lambda: get_schedule("1f1b", 2, 2).simulate(Costs(forward=1)),
+    ),
+    "batch sizes differ": Fix(
+        lambda: batch_size((torch.ones(6, 4), torch.ones(3))),
+        "pass a value meant for every micro-batch as a 0-dim tensor",
+        lambda: batch_size((torch.ones(6, 4), torch.tensor(3.0))),
+    ),
+    "no batch dimension": Fix(
+        lambda: _pipe().step("tokens", torch.randn(6, 2), loss_fn=mse),
+        "pass at least one tensor with ndim >= 1",
+        lambda: _pipe().step(torch.randn(6, 4), torch.randn(6, 2), loss_fn=mse),
+    ),
+    "checkpoint_stop count": Fix(
+        lambda: checkpoint_stop("always", 2.0),
+        "pass the number of micro-batches",
+        lambda: checkpoint_stop("always", 2),
+        TypeError,
+    ),
+    "memory_budget with a list": Fix(
+        lambda: _pipe(memory_budget=1e9),
+        "balance='time' or 'schedule' (which measure the layers on example_inputs=(x,))",
+        lambda: _trains(
+            _pipe(balance="time", example_inputs=(torch.randn(3, 4),), memory_budget=1e9)
+        ),
+    ),
+    "trace_events of a Schedule": Fix(
+        lambda: trace_events(get_schedule("1f1b", 2, 2)),
+        "simulate a Schedule first (schedule.simulate(costs))",
+        lambda: trace_events(get_schedule("1f1b", 2, 2).simulate(Costs(1, 1, 0))),
+        TypeError,
+    ),
 }
+if importlib.util.find_spec("matplotlib") is not None:
+    _png = Path(tempfile.mkdtemp()) / "gantt.png"
+    FIXES["gantt of a Timeline with costs"] = Fix(
+        lambda: gantt(get_schedule("1f1b", 2, 2).simulate(), _png, costs=Costs(1, 2, 0)),
+        "Pass the schedule instead, or leave costs out",
+        lambda: gantt(get_schedule("1f1b", 2, 2), _png, costs=Costs(1, 2, 0)),
+    )
 if not torch.cuda.is_available():
+    FIXES["stages not a multiple of v"] = Fix(
+        lambda: Pipeline(
+            nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))),
+            2,
+            num_stages=3,
+            schedule="interleaved-1f1b",
+        ),
+        "use a multiple of 2",
+        lambda: Pipeline(
+            nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))),
+            2,
+            num_stages=4,
+            schedule="interleaved-1f1b",
+        ),
+    )
     FIXES["cuda on a CPU build"] = Fix(
         lambda: _pipe(devices=["cuda:0", "cuda:0"]),
         "devices=['cpu', 'cpu']",

@@ -73,7 +73,10 @@ def balance_mode(
             )
         return balance
     if memory_budget is not None:
-        raise ConfigError("memory_budget applies to balance='time' or 'schedule', not a list")
+        raise ConfigError(
+            "memory_budget applies to balance='time' or 'schedule' (which measure the "
+            "layers on example_inputs=(x,)), not to a list of layer counts"
+        )
     return "explicit"
 
 
