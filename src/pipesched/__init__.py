@@ -8,7 +8,15 @@ from typing import TYPE_CHECKING, Any
 # The schedule layer is imported eagerly: it is pure Python. Everything that
 # needs torch loads on first use, so `import pipesched.schedule` (and the CLI's
 # schedule commands) never import torch; a test checks it.
-from pipesched.errors import ConfigError, PartitionError, PipeschedError, ScheduleError
+from pipesched.errors import (
+    CheckpointError,
+    ConfigError,
+    ConfigTypeError,
+    PartitionError,
+    PipeschedError,
+    RemoteError,
+    ScheduleError,
+)
 from pipesched.schedule import Action, Costs, Schedule, Timeline, get_schedule
 
 if TYPE_CHECKING:
@@ -19,13 +27,16 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Action",
+    "CheckpointError",
     "ConfigError",
+    "ConfigTypeError",
     "Costs",
     "DeferredBatchNorm",
     "GradientAccumulator",
     "PartitionError",
     "Pipeline",
     "PipeschedError",
+    "RemoteError",
     "Schedule",
     "ScheduleError",
     "Timeline",

@@ -38,7 +38,7 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 
 __all__ = ["CHECKPOINT_MODES", "checkpoint", "checkpoint_stop", "is_recomputing"]
 
@@ -157,7 +157,7 @@ def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True)
         torch.Size([2, 3])
     """
     if not isinstance(module, nn.Module):
-        raise ConfigError(
+        raise ConfigTypeError(
             f"checkpoint(module=...) needs an nn.Module, got {type(module).__name__}; "
             "wrap a plain function in an nn.Module so its BatchNorms can be found"
         )
@@ -202,11 +202,15 @@ def checkpoint_stop(mode: str, num_microbatches: int) -> int:
         >>> [checkpoint_stop(mode, 4) for mode in CHECKPOINT_MODES]
         [4, 3, 0]
     """
+    valid = ", ".join(repr(m) for m in CHECKPOINT_MODES)
+    if not isinstance(mode, str):
+        raise ConfigTypeError(
+            f"checkpoint mode must be a str, got {type(mode).__name__} {mode!r}; use one of {valid}"
+        )
     if mode not in CHECKPOINT_MODES:
-        valid = ", ".join(repr(m) for m in CHECKPOINT_MODES)
         raise ConfigError(f"checkpoint mode {mode!r} is not known; use one of {valid}")
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
-        raise ConfigError(
+        raise ConfigTypeError(
             f"num_microbatches must be an int, got {num_microbatches!r}; "
             "pass the number of micro-batches the batch was split into"
         )

@@ -7,9 +7,9 @@ from collections.abc import Sequence
 import torch
 
 from pipesched.distributed.mesh import MeshInfo
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 
-__all__ = ["Device", "resolve_devices", "resolve_workers", "threads_per_worker"]
+__all__ = ["Device", "check_device", "resolve_devices", "resolve_workers", "threads_per_worker"]
 
 Device = torch.device | str | int
 
@@ -69,11 +69,24 @@ def resolve_devices(
     v: int,
     schedule: str,
 ) -> tuple[int, list[Device]]:
-    """The number of workers and their devices."""
+    """The number of workers and their devices.
+
+    Raises:
+        ConfigTypeError: ``devices`` is not a list, or holds something not a device.
+        ConfigError: ``devices`` is empty, names a device this torch build or
+            machine does not have, or more workers are needed than CUDA devices.
+    """
     if devices is not None:
+        if isinstance(devices, str | int | torch.device) or not isinstance(devices, Sequence):
+            raise ConfigTypeError(
+                f"devices must be a list with the device of each worker, got "
+                f"{type(devices).__name__} {devices!r}; e.g. devices=['cpu', 'cpu']"
+            )
         chosen = list(devices)
         if not chosen:
             raise ConfigError("devices is empty; give at least one device, e.g. ['cpu']")
+        for k, device in enumerate(chosen):
+            check_device(device, f"devices[{k}]", len(chosen))
         return len(chosen), chosen
     stages = len(balance) if balance is not None else num_stages
     if stages is None:
@@ -94,3 +107,53 @@ def resolve_devices(
             )
         return workers, [f"cuda:{i}" for i in range(workers)]
     return workers, ["cpu"] * workers
+
+
+def check_device(device: object, name: str, workers: int = 1) -> torch.device:
+    """``device`` as a ``torch.device`` this process can use.
+
+    Args:
+        device: a device as the user wrote it (``"cuda:1"``, ``torch.device("cpu")``, ``0``).
+        name: what to call it in messages (``"devices[1]"``).
+        workers: how many devices were given; the fix suggests that many CPUs.
+
+    Raises:
+        ConfigTypeError: ``device`` is not a str, int or torch.device.
+        ConfigError: no such device type, or a CUDA device this torch build
+            (no CUDA) or this machine (too few GPUs) does not have.
+
+    Example:
+        >>> check_device("cpu", "devices[0]")
+        device(type='cpu')
+    """
+    if isinstance(device, bool) or not isinstance(device, str | int | torch.device):
+        raise ConfigTypeError(
+            f"{name} must be a device name, index or torch.device, got "
+            f"{type(device).__name__} {device!r}; e.g. 'cpu' or 'cuda:0'"
+        )
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:
+        raise ConfigError(f"{name} is {device!r}, not a device torch knows: {error}") from None
+    if parsed.type != "cuda":
+        return parsed
+    cpus = ", ".join(["'cpu'"] * workers)
+    if not torch.cuda.is_available():
+        has = (
+            "is built without CUDA"
+            if torch.version.cuda is None
+            else f"is built for CUDA {torch.version.cuda} but sees no CUDA device"
+        )
+        raise ConfigError(
+            f"{name} is {device!r}, but this torch build ({torch.__version__}) {has}; "
+            f"run on CPU with devices=[{cpus}], or install a CUDA build of torch on a "
+            "machine with a GPU"
+        )
+    count = torch.cuda.device_count()
+    if parsed.index is not None and parsed.index >= count:
+        raise ConfigError(
+            f"{name} is {device!r}, but this machine has {count} CUDA device"
+            f"{'s' if count != 1 else ''} (cuda:0 to cuda:{count - 1}); use one of those, "
+            "or set CUDA_VISIBLE_DEVICES to show more"
+        )
+    return parsed

@@ -5,6 +5,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "ConfigError",
+    "ConfigTypeError",
     "PartitionError",
     "PipeschedError",
     "RemoteError",
@@ -20,6 +21,15 @@ class ConfigError(PipeschedError, ValueError):
     """An argument has a value pipesched cannot work with.
 
     The message names the argument, the value seen and the fix.
+    """
+
+
+class ConfigTypeError(ConfigError, TypeError):
+    """An argument has the wrong type, or a call the wrong number of arguments.
+
+    A :class:`ConfigError` (so ``except ConfigError`` still catches it) and a
+    ``TypeError``, which is what Python itself raises for ``f(x, x)`` when
+    ``f`` takes one argument, or for ``range("4")``.
     """
 
 

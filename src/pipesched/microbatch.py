@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 
 __all__ = ["batch_size", "gather", "microbatch_sizes", "scatter"]
 
@@ -158,11 +158,12 @@ def gather(outputs: Sequence[Any]) -> Any:
             structure, tensor shape or device differs from micro-batch 0's (the
             message names the micro-batch and the path).
     """
-    if (
-        isinstance(outputs, (Tensor, str, bytes))
-        or not isinstance(outputs, Sequence)
-        or not outputs
-    ):
+    if isinstance(outputs, (Tensor, str, bytes)) or not isinstance(outputs, Sequence):
+        raise ConfigTypeError(
+            f"outputs is {_describe(outputs)}; pass a non-empty list with the output "
+            "of each micro-batch"
+        )
+    if not outputs:
         raise ConfigError(
             f"outputs is {_describe(outputs)}; pass a non-empty list with the output "
             "of each micro-batch"
@@ -171,7 +172,9 @@ def gather(outputs: Sequence[Any]) -> Any:
 
 
 def _check_count(name: str, value: object, meaning: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(f"{name} must be an int >= 1, got {value!r}: {meaning}")
+    if value < 1:
         raise ConfigError(f"{name} must be an int >= 1, got {value!r}: {meaning}")
 
 

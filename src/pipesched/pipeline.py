@@ -11,12 +11,13 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from pipesched.arguments import check_pipeline, check_step
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device, resolve_workers, threads_per_worker
 from pipesched.distributed.mesh import MeshInfo, rank0_value
 from pipesched.distributed.placement import stage_parameters
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.microbatch import batch_size, gather, scatter
 from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
 from pipesched.partition.sequential import sequential_layers
@@ -86,6 +87,7 @@ class Pipeline(nn.Module):
             activation memory; ``print(pipe.partition)``.
 
     Raises:
+        ConfigTypeError: an argument has the wrong type (also a ``TypeError``).
         ConfigError: an argument is out of range; the message names the fix.
         PartitionError: ``balance`` does not fit the module, or the model
             cannot be traced (the message names the failing line and the fix).
@@ -117,8 +119,7 @@ class Pipeline(nn.Module):
         fuse_weight_grads: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-            raise ConfigError(f"chunks must be a positive integer, got {chunks!r}")
+        check_pipeline(module, chunks, balance, num_stages, memory_budget)
         checkpoint_stop(checkpoint, 1)  # checks the mode's name
         v = stages_per_worker(schedule)  # checks the schedule's name
         sequential = isinstance(module, nn.Sequential)
@@ -244,8 +245,8 @@ class Pipeline(nn.Module):
                 "backward crosses the ranks"
             )
         if len(inputs) != 1:
-            raise ConfigError(
-                f"an nn.Sequential takes one input, got {len(inputs)}; pass a tuple or dict "
+            raise ConfigTypeError(
+                f"a Pipeline takes one input, got {len(inputs)}; pass a tuple or dict "
                 "as one argument if the first layer takes several tensors"
             )
         micro = scatter(inputs[0], self.chunks)
@@ -284,7 +285,13 @@ class Pipeline(nn.Module):
 
         Returns:
             The normalized loss of the batch, detached.
+
+        Raises:
+            ConfigTypeError: ``loss_fn`` is not callable, or ``num_items`` not a number.
+            ConfigError: ``inputs`` requires grad (pass ``x.detach()``), or
+                ``num_items`` is not positive.
         """
+        check_step(inputs, loss_fn, num_items)
         if num_items is None:
             return self._run_step(
                 inputs, target, loss_fn, summed=False, scale=1.0 / batch_size((inputs, target))
@@ -323,7 +330,11 @@ class Pipeline(nn.Module):
 
         Returns:
             ``(summed loss, item count)``, the loss detached and unscaled.
+
+        Raises:
+            ConfigTypeError, ConfigError: as :meth:`step`.
         """
+        check_step(inputs, loss_fn, num_items)
         items = float(batch_size((inputs, target))) if num_items is None else _item_count(num_items)
         if items < 0:
             raise ConfigError(f"num_items must be >= 0, got {num_items!r}")

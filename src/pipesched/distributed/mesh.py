@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 
 __all__ = ["MeshInfo", "init_mesh", "rank0_value"]
 
@@ -38,7 +38,9 @@ def init_mesh(pp: int, dp: int = 1, *, timeout: float = 600.0) -> DeviceMesh:
         pipe = pipesched.Pipeline(model, chunks=8, mesh=mesh, schedule="1f1b")
     """
     for name, value in (("pp", pp), ("dp", dp)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}")
+        if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
@@ -85,6 +87,11 @@ class MeshInfo:
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshInfo:
         """Reads this rank's place from ``mesh`` (dims named "dp" and "pp")."""
+        if not isinstance(mesh, DeviceMesh):
+            raise ConfigTypeError(
+                f"mesh must be a DeviceMesh, got {type(mesh).__name__} {mesh!r}; build it "
+                "with pipesched.distributed.init_mesh(pp, dp)"
+            )
         names = tuple(mesh.mesh_dim_names or ())
         if names != ("dp", "pp"):
             raise ConfigError(

@@ -17,7 +17,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from pipesched.errors import ConfigError, PartitionError
+from pipesched.errors import ConfigError, ConfigTypeError, PartitionError
 from pipesched.partition.balance import check_cuttable, min_max_counts, search_schedule
 from pipesched.partition.graph import Layer
 from pipesched.partition.profile import NodeCost
@@ -73,7 +73,10 @@ def balance_mode(
             )
         return balance
     if memory_budget is not None:
-        raise ConfigError("memory_budget applies to balance='time' or 'schedule', not a list")
+        raise ConfigError(
+            "memory_budget applies to balance='time' or 'schedule' (which measure the "
+            "layers on example_inputs=(x,)), not to a list of layer counts"
+        )
     return "explicit"
 
 
@@ -201,8 +204,8 @@ def split_positions(
 ) -> list[int]:
     """Where each split point's stage begins: a child index (Sequential) or an op position."""
     names = list(split_points)
-    if isinstance(names, str) or not all(isinstance(n, str) for n in names):
-        raise ConfigError(
+    if isinstance(split_points, str) or not all(isinstance(n, str) for n in names):
+        raise ConfigTypeError(
             f"split_points must be a list of module names, got {split_points!r}; "
             "e.g. split_points=['transformer.h.2']"
         )

@@ -33,7 +33,7 @@ import networkx as nx
 import torch
 from torch import nn
 
-from pipesched.errors import ConfigError, PartitionError
+from pipesched.errors import ConfigError, ConfigTypeError, PartitionError
 from pipesched.partition.balance import bounds_of, simulate_counts
 from pipesched.partition.cuts import (
     BALANCE_MODES,
@@ -83,7 +83,7 @@ class Plan:
         """
         if self.traced is None:
             if not isinstance(module, nn.Sequential):
-                raise ConfigError("an untraced plan needs the nn.Sequential it was made for")
+                raise ConfigTypeError("an untraced plan needs the nn.Sequential it was made for")
             return list(split_sequential(module, self.counts))
         orders = self.graph.nodes
         starts = [orders[layer.nodes[0]]["order"] for layer in self.layers]
@@ -221,7 +221,7 @@ def _profile(
             else:
                 module = cast(nn.Sequential, module)  # only a Sequential goes untraced
                 if len(example_inputs) != 1:
-                    raise ConfigError(
+                    raise ConfigTypeError(
                         f"an nn.Sequential takes one input, but example_inputs has "
                         f"{len(example_inputs)}; pass example_inputs=(x,)"
                     )

@@ -28,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.partition.trace import TracedModel
 from pipesched.runtime.tree import tensors
 
@@ -192,7 +192,7 @@ class TracedStage(nn.Module):
         elif isinstance(x, dict):
             env = x
         else:
-            raise ConfigError(
+            raise ConfigTypeError(
                 f"stage {self.index} of a traced model takes the dict stage {self.index - 1} "
                 f"returns, got {type(x).__name__}"
             )

@@ -35,7 +35,7 @@ from torch import fx, nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from pipesched.errors import ConfigError, PartitionError
+from pipesched.errors import ConfigTypeError, PartitionError
 
 __all__ = ["StateRef", "TracedModel", "trace_model"]
 
@@ -123,13 +123,13 @@ class TracedModel:
         """
         args = inputs if self.num_args > 1 else (inputs,)
         if not isinstance(args, tuple | list):
-            raise ConfigError(
+            raise ConfigTypeError(
                 f"the model was traced with {self.num_args} example inputs, so the pipeline "
                 f"takes a tuple of {self.num_args}; got {type(inputs).__name__}"
             )
         leaves, spec = pytree.tree_flatten((tuple(args), {}))
         if spec != self.program.call_spec.in_spec:
-            raise ConfigError(
+            raise ConfigTypeError(
                 f"the pipeline's input does not have the structure of example_inputs: "
                 f"got {spec}, traced with {self.program.call_spec.in_spec}; pass one "
                 "argument shaped like example_inputs[0] (a tuple of them when there were several)"
@@ -155,7 +155,7 @@ def trace_model(model: nn.Module, example_inputs: tuple[Any, ...]) -> TracedMode
             that failed and the fixes.
     """
     if not isinstance(example_inputs, tuple):
-        raise ConfigError(
+        raise ConfigTypeError(
             f"example_inputs must be a tuple of the model's positional arguments, got "
             f"{type(example_inputs).__name__}; write example_inputs=(x,)"
         )

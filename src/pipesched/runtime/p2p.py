@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pipesched.errors import ConfigError, RemoteError
+from pipesched.errors import ConfigError, ConfigTypeError, RemoteError
 
 __all__ = ["FailureChannel", "Transport"]
 
@@ -236,7 +236,7 @@ def _layout(value: Any) -> tuple[list[int], list[torch.Tensor]]:
         v is None or isinstance(v, torch.Tensor | int | float) for v in items
     ):
         kinds = sorted({type(v).__name__ for v in items}) if isinstance(value, tuple | list) else []
-        raise ConfigError(
+        raise ConfigTypeError(
             "between ranks a stage may pass a tensor or a tuple/list of tensors (and None, "
             f"int, float, bool), got {type(value).__name__}{kinds or ''}; return tensors "
             "only from stages that end on another rank"

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 
 __all__ = ["Costs"]
 
@@ -40,11 +40,11 @@ class Costs:
             value = getattr(self, field.name)
             values = [value] if isinstance(value, int | float) else value
             if field.name == "send" and not isinstance(value, int | float):
-                raise ConfigError(f"Costs.send must be one number, got {value!r}")
+                raise ConfigTypeError(f"Costs.send must be one number, got {value!r}")
             try:
                 floats = tuple(float(v) for v in values)
             except (TypeError, ValueError):
-                raise ConfigError(
+                raise ConfigTypeError(
                     f"Costs.{field.name} must be a number or a list of numbers, got {value!r}"
                 ) from None
             bad = [v for v in floats if not math.isfinite(v) or v < 0]

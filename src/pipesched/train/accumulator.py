@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipesched.errors import CheckpointError, ConfigError
+from pipesched.arguments import check_positive_int
+from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError
 from pipesched.microbatch import batch_size
 from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, describe
 from pipesched.train.gradients import all_finite, clip_to_, grads_of, scale_
@@ -93,13 +94,13 @@ class GradientAccumulator:
         scaler: Any = None,
         lr_scheduler: Any = None,
     ) -> None:
-        if (
-            isinstance(accumulation_steps, bool)
-            or not isinstance(accumulation_steps, int)
-            or accumulation_steps < 1
+        check_positive_int("accumulation_steps", accumulation_steps)
+        if max_grad_norm is not None and (
+            isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float)
         ):
-            raise ConfigError(
-                f"accumulation_steps must be a positive integer, got {accumulation_steps!r}"
+            raise ConfigTypeError(
+                f"max_grad_norm must be a number or None, got {type(max_grad_norm).__name__} "
+                f"{max_grad_norm!r}"
             )
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(
@@ -109,6 +110,13 @@ class GradientAccumulator:
         self.optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
         if not self.optimizers:
             raise ConfigError("optimizer is an empty list; give one optimizer or one per stage")
+        for k, opt in enumerate(self.optimizers):
+            if not isinstance(opt, torch.optim.Optimizer):
+                where = "optimizer" if len(self.optimizers) == 1 else f"optimizer[{k}]"
+                raise ConfigTypeError(
+                    f"{where} must be a torch.optim.Optimizer, got {type(opt).__name__} "
+                    f"{opt!r}; e.g. torch.optim.SGD(pipe.parameters(), lr=0.1)"
+                )
         self.schedulers = (
             []
             if lr_scheduler is None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 
 __all__ = ["BatchChoice", "BatchPlan", "plan_accumulation"]
 
@@ -99,7 +99,9 @@ def plan_accumulation(
         ("chunks", chunks),
         ("replicas", replicas),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}")
+        if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     per_step = micro_batch * chunks * replicas
     exact = target / per_step

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.schedule import Costs, Schedule, Timeline
 from pipesched.viz import _draw
 from pipesched.viz._figure import (
@@ -111,12 +111,12 @@ def gantt(
             )
         timeline = timeline_or_schedule
     else:
-        raise ConfigError(
+        raise ConfigTypeError(
             f"timeline_or_schedule must be a Timeline or a Schedule, got "
             f"{type(timeline_or_schedule).__name__}"
         )
     if overlay is not None and not isinstance(overlay, Timeline):
-        raise ConfigError(
+        raise ConfigTypeError(
             f"overlay must be a Timeline, got {type(overlay).__name__}; simulate the plan "
             "first: pipe.schedule(m).simulate(measured.measured_costs())"
         )

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigTypeError
 from pipesched.schedule import Timeline
 from pipesched.viz._units import time_unit
 
@@ -60,7 +60,7 @@ def chrome_trace(timeline: Timeline, path: str | Path, *, unit: str | None = Non
 def trace_events(timeline: Timeline, *, unit: str | None = None) -> dict[str, Any]:
     """The trace-event document :func:`chrome_trace` writes, as a dict."""
     if not isinstance(timeline, Timeline):
-        raise ConfigError(
+        raise ConfigTypeError(
             f"timeline must be a Timeline, got {type(timeline).__name__}; simulate a "
             "Schedule first (schedule.simulate(costs)) or use pipe.last_timeline"
         )

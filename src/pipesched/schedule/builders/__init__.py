@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.schedule.builders._args import check_count
 from pipesched.schedule.builders.gpipe import gpipe
 from pipesched.schedule.builders.interleaved import interleaved_1f1b
@@ -38,7 +38,7 @@ _FIXED_VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2}
 
 def _canonical(name: object) -> str:
     if not isinstance(name, str):
-        raise ConfigError(f"schedule name must be a string, got {name!r}; valid: {_valid()}")
+        raise ConfigTypeError(f"schedule name must be a string, got {name!r}; valid: {_valid()}")
     key = name.strip().lower().replace("_", "-")
     if key not in SCHEDULES:
         raise ConfigError(f"unknown schedule {name!r}; valid names: {_valid()}")
@@ -86,7 +86,7 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, **options: o
     key = _canonical(name)
     unknown = sorted(set(options) - {"virtual_stages"})
     if unknown:
-        raise ConfigError(
+        raise ConfigTypeError(
             f"get_schedule({key!r}) got unknown options {unknown}; the only option is "
             "virtual_stages (stages per worker)"
         )

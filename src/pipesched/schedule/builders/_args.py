@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 
 __all__ = ["check_count", "check_virtual_stages"]
 
 
 def check_count(name: str, value: object) -> int:
     """``value`` as a positive int, or a ConfigError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}")
+    if value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}")
     return value
 

@@ -1,0 +1,126 @@
+"""Checks of the public API's arguments: a wrong type is a TypeError, a wrong value a ValueError.
+
+Python's own convention (``range("4")`` is a TypeError, ``range(-1)[0]`` an
+IndexError) made concrete for pipesched: :class:`~pipesched.errors.ConfigTypeError`
+when an argument has the wrong type or a call the wrong number of arguments,
+:class:`~pipesched.errors.ConfigError` when the type is right but the value is
+not. Each check runs before any work, so a wrong argument never surfaces as an
+``AttributeError`` or ``KeyError`` from deep inside a worker thread.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.microbatch import batch_size
+from pipesched.runtime.tree import tensors
+
+__all__ = ["check_module", "check_pipeline", "check_positive_int", "check_step"]
+
+
+def check_positive_int(name: str, value: object, hint: str = "") -> int:
+    """``value`` as an int >= 1.
+
+    Raises:
+        ConfigTypeError: ``value`` is not an int (a bool is not one either).
+        ConfigError: ``value`` is an int below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        fix = f"; pass {name}={_as_int(value)}" if _as_int(value) is not None else ""
+        raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}{fix}{hint}")
+    if value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}{hint}")
+    return value
+
+
+def check_module(name: str, value: object) -> nn.Module:
+    """``value`` if it is an ``nn.Module``, else a ConfigTypeError naming ``name``."""
+    if not isinstance(value, nn.Module):
+        raise ConfigTypeError(
+            f"{name} must be an nn.Module, got {type(value).__name__}; wrap a plain "
+            "function in an nn.Module whose forward calls it"
+        )
+    return value
+
+
+def check_pipeline(
+    module: object,
+    chunks: object,
+    balance: object,
+    num_stages: object,
+    memory_budget: object,
+) -> None:
+    """The types (and ranges) of :class:`~pipesched.Pipeline`'s arguments that need no model.
+
+    ``devices``, ``checkpoint``, ``schedule``, ``mesh``, ``split_points`` and
+    ``example_inputs`` are checked where they are read.
+
+    Raises:
+        ConfigTypeError: an argument has the wrong type.
+        ConfigError: ``chunks`` or ``num_stages`` is below 1.
+    """
+    check_module("module", module)
+    check_positive_int("chunks", chunks)
+    if balance is not None and not isinstance(balance, str | list | tuple):
+        raise ConfigTypeError(
+            f"balance must be a list of layers per stage (e.g. [2, 1]) or the name of a "
+            f"balancing mode ('params', 'time', 'memory', 'schedule'); got "
+            f"{type(balance).__name__} {balance!r}"
+        )
+    if num_stages is not None:
+        check_positive_int("num_stages", num_stages)
+    if memory_budget is not None and (
+        isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float)
+    ):
+        raise ConfigTypeError(
+            f"memory_budget must be a number of bytes per worker, got "
+            f"{type(memory_budget).__name__} {memory_budget!r}"
+        )
+
+
+def check_step(inputs: Any, loss_fn: object, num_items: object) -> None:
+    """The arguments of ``Pipeline.step`` and ``Pipeline.accumulate``.
+
+    Raises:
+        ConfigTypeError: ``loss_fn`` is not callable, or ``num_items`` not a number.
+        ConfigError: ``inputs`` holds no tensor with a batch dimension, or a
+            tensor of it requires grad.
+    """
+    if not callable(loss_fn):
+        raise ConfigTypeError(
+            f"loss_fn must be a callable returning a scalar tensor, got "
+            f"{type(loss_fn).__name__} {loss_fn!r}; e.g. "
+            "loss_fn=torch.nn.functional.mse_loss"
+        )
+    if num_items is not None and (
+        isinstance(num_items, bool) or not isinstance(num_items, int | float | torch.Tensor)
+    ):
+        raise ConfigTypeError(
+            f"num_items must be a number (or a one-element tensor) or None, got "
+            f"{type(num_items).__name__} {num_items!r}"
+        )
+    batch_size(inputs)  # stage 0 needs a tensor with a batch dimension to cut
+    if any(t.requires_grad for t in tensors(inputs)):
+        # step's backward ends at stage 0's input: it fills the parameters' .grad,
+        # never the input's; silently returning no x.grad would be worse than this.
+        raise ConfigError(
+            "inputs requires grad, but step computes the parameters' gradients only: its "
+            "backward stops at the pipeline's input and never fills x.grad: pass "
+            "x.detach() instead, or, to get x's gradient too, use pipe(x), which is "
+            "autograd-transparent: loss_fn(pipe(x), y).backward()"
+        )
+
+
+def _as_int(value: object) -> int | None:
+    """The int a user plainly meant (``"4"``, ``4.0``), if any."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
