@@ -88,8 +88,15 @@ def check_step(inputs: Any, loss_fn: object, num_items: object) -> None:
     Raises:
         ConfigTypeError: ``loss_fn`` is not callable, or ``num_items`` not a number.
         ConfigError: ``inputs`` holds no tensor with a batch dimension, or a
-            tensor of it requires grad.
+            tensor of it requires grad; or grad mode is off (nothing would
+            get a gradient).
     """
+    if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
+        raise ConfigError(
+            "pipe.step and pipe.accumulate run backward, but grad mode is off here "
+            "(inside torch.no_grad() or torch.inference_mode()): call them outside that "
+            "block, or evaluate with pipe(x)"
+        )
     if not callable(loss_fn):
         raise ConfigTypeError(
             f"loss_fn must be a callable returning a scalar tensor, got "

@@ -9,7 +9,6 @@ from typing import Any, NoReturn
 import networkx as nx
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.arguments import check_pipeline, check_step
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
@@ -21,15 +20,13 @@ from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.microbatch import batch_size, gather, scatter
 from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
 from pipesched.partition.sequential import sequential_layers
-from pipesched.rng import draw_seed, module_names
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
-from pipesched.runtime.local import LocalRuntime, StepInputs, _Run
+from pipesched.runtime.local import LocalRuntime, StepInputs
 from pipesched.runtime.tree import tensors
 from pipesched.schedule import Schedule, Timeline, get_schedule, stages_per_worker
-from pipesched.seeding import StageSeeding, UnseededDraws
-from pipesched.transaction import Snapshot
+from pipesched.stepper import Stepper
 
 __all__ = ["Pipeline"]
 
@@ -198,19 +195,15 @@ class Pipeline(nn.Module):
             self._runtime.on_stage_done = self._stage_done  # type: ignore[attr-defined]
         self._stages = stages
         self._own_stages = own
-        # What a step may change (pipesched.transaction): this process's parameters, BatchNorms.
-        self._params = list(self.parameters())
-        self._batch_norms = [m for m in self.modules() if isinstance(m, _BatchNorm)]
-        self._snapshot: Snapshot | None = None
-        # Where random draws happen: the model's modules, and a traced model's random operations.
         random_ops = [t.random_ops for t in stages if isinstance(t, TracedStage)]
-        names = module_names(self, stages, [r for r in random_ops if r is not None])
-        self._runtime.seeding = [  # on a mesh a rerun would need every rank: seed throughout
-            StageSeeding(names[s], stages[s], stage_devices[s], adaptive=info is None)
-            for s in range(len(stages))
-        ]
-        self._runtime.loss_seeding = StageSeeding(
-            {}, stages[-1], stage_devices[-1], adaptive=info is None
+        self._stepper = Stepper(  # a traced model's random operations are places of draws too
+            self._runtime,
+            self,
+            stages,
+            stage_devices,
+            [r for r in random_ops if r is not None],
+            adaptive=info is None,  # on a mesh a rerun would need every rank
+            finish=self._commit_batch_norm,
         )
         self.last_timeline: Timeline | None = None
 
@@ -251,9 +244,12 @@ class Pipeline(nn.Module):
             )
         micro = scatter(inputs[0], self.chunks)
         stop = checkpoint_stop(self.checkpoint, len(micro))
-        run = self._transaction(
-            lambda: StepInputs(micro, checkpoint_stop=stop, seed=self._call_seed()), detach=False
+        run = self._stepper.run(
+            self.schedule,
+            lambda seed: StepInputs(micro, checkpoint_stop=stop, seed=seed),
+            detach=False,
         )
+        self.last_timeline = run.timeline
         if self.mesh is not None and self.placement[-1] != self.mesh.pp_rank:
             return None
         return gather([run.outputs[i] for i in range(len(micro))])
@@ -352,99 +348,29 @@ class Pipeline(nn.Module):
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; micro-batch i's loss weighs
         ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
-        if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
-            raise ConfigError(
-                "pipe.step and pipe.accumulate run backward, but grad mode is off here "
-                "(inside torch.no_grad() or torch.inference_mode()): call them outside that "
-                "block, or evaluate with pipe(x)"
-            )
         micro = scatter((inputs, target), self.chunks)
         weights = [scale if summed else scale * _rows(x) for x, _ in micro]
 
-        def make_step() -> StepInputs:
+        def make_step(seed: int | None) -> StepInputs:
             return StepInputs(
                 inputs=[x for x, _ in micro],
                 targets=None if target is None else [t for _, t in micro],
                 loss_fn=loss_fn,
                 loss_weights=weights,
                 checkpoint_stop=checkpoint_stop(self.checkpoint, len(micro)),
-                seed=self._call_seed(),
+                seed=seed,
             )
 
-        run = self._transaction(make_step, detach=True)
+        run = self._stepper.run(self.schedule, make_step, detach=True)
+        self.last_timeline = run.timeline
         if self.mesh is None:
             return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
         return broadcast_loss(run.losses, len(micro), self.placement[-1], self.mesh)
 
-    def _transaction(self, make_step: Callable[[], StepInputs], *, detach: bool) -> _Run:
-        """Runs one step as a transaction, one step at a time.
-
-        Another thread's step waits for this one (the pipeline's lock). If the
-        step raises (any stage, any micro-batch, KeyboardInterrupt included),
-        every worker has stopped and gradients, BatchNorm statistics and the
-        generators are as before it (:mod:`pipesched.transaction`). A stage
-        that drew unseeded random numbers (:mod:`pipesched.seeding`) makes the
-        step run again, from the same state, with its seeding on.
-        """
-        if self._runtime.running_here():
-            raise ConfigError(
-                "this Pipeline was called from inside one of its own steps (a stage's "
-                "forward or the loss_fn); a step cannot run another of the same pipeline: "
-                "call it after the step returns"
-            )
-        with self._runtime.lock:
-            for attempt in range(2):
-                try:
-                    return self._attempt(make_step, detach)
-                except UnseededDraws:
-                    if attempt:
-                        raise
-                    for seeding in self._seedings():
-                        seeding.probe()
-        raise AssertionError("unreachable")  # pragma: no cover
-
-    def _attempt(self, make_step: Callable[[], StepInputs], detach: bool) -> _Run:
-        """One run of the step: committed if it returns, put back if it raises."""
-        self._snapshot = snapshot = Snapshot.take(self._params, self._batch_norms)
-        try:
-            step = make_step()  # after a put-back step: the same seed as its first run
-            run = self._runtime.run(self.schedule(len(step.inputs)), step, detach=detach)
-            self._commit_batch_norm()
-        except BaseException:
-            snapshot.restore()
-            raise
-        finally:
-            self._snapshot = None
-        snapshot.commit()
-        for seeding in self._seedings():
-            seeding.settle()
-        self.last_timeline = run.timeline
-        return run
-
     def _stage_done(self, stage: int) -> None:
         """A stage's gradients are final for this step: its replicas may start summing them."""
-        if self._snapshot is not None:
-            self._snapshot.commit(stage_parameters(self._stages[stage]))
+        self._stepper.commit_early(stage_parameters(self._stages[stage]))
         self.sync.stage_done(stage)
-
-    def _call_seed(self) -> int | None:
-        """This step's seed for random operations (:mod:`pipesched.rng`), or None.
-
-        On a mesh every rank draws it from torch's default CPU generator, and
-        they run with pp rank 0's. Locally it is drawn when a stage may draw
-        seeded numbers and some stage's tripwire is armed (a draw mid-step
-        would trip it); None otherwise: drawn at the first seeded draw if any,
-        so a model without random operations leaves the generator alone.
-        """
-        seedings = self._seedings()
-        if self.mesh is not None or (
-            any(s.needs_seed for s in seedings) and any(s.watching for s in seedings)
-        ):
-            return draw_seed()
-        return None
-
-    def _seedings(self) -> list[StageSeeding]:
-        return [*self._runtime.seeding, self._runtime.loss_seeding]
 
     def gather_timeline(self) -> Timeline | None:
         """The last step's timeline with every rank's actions, on pipeline rank 0.

@@ -1,0 +1,139 @@
+"""Running a pipeline's steps: one at a time, each a transaction, rerun once after unseeded draws.
+
+The pipeline says what a step is (its micro-batches, loss, schedule); this
+module says how every step runs, whatever it is: under the runtime's lock
+(steps from several threads wait for each other), refused from inside one of
+the pipeline's own steps, between a :class:`~pipesched.transaction.Snapshot`
+and its commit (put back if anything raises), and once more, seeded
+throughout, when a stage's tripwire saw an unseeded draw
+(:mod:`pipesched.seeding`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from pipesched.errors import ConfigError
+from pipesched.rng import draw_seed, module_names
+from pipesched.runtime.local import LocalRuntime, StepInputs, _Run
+from pipesched.schedule import Schedule
+from pipesched.seeding import StageSeeding, UnseededDraws
+from pipesched.transaction import Snapshot
+
+__all__ = ["Stepper"]
+
+
+class Stepper:
+    """Runs the steps of one pipeline.
+
+    Args:
+        runtime: the pipeline's runtime; its stages' seeding is set up here.
+        model: the pipeline (its modules name the places of random draws,
+            its parameters and BatchNorms are what a step may change).
+        stages: every stage module; ``devices``: each stage's device.
+        extra_names: modules named for draws besides ``model``'s (a traced
+            model's random operations).
+        adaptive: learn where stages draw (local); False: seed every forward
+            throughout (a mesh, where a rerun would need every rank).
+        finish: called at the end of a successful run, inside the transaction
+            (committing deferred BatchNorm statistics).
+    """
+
+    def __init__(
+        self,
+        runtime: LocalRuntime,
+        model: nn.Module,
+        stages: Sequence[nn.Module],
+        devices: Sequence[torch.device],
+        extra_names: Sequence[nn.Module],
+        *,
+        adaptive: bool,
+        finish: Callable[[], None],
+    ) -> None:
+        names = module_names(model, stages, extra_names)
+        runtime.seeding = [
+            StageSeeding(names[s], stage, devices[s], adaptive=adaptive)
+            for s, stage in enumerate(stages)
+        ]
+        runtime.loss_seeding = StageSeeding({}, stages[-1], devices[-1], adaptive=adaptive)
+        self.runtime = runtime
+        self.seedings = [*runtime.seeding, runtime.loss_seeding]
+        self.parameters = list(model.parameters())
+        self.batch_norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+        self.adaptive = adaptive
+        self.finish = finish
+        self._snapshot: Snapshot | None = None
+
+    def run(
+        self,
+        schedule_of: Callable[[int], Schedule],
+        make_step: Callable[[int | None], StepInputs],
+        *,
+        detach: bool,
+    ) -> _Run:
+        """Runs the step ``make_step(seed)`` builds, as a transaction (see the module).
+
+        Raises:
+            ConfigError: called from inside one of this pipeline's steps.
+            BaseException: what the step raised; nothing it changed remains.
+        """
+        if self.runtime.running_here():
+            raise ConfigError(
+                "this Pipeline was called from inside one of its own steps (a stage's "
+                "forward or the loss_fn); a step cannot run another of the same pipeline: "
+                "call it after the step returns"
+            )
+        with self.runtime.lock:
+            try:
+                return self._attempt(schedule_of, make_step, detach)
+            except UnseededDraws:
+                for seeding in self.seedings:
+                    seeding.probe()
+            return self._attempt(schedule_of, make_step, detach)
+
+    def commit_early(self, parameters: list[nn.Parameter]) -> None:
+        """Gradients final for this step, read before it ends (a replica's all-reduce)."""
+        if self._snapshot is not None:
+            self._snapshot.commit(parameters)
+
+    def seed(self) -> int | None:
+        """This step's seed for random operations (:mod:`pipesched.rng`), or None.
+
+        Without adaptation (a mesh) every rank draws it from torch's default
+        CPU generator, and they run with pp rank 0's. Otherwise it is drawn
+        when a stage may draw seeded numbers while another's tripwire is armed
+        (a draw mid-step would trip it); else None: drawn at the first seeded
+        draw if there is one, so a model without random operations leaves
+        the generator as the plain model would.
+        """
+        if not self.adaptive or (
+            any(s.needs_seed for s in self.seedings) and any(s.watching for s in self.seedings)
+        ):
+            return draw_seed()
+        return None
+
+    def _attempt(
+        self,
+        schedule_of: Callable[[int], Schedule],
+        make_step: Callable[[int | None], StepInputs],
+        detach: bool,
+    ) -> _Run:
+        """One run of the step: committed if it returns, put back if it raises."""
+        self._snapshot = snapshot = Snapshot.take(self.parameters, self.batch_norms)
+        try:
+            step = make_step(self.seed())  # after a put-back run: the seed of its first run
+            run = self.runtime.run(schedule_of(len(step.inputs)), step, detach=detach)
+            self.finish()
+        except BaseException:
+            snapshot.restore()
+            raise
+        finally:
+            self._snapshot = None
+        snapshot.commit()
+        for seeding in self.seedings:
+            seeding.settle()
+        return run
