@@ -11,8 +11,8 @@ Three kinds of operations are not copied as they are:
 
 - The operations of a Dropout or BatchNorm layer are replaced by a call to
   the layer itself. Its mode then follows ``pipe.train()`` / ``pipe.eval()``,
-  its random draws are seeded by :mod:`pipesched.rng` like an
-  ``nn.Sequential``'s, checkpointing's BatchNorm guard finds it, and
+  its random draws are seeded by :mod:`pipesched.rng` like any
+  module's, checkpointing's BatchNorm guard finds it, and
   ``deferred_batch_norm=True`` replaces it (a layer is replaced only where
   its operations take one activation and give one).
 - Other random operations (functional or attention dropout) run as a

@@ -70,10 +70,10 @@ class Switch:
 class RandomOp(nn.Dropout):
     """A random operation of a traced graph (functional dropout, attention dropout).
 
-    Why a Dropout subclass: :mod:`pipesched.rng` seeds every Dropout per
-    (call, micro-batch, name) so that concurrent stages and recomputation
-    draw the same masks; wrapping the operation as one lets it use that
-    machinery unchanged (``seed_random_layers(stage.random_ops)``).
+    Why a module: :mod:`pipesched.rng` keys every draw by the module path it
+    happens in; as a module named after its graph node, the operation has a
+    place of its own that does not depend on the cut (and a Dropout
+    subclass, it follows ``train()``/``eval()`` like one).
 
     Args:
         op: the operation.
