@@ -26,8 +26,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(scenario: str, world: int, out: Path, timeout: float = 90.0) -> list[Exit]:
-    """Runs ``worker.py scenario out`` on ``world`` ranks like torchrun; kills at the deadline."""
+def launch(
+    scenario: str, world: int, out: Path, timeout: float = 90.0, worker: Path = WORKER
+) -> list[Exit]:
+    """Runs ``worker scenario out`` on ``world`` ranks like torchrun; kills at the deadline."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -43,7 +45,7 @@ def launch(scenario: str, world: int, out: Path, timeout: float = 90.0) -> list[
         }
         procs.append(
             subprocess.Popen(
-                [sys.executable, str(WORKER), scenario, str(out)],
+                [sys.executable, str(worker), scenario, str(out)],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,

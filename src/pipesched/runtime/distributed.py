@@ -1,15 +1,24 @@
 """The runtime across processes: each rank runs its own worker's actions; values cross by p2p.
 
-It is the local runtime with three hooks changed: only this rank's schedule
+It is the local runtime with a few hooks changed: only this rank's schedule
 worker runs here; a value for a stage on another rank travels by
 point-to-point (:mod:`pipesched.runtime.p2p`), one for a stage on this rank
 (interleaved and V schedules) stays in memory; and a failure is reported to
-every rank before this one stops.
+every rank before this one stops (:mod:`pipesched.runtime.failures`).
+
+The transfers use a process group of the pipeline's own (its pp ranks, with
+the mesh's timeout). After a failure that group alone is
+closed, which makes every rank waiting on this one fail at once; the default
+process group and the mesh's groups stay usable, so the user's own error
+handling (``dist.get_rank()``, a barrier, a checkpoint) still works.
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
 from collections.abc import Callable, Hashable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -18,14 +27,17 @@ from torch import nn
 
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.distributed.placement import keep_own_stages
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, RemoteError
+from pipesched.runtime.failures import Failure, FailureChannel
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.local import LocalRuntime, _Run
-from pipesched.runtime.p2p import FailureChannel, Transport
+from pipesched.runtime.p2p import Transport
 from pipesched.runtime.streams import Stream
 from pipesched.schedule import BACKWARD, FORWARD, Action, Event, Schedule, Timeline
 
 __all__ = ["DistributedRuntime", "broadcast_loss"]
+
+_serials = itertools.count()  # every rank builds its pipelines in the same order
 
 
 class DistributedRuntime(LocalRuntime):
@@ -55,8 +67,12 @@ class DistributedRuntime(LocalRuntime):
         super().__init__(stages, devices, num_threads, fused)  # type: ignore[arg-type]
         self.placement = placement
         self.info = info
-        self.failures = FailureChannel()
-        self.transport = Transport(info.pp_ranks, info.device, self.failures)
+        self.failures = FailureChannel(next(_serials), info.pp_rank, info.dp_rank, info.timeout)
+        self.group: Any = _pipeline_group(info)
+        """This pipeline's own process group (its pp ranks); None once closed after a failure."""
+        self.stopped: Failure | None = None
+        """Why this pipeline stopped, once a step failed."""
+        self.transport = Transport(info.pp_ranks, info.device, self.failures, self.group)
         self._num_stages = len(placement)
         self.last_origin_wall = 0.0
         self.on_stage_done: Callable[[int], None] | None = None
@@ -115,7 +131,11 @@ class DistributedRuntime(LocalRuntime):
             if not self._local(source):
                 tag = self._tag(a.kind, a.stage, a.microbatch)
                 receives.setdefault((a.kind, a.stage), []).append((self.placement[source], tag))
-        self.transport.plan(receives)
+        try:
+            self.transport.plan(receives)
+        except RemoteError as error:
+            self._stop(Failure.of(error), report=False)
+            raise
 
     def _backward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
         start = super()._backward(action, w, schedule, run)
@@ -155,27 +175,58 @@ class DistributedRuntime(LocalRuntime):
         keys = self._keys[stage]
         if kind == FORWARD and keys and isinstance(value, dict):
             value = tuple(value[k] for k in keys)
+        source = stage - 1 if kind == FORWARD else stage + 1
+        what = f"stage {source}" if kind == FORWARD else f"the backward of stage {source}"
         self.transport.send(
-            value, self.placement[stage], (kind, stage), self._tag(kind, stage, microbatch)
+            value, self.placement[stage], (kind, stage), self._tag(kind, stage, microbatch), what
         )
 
     def on_failure(self, error: BaseException, action: Action) -> None:
-        if not isinstance(error, Exception) or type(error).__name__ == "RemoteError":
-            return  # a remote failure was reported by whoever saw it first
-        rank = dist.get_rank()
-        self.failures.report(
-            f"rank {rank} (pp {self.info.pp_rank}, dp {self.info.dp_rank}) failed in action "
-            f"{action} (stage {action.stage}, micro-batch {action.microbatch}): "
-            f"{type(error).__name__}: {error}"
+        if isinstance(error, RemoteError):  # reported by whoever saw it first
+            self._stop(Failure.of(error), report=False)
+            return
+        rank, info = dist.get_rank(), self.info
+        message = str(error)
+        self._stop(
+            Failure(
+                "error",
+                f"rank {rank} (pp {info.pp_rank}, dp {info.dp_rank}) failed in action {action} "
+                f"(stage {action.stage}, micro-batch {action.microbatch}): "
+                f"{type(error).__name__}: {message}",
+                rank=rank,
+                pp_rank=info.pp_rank,
+                dp_rank=info.dp_rank,
+                action=str(action),
+                error_type=type(error).__name__,
+                error_message=message,
+            )
         )
-        # Close this rank's connections so that every rank blocked on it fails now
-        # instead of at the process group's timeout.
-        dist.destroy_process_group()
+
+    def _stop(self, failure: Failure, *, report: bool = True) -> None:
+        """Reports ``failure`` (unless ``report`` is False) and closes this pipeline's group.
+
+        Closing it makes every rank blocked on this one fail now instead of at
+        the timeout. Only this pipeline's group is closed: the default process
+        group and the mesh's groups stay usable for the caller's own handling.
+        """
+        if report:
+            self.failures.report(failure)
+        self.stopped = failure
+        group, self.group = self.group, None
+        self.transport.drop()
+        if group is not None:
+            dist.destroy_process_group(group)
+            del group
+            gc.collect()  # the connections close when the last reference goes
 
     def finish_step(self, run: _Run) -> None:
-        if run.error is None:
-            self.transport.finish()
         self.last_origin_wall = run.origin_wall
+        if run.error is None:
+            try:
+                self.transport.finish()
+            except RemoteError as error:
+                self._stop(Failure.of(error), report=False)
+                raise
 
     def gather_timeline(self, timeline: Timeline) -> Timeline | None:
         """Every pp rank's events of ``timeline``'s step, on pp rank 0 (None on the others).
@@ -197,6 +248,22 @@ class DistributedRuntime(LocalRuntime):
             for action, worker, begin, end in rank_events
         ]
         return Timeline(tuple(events), self.placement)
+
+
+def _pipeline_group(info: MeshInfo) -> Any:
+    """A new process group of this rank's pipeline, with the mesh's timeout.
+
+    A collective over the whole job: every rank creates every replica's group,
+    in the same order, as ``new_group`` requires (ranks laid out as by
+    :func:`~pipesched.distributed.mesh.init_mesh`).
+    """
+    mine = None
+    for d in range(info.dp_size):
+        ranks = [d * info.pp_size + r for r in range(info.pp_size)]
+        group = dist.new_group(ranks, timeout=timedelta(seconds=info.timeout))
+        if d == info.dp_rank:
+            mine = group
+    return mine
 
 
 def _check_channel_order(schedule: Schedule) -> None:
