@@ -28,6 +28,21 @@ def _check_exits(exits: list[Exit]) -> None:
         assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-3000:]}"
 
 
+def test_ranks_with_different_batch_sizes_fail_together_within_seconds(tmp_path):
+    """The mesh's timeout is 600 s; both ranks name the mismatch in seconds, and go on."""
+    ranks = _run("sizes", tmp_path, timeout=90)
+    for rank, seen in enumerate(ranks):
+        for call in ("step", "eval"):
+            error = seen[call]
+            assert error is not None, f"rank {rank}: {call} did not fail"
+            assert error["type"] == "ConfigError", error
+            assert error["elapsed"] < 20, error
+            assert "pp rank 0 has 4 micro-batches, pp rank 1 has 3" in error["message"]
+            assert "same size" in error["message"]
+        # Nothing crossed before the check: the pipeline still runs a matching step.
+        assert seen["then"] == ranks[0]["then"]
+
+
 def test_a_hung_peer_is_reported_as_a_timeout_not_as_dead(tmp_path):
     ranks = _run("hung", tmp_path, timeout=90)
     waiting = ranks[0]["error"]  # stage 0 waits for stage 1's gradient
@@ -74,3 +89,10 @@ def test_after_a_failure_the_users_except_block_sees_the_error_and_the_group(tmp
         "kind": "error",
     }
     assert "ValueError: boom in a stage" in other["message"]
+
+
+def test_ranks_run_with_pp_rank_0s_seed_whatever_their_generators(tmp_path):
+    ranks = _run("seed", tmp_path, timeout=90)
+    assert len(ranks[0]["seeds"]) == 2
+    assert ranks[0]["seeds"] == ranks[1]["seeds"]
+    assert ranks[0]["seeds"][0] != ranks[0]["seeds"][1]  # a new seed each step

@@ -1,13 +1,15 @@
 """The runtime across processes: each rank runs its own worker's actions; values cross by p2p.
 
-It is the local runtime with a few hooks changed: only this rank's schedule
-worker runs here; a value for a stage on another rank travels by
-point-to-point (:mod:`pipesched.runtime.p2p`), one for a stage on this rank
-(interleaved and V schedules) stays in memory; and a failure is reported to
-every rank before this one stops (:mod:`pipesched.runtime.failures`).
+It is the local runtime with a few hooks changed: a step starts with the
+pipeline's ranks agreeing on its shape and seed (:mod:`pipesched.runtime.agreement`);
+only this rank's schedule worker runs here; a value for a stage on another
+rank travels by point-to-point (:mod:`pipesched.runtime.p2p`), one for a
+stage on this rank (interleaved and V schedules) stays in memory; and a
+failure is reported to every rank before this one stops
+(:mod:`pipesched.runtime.failures`).
 
-The transfers use a process group of the pipeline's own (its pp ranks, with
-the mesh's timeout). After a failure that group alone is
+The transfers and the agreement use a process group of the pipeline's own
+(its pp ranks, with the mesh's timeout). After a failure that group alone is
 closed, which makes every rank waiting on this one fail at once; the default
 process group and the mesh's groups stay usable, so the user's own error
 handling (``dist.get_rank()``, a barrier, a checkpoint) still works.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import time
 from collections.abc import Callable, Hashable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -28,9 +31,10 @@ from torch import nn
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.distributed.placement import keep_own_stages
 from pipesched.errors import ConfigError, RemoteError
+from pipesched.runtime.agreement import StepShape, agreed_seed, mismatch
 from pipesched.runtime.failures import Failure, FailureChannel
 from pipesched.runtime.fused_linear import unshared_parameters
-from pipesched.runtime.local import LocalRuntime, _Run
+from pipesched.runtime.local import LocalRuntime, StepInputs, _Run
 from pipesched.runtime.p2p import Transport
 from pipesched.runtime.streams import Stream
 from pipesched.schedule import BACKWARD, FORWARD, Action, Event, Schedule, Timeline
@@ -71,7 +75,7 @@ class DistributedRuntime(LocalRuntime):
         self.group: Any = _pipeline_group(info)
         """This pipeline's own process group (its pp ranks); None once closed after a failure."""
         self.stopped: Failure | None = None
-        """Why this pipeline stopped, once a step failed."""
+        """Why this pipeline stopped, once a step failed (it cannot run again)."""
         self.transport = Transport(info.pp_ranks, info.device, self.failures, self.group)
         self._num_stages = len(placement)
         self.last_origin_wall = 0.0
@@ -102,6 +106,57 @@ class DistributedRuntime(LocalRuntime):
         keys = [None, *(getattr(stage, "sends", None) for stage in stages[:-1])]
         runtime = cls(kept, placement, info, torch.get_num_threads(), fused, keys)
         return runtime, own, tied
+
+    def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> _Run:
+        """Agrees on the step with the pipeline's other ranks, then runs this rank's actions.
+
+        Sets ``step.seed`` to the agreed seed
+        (:func:`~pipesched.runtime.agreement.agreed_seed`).
+
+        Raises:
+            ConfigError: the ranks disagree on the step (every rank raises it,
+                before any transfer; the pipeline stays usable).
+            RemoteError: another rank failed, died or did not answer; or this
+                pipeline stopped after an earlier failure.
+        """
+        if self.stopped is not None:
+            raise RemoteError(
+                "pipesched: this pipeline stopped after a failed step and its connections to "
+                f"the other ranks are closed ({self.stopped.summary}); build a new Pipeline "
+                "on every rank, or restart the job from a checkpoint",
+                **self.stopped.facts(),
+            )
+        shape = StepShape.of(
+            schedule,
+            training=step.loss_fn is not None,
+            has_target=step.targets is not None,
+            seed=step.seed,
+        )
+        shapes = self._exchange(shape)
+        problem = mismatch(shapes)
+        if problem is not None:
+            raise ConfigError(f"the ranks of this pipeline disagree on the step: {problem}")
+        step.seed = agreed_seed(shapes)
+        return super().run(schedule, step, detach=detach)
+
+    def _exchange(self, shape: StepShape) -> list[StepShape]:
+        """Every pp rank's shape of this step: one all-gather over the pipeline's group."""
+        mine = shape.encode().to(self.info.device)
+        gathered = [torch.empty_like(mine) for _ in range(self.info.pp_size)]
+        start = time.monotonic()
+        try:
+            dist.all_gather(gathered, mine, group=self.group)
+        except Exception as error:
+            failure = self.failures.first()
+            if failure is None:
+                others = [r for r in range(self.info.pp_size) if r != self.info.pp_rank]
+                peer = others[0] if len(others) == 1 else None
+                what = "waiting for the other ranks to start the step"
+                rank = None if peer is None else self.info.pp_ranks[peer]
+                failure = self.failures.lost(error, time.monotonic() - start, what, peer, rank)
+            self._stop(failure)
+            raise failure.error() from error
+        return [StepShape.decode(t.tolist()) for t in gathered]
 
     def workers(self, schedule: Schedule) -> list[int]:
         _check_channel_order(schedule)
