@@ -76,6 +76,11 @@ def test_after_a_failure_the_users_except_block_sees_the_error_and_the_group(tmp
         error = seen["error"]
         assert error["get_rank"] == rank and error["get_world_size"] == 2
         assert seen["group_answers"] is True  # the default process group still works
+        again = seen["again"]  # the failed pipeline refuses its next step, saying why
+        assert again["type"] == "RemoteError" and "stopped after a failed step" in again["message"]
+        assert "boom in a stage" in again["message"]
+        assert again["attributes"]["action"] == "1F2"
+    assert ranks[0]["fresh_loss"] == ranks[1]["fresh_loss"] > 0  # a new pipeline runs
     failing, other = ranks[1]["error"], ranks[0]["error"]
     assert failing["type"] == "ValueError" and "boom in a stage" in failing["message"]
     assert other["type"] == "RemoteError"
