@@ -17,6 +17,7 @@ handling (``dist.get_rank()``, a barrier, a checkpoint) still works.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import itertools
 import time
@@ -270,7 +271,8 @@ class DistributedRuntime(LocalRuntime):
         group, self.group = self.group, None
         self.transport.drop()
         if group is not None:
-            dist.destroy_process_group(group)
+            with contextlib.suppress(Exception):  # never hide the error being reported
+                dist.destroy_process_group(group)
             del group
             gc.collect()  # the connections close when the last reference goes
 
