@@ -45,7 +45,39 @@ class PartitionError(PipeschedError, ValueError):
 
 
 class RemoteError(PipeschedError, RuntimeError):
-    """Another rank of a distributed pipeline failed or died; the message names it."""
+    """Another rank of a distributed pipeline failed, died, or did not answer in time.
+
+    The message says all of it; the attributes hold the same facts for a
+    handler (None where unknown).
+
+    Attributes:
+        kind: ``"error"`` (the rank raised), ``"died"`` (its connection closed
+            without a report: killed, out of memory) or ``"timeout"`` (it did
+            not answer within the mesh's timeout: hung, or slower than that).
+        rank: the global rank that failed, died or did not answer.
+        pp_rank, dp_rank: its place in the mesh.
+        action: the schedule action it was running (``"1F2"``), if known.
+        error_type, error_message: the original exception's type name and
+            message (kind ``"error"``).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        kind: str = "error",
+        rank: int | None = None,
+        pp_rank: int | None = None,
+        dp_rank: int | None = None,
+        action: str | None = None,
+        error_type: str | None = None,
+        error_message: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.rank, self.pp_rank, self.dp_rank = rank, pp_rank, dp_rank
+        self.action = action
+        self.error_type, self.error_message = error_type, error_message
 
 
 class CheckpointError(PipeschedError, ValueError):

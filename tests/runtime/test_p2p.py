@@ -6,7 +6,15 @@ import pytest
 import torch
 
 from pipesched.errors import ConfigError
-from pipesched.runtime.p2p import _HEADER_BYTES, _layout, _pack, _payload_bytes, _trim, _unpack
+from pipesched.runtime.p2p import (
+    _HEADER_BYTES,
+    CROSSES,
+    _layout,
+    _pack,
+    _payload_bytes,
+    _trim,
+    _unpack,
+)
 
 CPU = torch.device("cpu")
 
@@ -47,7 +55,20 @@ def test_a_new_scalar_is_a_new_layout() -> None:
     assert _layout((torch.ones(2), 3))[0] != _layout((torch.ones(2), 4))[0]
 
 
-@pytest.mark.parametrize("value", [{"a": torch.ones(1)}, ("text",), 3])
-def test_other_values_are_refused_with_what_was_seen(value) -> None:
-    with pytest.raises(ConfigError, match="between ranks"):
-        _layout(value)
+@pytest.mark.parametrize(
+    ("value", "seen"),
+    [
+        ({"a": torch.ones(1)}, "stage 0 returned a bare dict"),
+        (("text",), "stage 0 returned a tuple holding str"),
+        (3, "stage 0 returned a bare int"),
+        (None, "stage 0 returned None"),
+    ],
+)
+def test_other_values_are_refused_with_what_was_seen(value, seen) -> None:
+    with pytest.raises(ConfigError) as raised:
+        _layout(value, "stage 0")
+    message = str(raised.value)
+    assert message.startswith(seen + ", which cannot cross to another rank"), message
+    # One rule, said the same way for every refusal: never "None is allowed" then a refusal.
+    assert CROSSES in message and "a bare None, int, float or bool" in message
+    assert "Fix: " in message

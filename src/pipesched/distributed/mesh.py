@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -13,10 +14,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipesched.errors import ConfigError, ConfigTypeError
 
-__all__ = ["MeshInfo", "init_mesh", "rank0_value"]
+__all__ = ["DEFAULT_TIMEOUT", "MeshInfo", "init_mesh", "rank0_value"]
+
+DEFAULT_TIMEOUT = 600.0
+"""Seconds a pipeline's transfers and agreements wait when the mesh does not say."""
+
+_timeouts: weakref.WeakKeyDictionary[DeviceMesh, float] = weakref.WeakKeyDictionary()
 
 
-def init_mesh(pp: int, dp: int = 1, *, timeout: float = 600.0) -> DeviceMesh:
+def init_mesh(pp: int, dp: int = 1, *, timeout: float = DEFAULT_TIMEOUT) -> DeviceMesh:
     """The ("dp", "pp") mesh of this job, initializing the process group if needed.
 
     Ranks are laid out ``rank = dp_index * pp + pp_index``: the ``pp`` ranks of
@@ -26,8 +32,9 @@ def init_mesh(pp: int, dp: int = 1, *, timeout: float = 600.0) -> DeviceMesh:
     Args:
         pp: pipeline workers (ranks per pipeline).
         dp: data-parallel replicas of the pipeline.
-        timeout: seconds any collective or transfer may wait before the job
-            fails; also bounds how long the other ranks wait after one dies.
+        timeout: seconds a pipeline's transfers and per-step agreement may
+            wait for another rank before failing with a timeout that names
+            it (and the process group's timeout, when this call creates it).
 
     Raises:
         ConfigError: ``pp * dp`` is not the job's world size.
@@ -37,6 +44,8 @@ def init_mesh(pp: int, dp: int = 1, *, timeout: float = 600.0) -> DeviceMesh:
         mesh = pipesched.distributed.init_mesh(pp=2, dp=2)
         pipe = pipesched.Pipeline(model, chunks=8, mesh=mesh, schedule="1f1b")
     """
+    if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
+        raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
     for name, value in (("pp", pp), ("dp", dp)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}")
@@ -60,7 +69,9 @@ def init_mesh(pp: int, dp: int = 1, *, timeout: float = 600.0) -> DeviceMesh:
             f"{pp * dp} processes"
         )
     device_type = "cuda" if cuda and dist.get_backend() == "nccl" else "cpu"
-    return init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
+    _timeouts[mesh] = float(timeout)
+    return mesh
 
 
 @dataclass(frozen=True)
@@ -73,6 +84,8 @@ class MeshInfo:
         pp_group, dp_group: the process groups along each dimension.
         pp_ranks: the global ranks of this rank's pipeline, by pp index.
         device: this rank's device.
+        timeout: seconds a transfer or agreement waits for another rank
+            (``init_mesh``'s ``timeout``).
     """
 
     pp_rank: int
@@ -83,6 +96,7 @@ class MeshInfo:
     dp_group: Any
     pp_ranks: tuple[int, ...]
     device: torch.device
+    timeout: float = DEFAULT_TIMEOUT
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshInfo:
@@ -114,6 +128,7 @@ class MeshInfo:
             dp_group=dp_group,
             pp_ranks=pp_ranks,
             device=device,
+            timeout=_timeouts.get(mesh, DEFAULT_TIMEOUT),
         )
 
 

@@ -8,32 +8,28 @@ transfers apart when one pair of ranks exchanges several stage boundaries
 (interleaved and V schedules). Shapes and dtypes travel only when they
 change (see :class:`Transport`).
 
-Why a failure channel: gloo cannot poll a pending receive (its wait with a
-timeout closes the connection), so a rank blocked in a receive learns about
-a failure only when its peer's connection closes. A failing rank therefore
-writes its error to the job's TCP store first, then closes its connections;
-every rank then fails in turn, reads the first error from the store, and
-raises it (a killed rank writes nothing: its neighbours say they lost it).
+A failed wait raises :class:`~pipesched.errors.RemoteError` naming the peer and
+why: the failure it reported, or how the wait ended (connection closed: it
+died; ran out of time: it is alive but hung); see :mod:`pipesched.runtime.failures`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
-import os
 import struct
 import time
 from collections import deque
-from collections.abc import Hashable
-from datetime import timedelta
+from collections.abc import Hashable, Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pipesched.errors import ConfigError, ConfigTypeError, RemoteError
+from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.runtime.failures import FailureChannel
 
-__all__ = ["FailureChannel", "Transport"]
+__all__ = ["Transport"]
 
 _DTYPES = (
     torch.float32,
@@ -50,44 +46,6 @@ _DTYPES = (
     torch.complex128,
 )
 _HEADER = 64
-
-
-class FailureChannel:
-    """The first failure of the job, shared through torchrun's TCP store."""
-
-    KEY = "pipesched/failure"
-
-    def __init__(self) -> None:
-        self._store: Any = None
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
-        if host and port:
-            try:
-                self._store = dist.TCPStore(  # type: ignore[attr-defined]
-                    host, int(port), is_master=False, timeout=timedelta(seconds=10)
-                )
-            except Exception:  # no store: failures still end the job, less explained
-                self._store = None
-
-    def report(self, message: str) -> None:
-        """Records ``message`` unless an earlier failure was recorded."""
-        if self._store is not None:
-            with contextlib.suppress(Exception):
-                self._store.compare_set(self.KEY, "", message)
-
-    def first(self, wait: float = 2.0) -> str | None:
-        """The first recorded failure, waiting up to ``wait`` seconds for one to appear."""
-        if self._store is None:
-            return None
-        deadline = time.monotonic() + wait
-        try:
-            while True:
-                if self._store.check([self.KEY]):
-                    return bytes(self._store.get(self.KEY)).decode()
-                if time.monotonic() > deadline:
-                    return None
-                time.sleep(0.05)
-        except Exception:  # the store's host (rank 0) is gone too
-            return None
 
 
 class Transport:
@@ -108,15 +66,21 @@ class Transport:
         ranks: the global rank of each pp index.
         device: this rank's device (where received tensors land).
         failures: where failures are reported and read.
+        group: the process group the transfers use (None: the default one).
     """
 
     def __init__(
-        self, ranks: tuple[int, ...], device: torch.device, failures: FailureChannel
+        self,
+        ranks: tuple[int, ...],
+        device: torch.device,
+        failures: FailureChannel,
+        group: Any = None,
     ) -> None:
         self.ranks = ranks
         self.device = device
         self.failures = failures
-        self._pending: list[tuple[Any, Any]] = []  # (work, buffer kept alive until sent)
+        self.group = group
+        self._pending: list[tuple[Any, Any, int]] = []  # (work, buffer kept until sent, dst)
         self._sent: dict[Hashable, tuple[list[int], int]] = {}  # channel -> (layout, size)
         self._expected: dict[Hashable, tuple[list[int], int]] = {}
         self._planned: dict[Hashable, deque[tuple[int, int]]] = {}  # channel -> (src, tag)s
@@ -126,19 +90,23 @@ class Transport:
         # NCCL ignores tags and runs a pair's sends and receives on one stream in issue
         # order: a receive posted ahead of this rank's own sends to that peer would wait
         # for a message that waits behind it. Only gloo, which matches by tag, posts ahead.
-        self._post_ahead = dist.is_initialized() and dist.get_backend() == "gloo"
+        self._post_ahead = dist.is_initialized() and dist.get_backend(group) == "gloo"
 
-    def send(self, value: Any, dst: int, channel: Hashable, tag: int) -> None:
-        """Starts sending ``value`` to pp rank ``dst`` on ``channel`` under ``tag``."""
-        layout, tensors = _layout(value)
+    def send(self, value: Any, dst: int, channel: Hashable, tag: int, what: str = "") -> None:
+        """Starts sending ``value`` to pp rank ``dst`` on ``channel`` under ``tag``.
+
+        ``what``: whose value it is, for errors ("stage 0").
+        """
+        layout, tensors = _layout(value, what)
         message = _pack(layout, tensors, self.device)
         last_layout, expected_size = self._sent.get(channel, ([], _HEADER_BYTES))
+        doing = f"sending {what or 'a stage'}'s value to it"
         if layout != last_layout:
             notice = torch.zeros(expected_size, dtype=torch.uint8, device=self.device)
             notice[:_HEADER_BYTES] = _header_bytes([_NOTICE, *layout], self.device)
-            self._isend(notice, dst, tag)
+            self._isend(notice, dst, tag, doing)
             self.notices += 1
-        self._isend(message, dst, tag)
+        self._isend(message, dst, tag, doing)
         self._sent[channel] = (layout, message.numel())
 
     def plan(self, receives: dict[Hashable, list[tuple[int, int]]]) -> None:
@@ -166,7 +134,8 @@ class Transport:
             buffer = self._irecv(size, src, tag, what)
         else:
             work, buffer = posted
-            self._wait(work, src, what)
+            with self._peer(src, f"waiting for {what}"):
+                work.wait()
         header = buffer[:_HEADER_BYTES].view(torch.int64).tolist()
         if header[0] == _NOTICE:
             layout = _trim(header[1:])
@@ -183,35 +152,56 @@ class Transport:
         src, tag = queue.popleft()
         _, size = self._expected.get(channel, ([], _HEADER_BYTES))
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._posted[channel, tag] = (dist.irecv(buffer, src=self.ranks[src], tag=tag), buffer)
+        with self._peer(src, "posting a receive from it"):
+            work = dist.irecv(buffer, src=self.ranks[src], group=self.group, tag=tag)
+        self._posted[channel, tag] = (work, buffer)
 
     def finish(self) -> None:
         """Waits for every send of this step to complete."""
         pending, self._pending = self._pending, []
-        for work, _ in pending:
-            work.wait()
+        for work, _, dst in pending:
+            with self._peer(dst, "finishing this step's sends to it"):
+                work.wait()
 
-    def _isend(self, buffer: torch.Tensor, dst: int, tag: int) -> None:
-        self._pending.append((dist.isend(buffer, dst=self.ranks[dst], tag=tag), buffer))
+    def drop(self) -> None:
+        """Forgets every pending transfer and the group (after a failure, before it closes)."""
+        self._pending.clear()
+        self._posted.clear()
+        self._planned.clear()
+        self.group = None
+
+    def _isend(self, buffer: torch.Tensor, dst: int, tag: int, what: str) -> None:
+        with self._peer(dst, what):
+            work = dist.isend(buffer, dst=self.ranks[dst], group=self.group, tag=tag)
+        self._pending.append((work, buffer, dst))
 
     def _irecv(self, size: int, src: int, tag: int, what: str) -> torch.Tensor:
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(buffer, src=self.ranks[src], tag=tag), src, what)
+        with self._peer(src, f"waiting for {what}"):
+            work = dist.irecv(buffer, src=self.ranks[src], group=self.group, tag=tag)
+            if work is not None:
+                work.wait()
         return buffer
 
-    def _wait(self, work: Any, src: int, what: str) -> None:
+    @contextlib.contextmanager
+    def _peer(self, peer: int, doing: str) -> Iterator[None]:
+        """Turns a failed transfer with pp rank ``peer`` into the RemoteError that explains it.
+
+        ``doing``: what this rank was doing, in words ("waiting for ...").
+
+        The error reported first by any rank wins; with none, the peer is named
+        from how the wait ended (see :meth:`FailureChannel.lost`).
+        """
+        start = time.monotonic()
         try:
-            work.wait()
+            yield
         except Exception as error:
-            reason = self.failures.first()
-            if reason is None:
-                reason = (
-                    f"lost pp rank {src} (global rank {self.ranks[src]}) while waiting for "
-                    f"{what}: its connection closed without an error report, so the process "
-                    "probably died (killed, or out of memory)"
-                )
-                self.failures.report(reason)
-            raise RemoteError(f"pipesched: stopping: {reason}") from error
+            failure = self.failures.first()
+            if failure is None:  # nobody reported: name the peer from how the wait ended
+                waited = time.monotonic() - start
+                failure = self.failures.lost(error, waited, doing, peer, self.ranks[peer])
+                self.failures.report(failure)
+            raise failure.error() from error
 
 
 _NOTICE, _DATA = 1, 0
@@ -225,21 +215,41 @@ Spec = tuple[torch.dtype, list[int]] | tuple[None, Any]
 """A tensor's (dtype, shape), or (None, the value) for None and Python scalars."""
 
 
-def _layout(value: Any) -> tuple[list[int], list[torch.Tensor]]:
+CROSSES = (
+    "between ranks a stage must return a tensor, or a tuple or list whose items are each a "
+    "tensor, None, an int, a float or a bool; a bare None, int, float or bool, a dict, a "
+    "string or a nested container cannot cross"
+)
+"""What may cross ranks, said once: every refusal quotes it."""
+
+
+def _layout(value: Any, what: str = "") -> tuple[list[int], list[torch.Tensor]]:
     """``[kind, count, per item: dtype, ndim, *shape | code[, bits]]`` and the tensors.
 
     Items are tensors, None, or Python ints, floats and bools (a traced
     model's stages pass sizes along): those travel in the layout itself.
+    ``what`` names the value in errors ("stage 0's output").
+
+    Raises:
+        ConfigTypeError: ``value`` cannot cross (see ``CROSSES``).
+        ConfigError: it holds more values than a header fits.
     """
     items = [value] if isinstance(value, torch.Tensor) else value
     if not isinstance(value, torch.Tensor | tuple | list) or not all(
         v is None or isinstance(v, torch.Tensor | int | float) for v in items
     ):
-        kinds = sorted({type(v).__name__ for v in items}) if isinstance(value, tuple | list) else []
+        if isinstance(value, tuple | list):
+            kinds = ", ".join(sorted({type(v).__name__ for v in items}))
+            seen = f"a {type(value).__name__} holding {kinds}"
+        else:
+            seen = "None" if value is None else f"a bare {type(value).__name__}"
+        fix = (
+            "return tensors from the last layer before the cut (wrap a None or a number "
+            "in a tuple: `return (x, None)`), or move the cut so this value stays on one rank"
+        )
         raise ConfigTypeError(
-            "between ranks a stage may pass a tensor or a tuple/list of tensors (and None, "
-            f"int, float, bool), got {type(value).__name__}{kinds or ''}; return tensors "
-            "only from stages that end on another rank"
+            f"{what or 'a stage'} returned {seen}, which cannot cross to another rank: "
+            f"{CROSSES}. Fix: {fix}"
         )
     kind = 0 if isinstance(value, torch.Tensor) else 1 if isinstance(value, tuple) else 2
     layout = [kind, len(items)]
