@@ -124,7 +124,7 @@ def layout(
             f"{where[w]}: {cell} has {what} index {index}, so the schedule would have {m} "
             f"micro-batches x {p} stages x {kinds} kinds = {implied} actions, but only {listed} "
             f"are listed; a schedule lists each action once, with stages and micro-batches "
-            f"numbered from 0 without gaps, and {limit_text()}"
+            f"numbered from 0 without gaps, and may not exceed {limit_text()}"
         )
     missing = [s for s in range(p) if s not in worker_of]
     if missing:
