@@ -139,3 +139,136 @@ def test_batch_pp_must_divide_the_gpus(capsys):
         == 2
     )
     assert "--pp 3 must divide the 8 GPUs" in capsys.readouterr().err
+
+
+# --- Bounds on the command's numbers (issue 11, item 7) -------------------------------------
+# Non-positive counts are argparse errors (exit 2, one line after the usage); sizes over
+# MAX_ACTIONS get the limit message and exit 2 before anything is built. Before the checks,
+# `simulate --stages 0` printed "n/a" rows and exited 0, and `--chunks 1000000` ran into a
+# MemoryError; the address space is capped here so that such a regression cannot eat the machine.
+
+import resource  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+from pipesched.schedule import MAX_ACTIONS  # noqa: E402
+
+
+@pytest.fixture
+def bounded_memory():
+    """Caps the address space at its size now plus 2 GiB for the test, then restores it."""
+    status = Path("/proc/self/status")
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    if not status.exists():
+        yield
+        return
+    line = next(x for x in status.read_text().splitlines() if x.startswith("VmSize:"))
+    cap = int(line.split()[1]) * 1024 + 2 * 2**30
+    if hard != resource.RLIM_INFINITY:
+        cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _usage_error(argv, capsys):
+    """``main(argv)`` exits 2 through argparse, fast; returns its one error line."""
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert time.perf_counter() - start < 1.0
+    assert info.value.code == 2
+    captured = capsys.readouterr()
+    assert "n/a" not in captured.out
+    lines = captured.err.strip().splitlines()
+    assert lines[0].startswith("usage: pipesched")
+    assert lines[-1].startswith(f"pipesched {argv[0]}: error: argument ")
+    return lines[-1]
+
+
+def _refused(argv, capsys):
+    """``main(argv)`` returns 2 fast with one error line and prints nothing; returns the line."""
+    start = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - start < 1.0
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pipesched: error: ")
+    return lines[0]
+
+
+_SCHEDULE_COMMANDS = [
+    ["simulate"],
+    ["show", "--schedule", "1f1b"],
+    ["viz", "--schedule", "zb-v", "-o", "x.png"],
+    ["compare", "-o", "x.png"],
+]
+
+
+@pytest.mark.parametrize("command", _SCHEDULE_COMMANDS, ids=lambda c: c[0])
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--stages", "0"), ("--workers", "-2"), ("--chunks", "0")]
+)
+def test_non_positive_counts_are_usage_errors(command, flag, value, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    other = "--chunks" if flag != "--chunks" else "--stages"
+    argv = [*command, flag, value, other, "4"]
+    line = _usage_error(argv, capsys)
+    assert f"must be a positive integer, got {value}" in line
+    assert "--chunks" in line if flag == "--chunks" else "--stages/--workers" in line
+    assert not list(tmp_path.glob("x.*"))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["simulate", "--stages", "4", "--chunks", "1000000"],
+        ["show", "--schedule", "zb-v", "--stages", "4", "--chunks", "1000000"],
+        ["viz", "--schedule", "1f1b", "--stages", "4", "--chunks", "1000000", "-o", "x.png"],
+        ["compare", "--stages", "4", "--chunks", "1000000", "-o", "x.png"],
+    ],
+    ids=lambda argv: argv[0],
+)
+def test_huge_counts_give_the_limit_not_a_memory_error(
+    argv, capsys, bounded_memory, tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    line = _refused(argv, capsys)
+    assert "a schedule of 1000000 micro-batches x " in line
+    assert f"exceeds pipesched's limit of {MAX_ACTIONS} actions" in line
+
+
+def test_absurd_counts_give_the_limit(capsys, bounded_memory):
+    line = _usage_error(["simulate", "--stages", "4", "--chunks", "9" * 5000], capsys)
+    assert f"limit of {MAX_ACTIONS} actions" in line
+    assert len(line) < 500
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "says"),
+    [
+        ("--target", "0", "must be a positive integer, got 0"),
+        ("--micro-batch", "-4", "must be a positive integer, got -4"),
+        ("--nodes", "0", "must be a positive integer, got 0"),
+        ("--pp", "0", "must be a positive integer, got 0"),
+        ("--target", str(10**400), "at most 9007199254740992"),
+        ("--lr", "nan", "must be a finite number > 0, got 'nan'"),
+        ("--lr", "-0.1", "must be a finite number > 0, got '-0.1'"),
+    ],
+)
+def test_batch_numbers_are_checked(flag, value, says, capsys):
+    argv = ["batch", "--target", "64", "--micro-batch", "4", flag, value]
+    line = _usage_error(argv, capsys)
+    assert flag in line and says in line
+
+
+@pytest.mark.parametrize("costs", ["1e308,1e308,1e308", "1e-300,1,1,1e300", "1,1,1,1e308"])
+def test_costs_outside_the_drawable_range_are_usage_errors(costs, capsys):
+    # Before: OverflowError tracebacks from the time grid (an infinite makespan or column count).
+    line = _usage_error(
+        ["show", "--schedule", "1f1b", "--stages", "2", "--chunks", "2", "--costs", costs], capsys
+    )
+    assert "--costs" in line and "between 1e-09 and 1e+09" in line

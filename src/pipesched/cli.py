@@ -3,19 +3,28 @@
 The schedule commands (``simulate``, ``show``) import neither torch nor
 matplotlib; the drawing commands (``viz``, ``compare``, ``trace``) import
 :mod:`pipesched.viz`, and matplotlib with it, only when they run.
+
+Every number is checked before any work: a count that is not a positive
+integer, or is past what it can mean, is an argparse error naming the
+argument; a schedule the counts imply over
+:data:`~pipesched.schedule.limits.MAX_ACTIONS` actions is refused with the
+limit before anything is built. Both exit with status 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from pipesched.errors import ConfigError, PipeschedError
 from pipesched.schedule import Costs, Timeline, get_schedule, render_timeline, stages_per_worker
-from pipesched.schedule.builders import SCHEDULES
+from pipesched.schedule.builders import SCHEDULES, check_size_of
 from pipesched.schedule.compare import compare, format_comparison
+from pipesched.schedule.limits import MAX_ACTIONS, limit_text
 
 __all__ = ["main"]
 
@@ -30,6 +39,48 @@ _COSTS_HELP = (
 )
 
 
+_MAX_COUNT = MAX_ACTIONS // 2
+"""The most stages or micro-batches: every schedule runs at least F and B of each."""
+_MAX_BATCH_COUNT = 2**53
+"""The most samples, GPUs or micro-batches ``batch`` takes: floats hold whole numbers exactly."""
+_COST_RANGE = (1e-9, 1e9)
+"""A nonzero cost's bounds: the time grid divides the makespan by the shortest pass."""
+
+
+def _count(maximum: int, why: str) -> Callable[[str], int]:
+    """An argparse type: a positive integer up to ``maximum``, read without int() on huge text."""
+
+    def parse(text: str) -> int:
+        value = text.strip()
+        if not re.fullmatch(r"[+-]?[0-9]+", value):
+            raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+        digits = value.lstrip("+-").lstrip("0") or "0"
+        if value.startswith("-") or digits == "0":
+            raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+        if len(digits) > len(str(maximum)) or int(digits) > maximum:
+            shown = digits if len(digits) <= 12 else f"{digits[:12]}... ({len(digits)} digits)"
+            raise argparse.ArgumentTypeError(f"must be at most {maximum} ({why}), got {shown}")
+        return int(digits)
+
+    return parse
+
+
+_schedule_count = _count(
+    _MAX_COUNT, f"a schedule within {limit_text()} runs F and B of each stage and micro-batch"
+)
+_batch_count = _count(_MAX_BATCH_COUNT, "2**53, the largest whole number a float holds exactly")
+
+
+def _learning_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
 def _costs(text: str) -> Costs:
     try:
         values = [float(v) for v in text.split(",")]
@@ -40,6 +91,12 @@ def _costs(text: str) -> Costs:
     if len(values) not in (3, 4):
         raise argparse.ArgumentTypeError(
             f"--costs wants 3 or 4 comma-separated numbers F,B,W[,SEND], got {text!r}"
+        )
+    low, high = _COST_RANGE
+    if not all(v == 0 or low <= v <= high for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--costs values must each be 0 or between {low:g} and {high:g} (the time grid "
+            f"divides the longest time by the shortest), got {text!r}"
         )
     try:
         return Costs(values[0], values[1], values[2], send=values[3] if len(values) == 4 else 0.0)
@@ -71,13 +128,17 @@ def _parser() -> argparse.ArgumentParser:
             "--stages",
             "--workers",
             dest="workers",
-            type=int,
+            type=_schedule_count,
             required=True,
             metavar="P",
             help=_WORKERS_HELP,
         )
         command.add_argument(
-            "--chunks", type=int, required=True, metavar="M", help="micro-batches per step"
+            "--chunks",
+            type=_schedule_count,
+            required=True,
+            metavar="M",
+            help="micro-batches per step",
         )
         command.add_argument("--costs", type=_costs, default=Costs(), help=_COSTS_HELP)
     show.add_argument(
@@ -111,15 +172,16 @@ def _parser() -> argparse.ArgumentParser:
         "batch",
         help="accumulation steps for a target effective batch, and the nearest whole choices",
     )
-    batch.add_argument("--target", type=int, required=True, help="effective batch wanted")
-    batch.add_argument("--micro-batch", type=int, required=True, help="samples per micro-batch")
-    batch.add_argument("--chunks", type=int, default=1, help="micro-batches per pipeline step")
-    batch.add_argument("--nodes", type=int, default=1, help="machines")
-    batch.add_argument("--gpus-per-node", type=int, default=1, help="GPUs (ranks) per machine")
+    count = _batch_count
+    batch.add_argument("--target", type=count, required=True, help="effective batch wanted")
+    batch.add_argument("--micro-batch", type=count, required=True, help="samples per micro-batch")
+    batch.add_argument("--chunks", type=count, default=1, help="micro-batches per pipeline step")
+    batch.add_argument("--nodes", type=count, default=1, help="machines")
+    batch.add_argument("--gpus-per-node", type=count, default=1, help="GPUs (ranks) per machine")
     batch.add_argument(
-        "--pp", type=int, default=1, help="pipeline ranks per replica (replicas = GPUs / pp)"
+        "--pp", type=count, default=1, help="pipeline ranks per replica (replicas = GPUs / pp)"
     )
-    batch.add_argument("--lr", type=float, help="learning rate tuned for the target batch")
+    batch.add_argument("--lr", type=_learning_rate, help="learning rate tuned for the target batch")
     return parser
 
 
@@ -142,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Runs the command line; returns the exit status."""
     args = _parser().parse_args(argv)
     try:
+        if args.command in ("simulate", "show", "viz", "compare"):
+            _check_sizes(args)
         if args.command in ("viz", "compare", "trace"):
             _draw(args)
         elif args.command == "batch":
@@ -168,6 +232,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"pipesched: error: {error}", file=sys.stderr)
         return 2
     return 0
+
+
+def _check_sizes(args: argparse.Namespace) -> None:
+    """Refuses, before anything is built or imported, schedules over MAX_ACTIONS actions."""
+    names = [args.schedule] if args.command in ("show", "viz") else list(SCHEDULES)
+    for name in names:
+        check_size_of(name, args.workers * stages_per_worker(name), args.chunks)
 
 
 def _draw(args: argparse.Namespace) -> None:

@@ -4,6 +4,7 @@ from pipesched.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action
 from pipesched.schedule.builders import SCHEDULES, get_schedule, stages_per_worker
 from pipesched.schedule.compare import Comparison, compare
 from pipesched.schedule.costs import Costs
+from pipesched.schedule.limits import MAX_ACTIONS
 from pipesched.schedule.schedule import Schedule
 from pipesched.schedule.simulate import simulate
 from pipesched.schedule.text import render_schedule, render_timeline
@@ -13,6 +14,7 @@ __all__ = [
     "BACKWARD",
     "FORWARD",
     "KINDS",
+    "MAX_ACTIONS",
     "SCHEDULES",
     "WEIGHT",
     "Action",

@@ -6,6 +6,7 @@ import re
 from typing import Final, NamedTuple
 
 from pipesched.errors import ScheduleError
+from pipesched.schedule.limits import MAX_ACTIONS, limit_text
 
 __all__ = ["BACKWARD", "FORWARD", "KINDS", "WEIGHT", "Action"]
 
@@ -50,12 +51,32 @@ class Action(NamedTuple):
         """Reads the short form ``"<stage><F|B|W><micro-batch>"``.
 
         Raises:
-            ScheduleError: ``text`` is not in the short form.
+            ScheduleError: ``text`` is not in the short form, or an index is
+                one no schedule within :data:`MAX_ACTIONS` can reach.
         """
         match = _SHORT_FORM.fullmatch(text)
         if match is None:
+            shown = text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
             raise ScheduleError(
-                f"action {text!r} is not in the short form <stage><F|B|W><micro-batch>; "
-                "write e.g. '2F0' for stage 2, forward, micro-batch 0"
+                f"action {shown!r} is not in the short form <stage><F|B|W><micro-batch>; "
+                "write e.g. '2F0' for stage 2, forward, micro-batch 0 (indexes count from 0)"
             )
-        return cls(int(match[1]), match[2], int(match[3]))
+        return cls(_index("stage", match[1], text), match[2], _index("micro-batch", match[3], text))
+
+
+def _index(what: str, digits: str, text: str) -> int:
+    """``digits`` as an index, or a ScheduleError when it is past any schedule within the cap.
+
+    A stage or micro-batch index ``i`` implies at least ``i + 1`` of them, so
+    one at or past MAX_ACTIONS cannot belong to a schedule pipesched runs.
+    Very long numbers are refused before ``int`` reads them.
+    """
+    digits = digits.lstrip("0") or "0"
+    if len(digits) <= len(str(MAX_ACTIONS)) and int(digits) < MAX_ACTIONS:
+        return int(digits)
+    shown = digits if len(digits) <= 12 else f"{digits[:12]}... ({len(digits)} digits)"
+    action = text.strip() if len(text) <= 40 else f"{text.strip()[:20]}..."
+    raise ScheduleError(
+        f"action {action!r} has {what} index {shown}, but a schedule within {limit_text()} "
+        f"has fewer than {MAX_ACTIONS} {what}{'es' if what.endswith('batch') else 's'}"
+    )

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pipesched.errors import ConfigError
-from pipesched.schedule.builders import SCHEDULES, get_schedule, stages_per_worker
+from pipesched.schedule.builders import SCHEDULES, check_size_of, get_schedule, stages_per_worker
+from pipesched.schedule.builders._args import check_count
 from pipesched.schedule.costs import Costs
 from pipesched.schedule.schedule import Schedule
 from pipesched.schedule.timeline import Timeline
@@ -66,14 +67,24 @@ def compare(
             when None.
         names: schedules to compare; all built-in ones when None.
 
+    Raises:
+        ConfigError: a count is not a positive integer, a name is unknown, or
+            a schedule would exceed :data:`~pipesched.schedule.limits.MAX_ACTIONS`
+            actions; checked before any schedule is built.
+
     Example:
         >>> rows = compare(4, 8)
         >>> [(r.name, round(r.timeline.bubble_fraction, 3)) for r in rows][:2]
         [('gpipe', 0.273), ('1f1b', 0.273)]
     """
+    check_count("num_workers", num_workers)
+    check_count("num_microbatches", num_microbatches)
+    names = names or list(SCHEDULES)
+    for name in names:  # every size first: refuse before building any
+        check_size_of(name, num_workers * stages_per_worker(name), num_microbatches)
     costs = costs or Costs()
     rows = []
-    for name in names or list(SCHEDULES):
+    for name in names:
         v = stages_per_worker(name)
         try:
             schedule = get_schedule(name, num_workers * v, num_microbatches)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from itertools import chain, pairwise
+from itertools import chain, islice, pairwise
 from typing import TYPE_CHECKING
 
 import networkx as nx
@@ -154,17 +154,28 @@ def check_complete(schedule: Schedule) -> None:
     if not problems and len(counts) == p * m * len(kinds) == counts.total():
         return  # every action in range, none twice, so none missing
     duplicated = sorted(a for a, n in counts.items() if n > 1)
-    missing = [
-        Action(s, k, i)
-        for s in range(p)
-        for i in range(m)
-        for k in kinds
-        if (s, k, i) not in counts
-    ]
-    for label, actions in (("duplicated", duplicated), ("missing", missing)):
+    present = sum(1 for s, k, i in counts if k in kinds and 0 <= s < p and 0 <= i < m)
+    # The first missing actions, found lazily: each step of the scan passes a present
+    # action or finds a missing one, so it costs the actions listed, not p * m.
+    missing = list(
+        islice(
+            (
+                Action(s, k, i)
+                for s in range(p)
+                for i in range(m)
+                for k in kinds
+                if (s, k, i) not in counts
+            ),
+            _SHOWN,
+        )
+    )
+    for label, actions, total in (
+        ("duplicated", duplicated, len(duplicated)),
+        ("missing", missing, p * m * len(kinds) - present),
+    ):
         if actions:
             shown = " ".join(str(a) for a in actions[:_SHOWN])
-            more = f" ... and {len(actions) - _SHOWN} more" if len(actions) > _SHOWN else ""
+            more = f" ... and {total - _SHOWN} more" if total > _SHOWN else ""
             problems.append(f"{label}: {shown}{more}")
     if problems:
         detail = "\n  ".join(problems[:_SHOWN])

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 
 from pipesched.errors import ScheduleError
 from pipesched.schedule.action import WEIGHT, Action
+from pipesched.schedule.limits import MAX_ACTIONS, check_size, limit_text
+from pipesched.schedule.reading import layout, rows_from_csv, rows_from_lists
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -33,6 +35,11 @@ class Schedule:
         placement: ``placement[s]`` is the worker that runs stage ``s``.
         num_microbatches: micro-batches per step.
         name: the builder's name, or ``"custom"``.
+
+    Raises:
+        ScheduleError: no workers or stages, a worker without a stage, or
+            more actions, listed or implied (``num_stages x num_microbatches
+            x kinds``), than :data:`~pipesched.schedule.limits.MAX_ACTIONS`.
 
     Example:
         >>> s = Schedule.from_lists([["0F0", "0B0"], ["1F0", "1B0"]])
@@ -69,6 +76,10 @@ class Schedule:
             )
         if self.num_microbatches < 1:
             raise ScheduleError(f"num_microbatches must be >= 1, got {self.num_microbatches}")
+        listed = sum(map(len, self.actions))
+        if listed > MAX_ACTIONS:
+            raise ScheduleError(f"the schedule lists {listed} actions, more than {limit_text()}")
+        check_size(self.num_stages, self.num_microbatches, 3 if self.split_backward else 2)
 
     @classmethod
     def from_lists(
@@ -77,30 +88,18 @@ class Schedule:
         """Builds a schedule from each worker's actions, inferring the rest.
 
         A stage runs on the worker whose list holds its actions; the stage and
-        micro-batch counts are the largest indices seen plus one.
+        micro-batch counts are the largest indices seen plus one. The size
+        they imply is checked before anything is built (see
+        :func:`pipesched.schedule.reading.layout`).
 
         Raises:
-            ScheduleError: an action is malformed or a stage appears on two workers.
+            ScheduleError: an action is malformed, a stage appears on two
+                workers, or the indexes imply more than
+                :data:`~pipesched.schedule.limits.MAX_ACTIONS` actions or more
+                than twice the actions listed; the message names the worker.
         """
-        rows = [[a if isinstance(a, Action) else Action.parse(a) for a in w] for w in actions]
-        worker_of: dict[int, int] = {}
-        for w, row in enumerate(rows):
-            for a in row:
-                if worker_of.setdefault(a.stage, w) != w:
-                    raise ScheduleError(
-                        f"stage {a.stage} has actions on workers {worker_of[a.stage]} and {w}; "
-                        "each stage runs on exactly one worker"
-                    )
-        if not worker_of:
-            raise ScheduleError("the schedule has no actions")
-        num_stages = max(worker_of) + 1
-        missing = [s for s in range(num_stages) if s not in worker_of]
-        if missing:
-            raise ScheduleError(
-                f"stages {missing} have no actions (stages seen: {sorted(worker_of)})"
-            )
-        num_microbatches = max(a.microbatch for row in rows for a in row) + 1
-        placement = tuple(worker_of[s] for s in range(num_stages))
+        rows, where = rows_from_lists(actions)
+        placement, num_microbatches = layout(rows, where, "the lists")
         return cls(tuple(tuple(r) for r in rows), placement, num_microbatches, name)
 
     @classmethod
@@ -108,10 +107,14 @@ class Schedule:
         """Reads the table :meth:`to_csv` writes: a row per worker, a short-form action per cell.
 
         Blank cells and lines starting with ``#`` are skipped.
+
+        Raises:
+            ScheduleError: as :meth:`from_lists`; the message names the line
+                of ``text`` (counting every line) where the problem is.
         """
-        lines = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
-        rows = [[c for c in row if c.strip()] for row in csv.reader(lines)]
-        return cls.from_lists([row for row in rows if row], name=name)
+        rows, where = rows_from_csv(text)
+        placement, num_microbatches = layout(rows, where, "the text")
+        return cls(tuple(tuple(r) for r in rows), placement, num_microbatches, name)
 
     def to_csv(self) -> str:
         """The schedule as CSV: a row per worker, a short-form action per cell."""

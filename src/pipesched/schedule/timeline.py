@@ -15,6 +15,7 @@ from pipesched.errors import ConfigError, ScheduleError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
 from pipesched.schedule.costs import Costs
 from pipesched.schedule.gc_pause import paused_gc
+from pipesched.schedule.limits import MAX_ACTIONS, limit_text
 
 __all__ = ["Event", "Timeline"]
 
@@ -211,7 +212,9 @@ class Timeline:
 
         Raises:
             ConfigError: ``text`` is not a pipesched timeline, or an event names
-                a stage, worker or time that does not fit the placement.
+                a stage, worker or time that does not fit the placement, or
+                the placement names a worker past its stage count, or there
+                are more events than MAX_ACTIONS.
         """
         try:
             data: Any = json.loads(text)
@@ -237,9 +240,17 @@ class Timeline:
                 f"timeline JSON placement must be a non-empty list of worker indices, "
                 f"got {placement!r}"
             )
+        far = [w for w in placement if w >= len(placement)]
+        if far:
+            raise ConfigError(
+                f"timeline JSON placement names worker {far[0]}, but its {len(placement)} "
+                f"stages run on at most {len(placement)} workers (0..{len(placement) - 1})"
+            )
         rows = data.get("events")
         if not isinstance(rows, list):
-            raise ConfigError(f"timeline JSON events must be a list, got {rows!r}")
+            raise ConfigError(f"timeline JSON events must be a list, got {_shown(rows)}")
+        if len(rows) > MAX_ACTIONS:
+            raise ConfigError(f"timeline JSON has {len(rows)} events, more than {limit_text()}")
         return cls(tuple(_event(row, placement) for row in rows), tuple(placement))
 
     def save(self, path: str | Path) -> Path:
@@ -262,6 +273,12 @@ class Timeline:
             raise ConfigError(f"{path}: {error}") from None
 
 
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to 80 characters for an error message."""
+    text = repr(value)
+    return text if len(text) <= 80 else f"{text[:77]}..."
+
+
 def _event(row: Any, placement: list[int]) -> Event:
     """One ``[action, worker, start, end]`` row of the JSON, checked against ``placement``."""
     if not (
@@ -272,13 +289,13 @@ def _event(row: Any, placement: list[int]) -> Event:
         and all(isinstance(x, int | float) and not isinstance(x, bool) for x in row[2:])
     ):
         raise ConfigError(
-            f"timeline JSON event {row!r} is not [action, worker, start, end], "
+            f"timeline JSON event {_shown(row)} is not [action, worker, start, end], "
             'e.g. ["2F0", 1, 0.5, 1.25]'
         )
     try:
         action = Action.parse(row[0])
     except ScheduleError as error:
-        raise ConfigError(f"timeline JSON event {row!r}: {error}") from None
+        raise ConfigError(f"timeline JSON event {_shown(row)}: {error}") from None
     if action.stage >= len(placement) or placement[action.stage] != row[1]:
         where = f"worker {placement[action.stage]}" if action.stage < len(placement) else "none"
         raise ConfigError(

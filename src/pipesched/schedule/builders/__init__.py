@@ -5,16 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.schedule.builders._args import check_count
+from pipesched.schedule.builders._args import check_count, check_schedule_size
 from pipesched.schedule.builders.gpipe import gpipe
 from pipesched.schedule.builders.interleaved import interleaved_1f1b
 from pipesched.schedule.builders.one_f_one_b import one_f_one_b
-from pipesched.schedule.builders.zero_bubble import zb_h1, zb_v
+from pipesched.schedule.builders.zero_bubble import check_zb_v_work, zb_h1, zb_v
 from pipesched.schedule.gc_pause import paused_gc
 from pipesched.schedule.schedule import Schedule
 
 __all__ = [
     "SCHEDULES",
+    "check_size_of",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
@@ -34,6 +35,7 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
 """Builder of each built-in schedule, by name."""
 
 _FIXED_VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2}
+_KINDS = {"gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "zb-h1": 3, "zb-v": 3}
 
 
 def _canonical(name: object) -> str:
@@ -60,6 +62,27 @@ def stages_per_worker(name: str, **options: object) -> int:
     if key in _FIXED_VIRTUAL_STAGES:
         return _FIXED_VIRTUAL_STAGES[key]
     return check_count("virtual_stages", options.get("virtual_stages", 2))
+
+
+def check_size_of(name: str, num_stages: int, num_microbatches: int) -> None:
+    """Checks, building nothing, that ``get_schedule(name, ...)`` stays within MAX_ACTIONS.
+
+    Raises:
+        ConfigError: an unknown name, or more actions than
+            :data:`~pipesched.schedule.limits.MAX_ACTIONS` (the message states
+            the count and the limit).
+
+    Example:
+        >>> check_size_of("zb-v", 8, 1000)  # 8 stages x 1000 micro-batches x 3 = 24000 actions
+        >>> check_size_of("zb-v", 8, 10**6)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        pipesched.errors.ConfigError: zb-v: a schedule of 1000000 micro-batches x 8 stages ...
+    """
+    key = _canonical(name)
+    check_schedule_size(key, num_stages, num_microbatches, _KINDS[key])
+    if key == "zb-v":
+        check_zb_v_work(num_stages, num_microbatches)
 
 
 def get_schedule(name: str, num_stages: int, num_microbatches: int, **options: object) -> Schedule:

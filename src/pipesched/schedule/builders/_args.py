@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.schedule.limits import check_size
 
-__all__ = ["check_count", "check_virtual_stages"]
+__all__ = ["check_count", "check_schedule_size", "check_virtual_stages"]
 
 
 def check_count(name: str, value: object) -> int:
@@ -28,3 +29,15 @@ def check_virtual_stages(schedule: str, num_stages: int, virtual_stages: object)
             "or a virtual_stages that divides num_stages"
         )
     return num_stages // v
+
+
+def check_schedule_size(schedule: str, num_stages: int, num_microbatches: int, kinds: int) -> None:
+    """A ConfigError, before anything is built, when the schedule would exceed MAX_ACTIONS.
+
+    Args:
+        schedule: the builder's name, leading the message.
+        num_stages: model stages.
+        num_microbatches: micro-batches per step.
+        kinds: 2 (F, B) or 3 (F, B, W: the zero-bubble schedules).
+    """
+    check_size(num_stages, num_microbatches, kinds, error=ConfigError, prefix=f"{schedule}: ")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipesched.schedule.action import BACKWARD, FORWARD, Action
-from pipesched.schedule.builders._args import check_count
+from pipesched.schedule.builders._args import check_count, check_schedule_size
 from pipesched.schedule.schedule import Schedule
 
 __all__ = ["gpipe"]
@@ -22,6 +22,7 @@ def gpipe(num_stages: int, num_microbatches: int) -> Schedule:
     """
     p = check_count("num_stages", num_stages)
     m = check_count("num_microbatches", num_microbatches)
+    check_schedule_size("gpipe", p, m, 2)
     rows = [
         [Action(s, FORWARD, i) for i in range(m)] + [Action(s, BACKWARD, i) for i in range(m)]
         for s in range(p)

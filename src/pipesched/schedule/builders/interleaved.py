@@ -5,7 +5,11 @@ from __future__ import annotations
 from itertools import pairwise
 
 from pipesched.schedule.action import BACKWARD, FORWARD, Action
-from pipesched.schedule.builders._args import check_count, check_virtual_stages
+from pipesched.schedule.builders._args import (
+    check_count,
+    check_schedule_size,
+    check_virtual_stages,
+)
 from pipesched.schedule.schedule import Schedule
 
 __all__ = ["interleaved_1f1b", "rounds"]
@@ -59,6 +63,7 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, virtual_stages: int
     m = check_count("num_microbatches", num_microbatches)
     v = check_count("virtual_stages", virtual_stages)
     p = check_virtual_stages("interleaved-1f1b", num_stages, v)
+    check_schedule_size("interleaved-1f1b", num_stages, m, 2)
     cut = rounds(p, m)
     forward = [(c, i) for rnd in cut for c in range(v) for i in rnd]
     backward = [(v - 1 - c, i) for rnd in cut for c in range(v) for i in rnd]

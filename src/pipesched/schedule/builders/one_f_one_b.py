@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from pipesched.schedule.builders._args import check_count
+from pipesched.schedule.builders._args import check_count, check_schedule_size
 from pipesched.schedule.schedule import Schedule
 
 __all__ = ["one_f_one_b", "one_f_one_b_row"]
@@ -56,5 +56,6 @@ def one_f_one_b(num_stages: int, num_microbatches: int) -> Schedule:
     """
     p = check_count("num_stages", num_stages)
     m = check_count("num_microbatches", num_microbatches)
+    check_schedule_size("1f1b", p, m, 2)
     rows = tuple(tuple(one_f_one_b_row(s, p, m)) for s in range(p))
     return Schedule(rows, tuple(range(p)), m, "1f1b")

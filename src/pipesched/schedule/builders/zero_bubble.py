@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from pipesched.errors import ConfigError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from pipesched.schedule.builders._args import check_count
+from pipesched.schedule.builders._args import check_count, check_schedule_size
 from pipesched.schedule.builders.one_f_one_b import one_f_one_b_row
+from pipesched.schedule.limits import MAX_ACTIONS, limit_text
 from pipesched.schedule.schedule import Schedule
 
-__all__ = ["zb_h1", "zb_v"]
+__all__ = ["check_zb_v_work", "zb_h1", "zb_v"]
 
 
 def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
@@ -28,6 +29,7 @@ def zb_h1(num_stages: int, num_microbatches: int) -> Schedule:
     """
     p = check_count("num_stages", num_stages)
     m = check_count("num_microbatches", num_microbatches)
+    check_schedule_size("zb-h1", p, m, 3)
     rows = tuple(tuple(one_f_one_b_row(s, p, m, weight_delay=s)) for s in range(p))
     return Schedule(rows, tuple(range(p)), m, "zb-h1")
 
@@ -61,12 +63,33 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
             f"zb-v runs two stages per worker, so num_stages must be even, got {n}; "
             f"use num_stages={n - 1 or 2} or {n + 1}"
         )
+    check_schedule_size("zb-v", n, m, 3)
     p = n // 2
+    check_zb_v_work(n, m)
     rows = tuple(
         tuple(a for a in _zb_v_row(w, p, max(m, 2 * p - 1)) if a.microbatch < m) for w in range(p)
     )
     placement = tuple(s if s < p else n - 1 - s for s in range(n))
     return Schedule(rows, placement, m, "zb-v")
+
+
+def check_zb_v_work(num_stages: int, num_microbatches: int) -> None:
+    """A ConfigError when building zb-v's order would make more than MAX_ACTIONS actions.
+
+    The order is built for ``max(m, 2p - 1)`` micro-batches and the absent
+    ones removed, so with few micro-batches on many workers the work is
+    ``3 x num_stages x (2p - 1)`` actions, more than the schedule keeps.
+    """
+    n, m = num_stages, num_microbatches
+    p = n // 2
+    work = 3 * n * (2 * p - 1)
+    if m < 2 * p - 1 and work > MAX_ACTIONS:
+        raise ConfigError(
+            f"zb-v: the order for {p} workers is built for 2p - 1 = {2 * p - 1} micro-batches "
+            f"(those past {m} are then removed): {2 * p - 1} micro-batches x {n} stages x 3 "
+            f"kinds = {work} actions exceeds {limit_text()}; use fewer workers or another "
+            "schedule"
+        )
 
 
 def _zb_v_row(w: int, p: int, m: int) -> list[Action]:
