@@ -14,20 +14,25 @@ functional dropout, attention dropout (``nn.MultiheadAttention``, SDPA),
 So we seed at the one place every random draw passes: the dispatcher. While a
 stage runs a micro-batch's forward (or recomputes it), a ``TorchDispatchMode``
 sees each ATen operation; those tagged ``nondeterministic_seeded`` (every
-random operation torch has, including ones no list here names) run with
-their device's default generator seeded from
+random operation torch has, including ones no list here names) draw from a
+generator seeded from
 
-    (the step's seed, the micro-batch, the module path that called it, its draw count there)
+    (the step's seed, the micro-batch, the module that called it, its draw count there)
 
-under a process-wide lock, and the generator's state is restored afterwards.
-The module path is the chain of the model's own module names on the call
-stack (``"encoder.layers.1" > "encoder.layers.1.self_attn"``), found only
-when a random operation runs, so it does not depend on how the model was cut
-into stages: masks depend on neither timing, balance, schedule, nor process,
-and recomputation reproduces them exactly. The step's seed is drawn from
-torch's default CPU generator once per step, when the step first needs it: a
-model with no random operations leaves that generator as the plain model
-would, and ``torch.manual_seed`` makes runs repeat.
+The generator is the thread's own (passed as ``generator=``), so the shared
+default generator is never touched and another thread's draw cannot slip in
+between; an operation without that argument (CUDA's fused dropout) seeds the
+default generator under a process-wide lock and restores it afterwards. The
+module is the innermost of the model's own named modules on the call stack
+(``"encoder.layers.1.self_attn"``), found only when a random operation runs,
+so it depends neither on how the model was cut into stages nor on where a
+recomputation starts (a stage's, or the model's own ``torch.utils.checkpoint``
+of one layer): masks depend on neither timing, balance, schedule, nor
+process, and recomputation reproduces them exactly. The step's seed is drawn
+from torch's default CPU generator once per step, at the step's first draw:
+a model with no random operations (or only ones that draw nothing, like a
+dropout of p = 0) leaves that generator as the plain model would, and
+``torch.manual_seed`` makes runs repeat.
 
 What this cannot cover: random numbers drawn outside torch's dispatcher
 (Python's ``random``, NumPy), draws inside a custom autograd Function's
@@ -39,13 +44,16 @@ one Python dispatch per operation in forward (a few microseconds each).
 from __future__ import annotations
 
 import hashlib
+import inspect
 import sys
 import threading
 from collections.abc import Sequence
+from contextlib import nullcontext
 from types import FrameType
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -72,24 +80,56 @@ _SEEDED = torch.Tag.nondeterministic_seeded
 LOCK = threading.RLock()
 """Held around every seeded draw (and by anything that reads a generator's state)."""
 _CALL_IMPL = nn.Module._call_impl.__code__
+_CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 
 
 class StepSeed:
     """A step's seed: given, or drawn from torch's default CPU generator when first asked for.
 
+    A seed drawn for an operation that then drew nothing (a dropout of p = 0)
+    is given back (:meth:`undraw`): whether a step consumes the generator
+    depends only on whether the model drew, never on how pipesched seeded it.
+
     Args:
         value: the seed (every rank of a mesh must use one value); None: draw it lazily.
+
+    Attributes:
+        transition: the CPU generator's state just before and just after the
+            draw (None: not drawn here), so a tripwire can tell it from an
+            unseeded draw.
     """
 
     def __init__(self, value: int | None = None) -> None:
         self._value = value
+        self._given = value is not None
+        self.transition: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def drawn(self) -> bool:
+        """Whether the seed is known (given, or drawn already)."""
+        return self._value is not None
 
     def get(self) -> int:
         """The seed, drawing it on the first call (thread-safe)."""
         with LOCK:
             if self._value is None:
+                before = torch.default_generator.get_state()
                 self._value = draw_seed()
+                self.transition = (before, torch.default_generator.get_state())
             return self._value
+
+    def undraw(self) -> None:
+        """Gives a drawn seed back: the CPU generator returns to its state before the draw."""
+        with LOCK:
+            if not self._given and self.transition is not None:
+                torch.default_generator.set_state(self.transition[0])
+                self._value = None
+
+    def explains(self, before: torch.Tensor, after: torch.Tensor) -> bool:
+        """Whether the CPU generator going from ``before`` to ``after`` is this seed's draw."""
+        if self.transition is None:
+            return False
+        return all(any(torch.equal(s, t) for t in self.transition) for s in (before, after))
 
 
 def draw_seed() -> int:
@@ -129,42 +169,61 @@ class DrawContext:
         names: the model's modules by id (:func:`module_names`).
         seed: the step's seed.
         microbatch: the micro-batch index.
-        place: the first element of every draw's path (e.g. ``"loss"``).
+        place: the first element of every draw's key (e.g. ``"loss"``).
+        entry: the frame that runs the pass (a stage's forward): the search
+            for modules and checkpoints stops there.
 
     Attributes:
         counts: draws so far per module path: a recomputation starts from zero
             again in a fresh context, so it draws what the forward drew.
         drawn: the innermost named module of each operation that drew numbers
             (None: no named module); a dropout of p = 0 draws none.
+        checkpointed: a draw ran inside ``torch.utils.checkpoint`` (the model
+            checkpoints itself): its backward recomputes, and must be seeded.
     """
 
     def __init__(
-        self, names: dict[int, str], seed: StepSeed, microbatch: int, place: str = ""
+        self,
+        names: dict[int, str],
+        seed: StepSeed,
+        microbatch: int,
+        place: str = "",
+        entry: FrameType | None = None,
     ) -> None:
         self.names = names
+        self.entry = entry
         self.seed = seed
         self.microbatch = microbatch
         self.place = place
-        self.counts: dict[tuple[str, ...], int] = {}
+        self.counts: dict[tuple[str, str], int] = {}
         self.drawn: dict[int, nn.Module | None] = {}
+        self.checkpointed = False
 
     def seed_for(self, frame: FrameType | None) -> tuple[int, nn.Module | None]:
-        """The seed of the next draw made from ``frame``: (step, micro-batch, path, count).
+        """The seed of the next draw made from ``frame``: (step, micro-batch, place, count).
 
-        Returns the seed and the innermost named module on the path (None: none).
+        The place is the innermost of the model's named modules running a
+        method on the call stack (its ``forward``, or a function of it that
+        the model checkpoints): a recomputation that starts inside the model
+        (torch's ``checkpoint`` of one layer) finds the same place as the
+        forward did.
+        Sets :attr:`checkpointed` when the draw is inside a ``torch.utils.checkpoint``
+        that the pass runs (pipesched's own checkpoint of a stage runs the pass).
+
+        Returns the seed and that module (None: none).
         """
-        path: list[str] = []
-        innermost: nn.Module | None = None
-        while frame is not None:
-            if frame.f_code is _CALL_IMPL:
-                module = frame.f_locals.get("self")
-                name = self.names.get(id(module))
-                if name is not None:
-                    path.append(name)
-                    innermost = innermost or module
+        name, innermost = "", None
+        while frame is not None and frame is not self.entry:
+            code = frame.f_code
+            if innermost is None and code.co_argcount and code.co_varnames[0] == "self":
+                module = frame.f_locals.get("self")  # a method of one of the model's modules?
+                if id(module) in self.names:
+                    name, innermost = self.names[id(module)], module
+            if code is _CHECKPOINT:
+                self.checkpointed = True
+                break
             frame = frame.f_back
-        path.append(self.place)
-        key = tuple(reversed(path))
+        key = (self.place, name)
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
         digest = hashlib.blake2b(
@@ -176,10 +235,11 @@ class DrawContext:
 class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """While active, every random operation draws with the seed :class:`DrawContext` gives it.
 
-    Operations tagged ``nondeterministic_seeded`` run with their device's
-    default generator seeded, under a process-wide lock, and the generator's
-    state restored afterwards. Operations given an explicit ``generator=``
-    are left alone.
+    Operations tagged ``nondeterministic_seeded`` draw from this thread's
+    own generator, seeded (or, lacking a ``generator=`` argument, from their
+    device's default generator, seeded under a process-wide lock and
+    restored afterwards). Operations given an explicit ``generator=`` are
+    left alone.
 
     Args:
         context: the stage forward the draws belong to.
@@ -199,18 +259,61 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs = kwargs or {}
         if _SEEDED not in func.tags or kwargs.get("generator") is not None:
             return func(*args, **kwargs)
-        seed, module = self.context.seed_for(sys._getframe(1))
-        generator = generator_of(_device(args, kwargs))
-        with LOCK:
-            saved = generator.get_state()
-            generator.manual_seed(seed)
-            seeded = generator.get_state()
-            try:
-                return func(*args, **kwargs)
-            finally:
-                if not torch.equal(seeded, generator.get_state()):  # it drew (p = 0 does not)
-                    self.context.drawn[id(module)] = module
-                generator.set_state(saved)
+        context = self.context
+        fresh = not context.seed.drawn
+        with LOCK if fresh else nullcontext():  # a seed drawn here is given back atomically
+            seed, module = context.seed_for(sys._getframe(1))
+            device = _device(args, kwargs)
+            if _takes_generator(func):  # a private generator: the shared one is never touched
+                generator = _private_generator(device)
+                generator.manual_seed(seed)
+                seeded = generator.get_state()
+                result = func(*args, **{**kwargs, "generator": generator})
+                drew = not torch.equal(seeded, generator.get_state())
+            else:  # e.g. CUDA's native_dropout: the default generator, seeded under the lock
+                generator = generator_of(device)
+                with LOCK:
+                    saved = generator.get_state()
+                    generator.manual_seed(seed)
+                    seeded = generator.get_state()
+                    try:
+                        result = func(*args, **kwargs)
+                    finally:
+                        drew = not torch.equal(seeded, generator.get_state())
+                        generator.set_state(saved)
+            if drew:
+                context.drawn[id(module)] = module
+            elif fresh:
+                context.seed.undraw()
+            return result
+
+
+class _Generators(threading.local):
+    def __init__(self) -> None:
+        self.by_device: dict[torch.device, torch.Generator] = {}
+
+
+_generators = _Generators()
+_TAKES_GENERATOR: dict[torch._ops.OpOverload, bool] = {}
+
+
+def _takes_generator(func: torch._ops.OpOverload) -> bool:
+    """Whether ``func`` has a ``generator=`` argument."""
+    takes = _TAKES_GENERATOR.get(func)
+    if takes is None:
+        takes = any(a.name == "generator" for a in func._schema.arguments)
+        _TAKES_GENERATOR[func] = takes
+    return takes
+
+
+def _private_generator(device: torch.device) -> torch.Generator:
+    """This thread's own generator for ``device`` (seeded before each use)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    generator = _generators.by_device.get(device)
+    if generator is None:
+        generator = _generators.by_device[device] = torch.Generator(device=device)
+    return generator
 
 
 def _device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.device:

@@ -22,9 +22,11 @@ every rank, so there every stage is seeded throughout, always.
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from types import FrameType
 from typing import Any
 
 import torch
@@ -48,23 +50,28 @@ class UnseededDraws(PipeschedError, RuntimeError):
 
 class _ThreadState(threading.local):
     def __init__(self) -> None:
-        self.context: DrawContext | None = None  # the stage forward running in this thread
-        self.modes: list[SeededRandomness | None] = []  # entered by module hooks
-        self.active = 0  # dispatch modes on in this thread
+        self.context: DrawContext | None = None  # the stage pass running in this thread
+        self.mode: SeededRandomness | None = None  # the dispatch mode on in this thread
+        self.entered: list[bool] = []  # per module hook: whether it turned the mode on
 
 
 _thread = _ThreadState()
 
 
 class StageSeeding:
-    """How one stage's forwards seed their random operations.
+    """How one stage's forwards (and backwards) seed their random operations.
 
     Args:
         names: the model's modules by id (:func:`pipesched.rng.module_names`).
-        module: the stage (its ``training`` flag picks what was learned).
+        module: the stage (its children's ``training`` flags pick what was learned).
         device: the stage's device (its generator is watched with the CPU's).
         adaptive: learn where to seed (see the module's docstring); False:
             seed the whole forward always.
+
+    Attributes:
+        recomputes: the stage's backward draws too (the model checkpoints
+            itself, so backward recomputes its forward): backwards are seeded
+            like forwards.
     """
 
     def __init__(
@@ -77,26 +84,37 @@ class StageSeeding:
             self.generators.append(generator_of(device))
         self.permanent = not adaptive
         self.strikes = 0
+        self.recomputes = False
         self.full = {True: True, False: True}  # per training mode: seed the whole forward
         self.hooked: dict[int, list[Any]] = {}
         self._learning: set[bool] = set()  # modes seeded throughout since the last settle()
 
     @property
-    def needs_seed(self) -> bool:
-        """Whether this stage's forwards may draw seeded numbers."""
-        return self.full[self.module.training] or bool(self.hooked)
+    def training(self) -> bool:
+        """Whether the stage runs in training mode (``model.eval()`` reaches its children)."""
+        children = list(self.module.children())
+        return any(c.training for c in children) if children else self.module.training
 
     @property
     def watching(self) -> bool:
-        """Whether a tripwire is armed: then a step's seed must be drawn before it starts."""
-        return not self.full[self.module.training]
+        """Whether a tripwire is armed in this stage's forwards."""
+        return not self.full[self.training]
 
     def probe(self) -> None:
         """Before a rerun: every forward of the step is seeded throughout (and learned from)."""
         self.full = {True: True, False: True}
 
-    def settle(self) -> None:
-        """After a step: from now on, seeding only in the modules seen drawing."""
+    def settle(self, *, pin: bool = False) -> None:
+        """After a step: from now on, seeding only in the modules seen drawing.
+
+        Args:
+            pin: seed throughout from now on, without tripwires (a stage of the
+                pipeline checkpoints itself: torch's recomputation moves the
+                shared generator from its thread, which would trip others).
+        """
+        if pin:
+            self.permanent = True
+            self.full = {True: True, False: True}
         for training in self._learning:
             self.full[training] = self.permanent
         self._learning.clear()
@@ -108,24 +126,49 @@ class StageSeeding:
         Raises:
             UnseededDraws: a tripwire saw a draw no seeding covered.
         """
-        training = self.module.training
-        context = DrawContext(self.names, seed, microbatch, place)
+        with self._scope(seed, microbatch, place, sys._getframe(2), backward=False):
+            yield
+
+    @contextmanager
+    def backward(self, seed: StepSeed, microbatch: int) -> Iterator[None]:
+        """Runs the block as a backward of this stage for ``microbatch``.
+
+        Its draws (a recomputation by the model's own checkpointing) are keyed
+        as the forward's were, so they reproduce its masks.
+
+        Raises:
+            UnseededDraws: a tripwire saw a draw no seeding covered.
+        """
+        with self._scope(seed, microbatch, "", sys._getframe(2), backward=True):
+            yield
+
+    @contextmanager
+    def _scope(
+        self, seed: StepSeed, microbatch: int, place: str, entry: FrameType, *, backward: bool
+    ) -> Iterator[None]:
+        """A pass of this stage; ``entry``: the frame running it (its caller's, past contextlib)."""
+        training = self.training
+        context = DrawContext(self.names, seed, microbatch, place, entry)
         previous, _thread.context = _thread.context, context
+        mode = _thread.mode
+        if mode is not None:  # nested (a recomputation inside a backward): the inner pass keys
+            outer, mode.context = mode.context, context
         try:
-            if self.full[training]:
-                _thread.active += 1
-                try:
-                    with SeededRandomness(context):
-                        yield
-                finally:
-                    _thread.active -= 1
+            if mode is not None or (self.recomputes if backward else self.full[training]):
+                with _seeded(context):
+                    yield
                 self._learn(context, training)
+            elif backward and self.permanent:  # no rerun wanted (a mesh cannot): no tripwire
+                yield
             else:
                 before = self._states()
                 yield
-                if not all(map(torch.equal, before, self._states())):
+                after = self._states()
+                cpu = seed.explains(before[0], after[0]) or torch.equal(before[0], after[0])
+                if not (cpu and all(map(torch.equal, before[1:], after[1:]))):
                     self.strikes += 1
                     self.permanent = self.permanent or self.strikes >= _STRIKES
+                    self.recomputes = self.recomputes or backward
                     raise UnseededDraws(
                         f"micro-batch {microbatch} drew random numbers where none were seen "
                         "before: the step is rerun with seeding on throughout (a second time "
@@ -133,13 +176,16 @@ class StageSeeding:
                     )
         finally:
             _thread.context = previous
+            if mode is not None:
+                mode.context = outer
+            self.recomputes = self.recomputes or context.checkpointed
 
     def _states(self) -> list[torch.Tensor]:
         with LOCK:
             return [g.get_state() for g in self.generators]
 
     def _learn(self, context: DrawContext, training: bool) -> None:
-        """After a forward seeded throughout: hooks on the modules that drew (:meth:`settle`)."""
+        """After a pass seeded throughout: hooks on the modules that drew (:meth:`settle`)."""
         self._learning.add(training)
         if self.permanent:
             return
@@ -148,26 +194,40 @@ class StageSeeding:
             return
         for key, module in context.drawn.items():
             if key not in self.hooked and module is not None:
-                self.hooked[key] = [
-                    module.register_forward_pre_hook(_enter),
+                self.hooked[key] = [  # first: the module's own pre-hooks may draw
+                    module.register_forward_pre_hook(_enter, prepend=True),
                     module.register_forward_hook(_exit, always_call=True),
                 ]
+
+
+@contextmanager
+def _seeded(context: DrawContext) -> Iterator[None]:
+    """The dispatch mode on for this thread, unless it is on already."""
+    if _thread.mode is not None:
+        yield
+        return
+    _thread.mode = mode = SeededRandomness(context)
+    try:
+        with mode:
+            yield
+    finally:
+        _thread.mode = None
 
 
 def _enter(module: nn.Module, args: Any) -> None:
     """Forward pre-hook of a module seen drawing: seeding on while it runs (in a stage)."""
     context = _thread.context
-    if context is None or _thread.active:
-        _thread.modes.append(None)
+    if context is None or _thread.mode is not None:
+        _thread.entered.append(False)
         return
-    mode = SeededRandomness(context)
+    _thread.mode = mode = SeededRandomness(context)
     mode.__enter__()  # type: ignore[no-untyped-call]
-    _thread.active += 1
-    _thread.modes.append(mode)
+    _thread.entered.append(True)
 
 
 def _exit(module: nn.Module, args: Any, output: Any) -> None:
-    mode = _thread.modes.pop() if _thread.modes else None
-    if mode is not None:
-        _thread.active -= 1
-        mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+    mode = _thread.mode
+    if _thread.entered.pop() if _thread.entered else False:
+        _thread.mode = None
+        if mode is not None:
+            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]

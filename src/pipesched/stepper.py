@@ -18,11 +18,11 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.errors import ConfigError
-from pipesched.rng import draw_seed, module_names
+from pipesched.rng import StepSeed, draw_seed, module_names
 from pipesched.runtime.local import LocalRuntime, StepInputs, _Run
 from pipesched.schedule import Schedule
 from pipesched.seeding import StageSeeding, UnseededDraws
-from pipesched.transaction import Snapshot
+from pipesched.transaction import Snapshot, deferred_interrupts
 
 __all__ = ["Stepper"]
 
@@ -62,8 +62,7 @@ class Stepper:
         runtime.loss_seeding = StageSeeding({}, stages[-1], devices[-1], adaptive=adaptive)
         self.runtime = runtime
         self.seedings = [*runtime.seeding, runtime.loss_seeding]
-        self.parameters = list(model.parameters())
-        self.batch_norms = [m for m in model.modules() if isinstance(m, _BatchNorm)]
+        self.model = model
         self.adaptive = adaptive
         self.finish = finish
         self._snapshot: Snapshot | None = None
@@ -98,22 +97,19 @@ class Stepper:
     def commit_early(self, parameters: list[nn.Parameter]) -> None:
         """Gradients final for this step, read before it ends (a replica's all-reduce)."""
         if self._snapshot is not None:
-            self._snapshot.commit(parameters)
+            with deferred_interrupts():
+                self._snapshot.commit_early(parameters)
 
     def seed(self) -> int | None:
         """This step's seed for random operations (:mod:`pipesched.rng`), or None.
 
         Without adaptation (a mesh) every rank draws it from torch's default
-        CPU generator, and they run with pp rank 0's. Otherwise it is drawn
-        when a stage may draw seeded numbers while another's tripwire is armed
-        (a draw mid-step would trip it); else None: drawn at the first seeded
-        draw if there is one, so a model without random operations leaves
-        the generator as the plain model would.
+        CPU generator, and they run with pp rank 0's. Otherwise None: drawn at
+        the step's first draw, if there is one, so the generator moves exactly
+        when the model drew, whatever pipesched learned about where it draws.
         """
-        if not self.adaptive or (
-            any(s.needs_seed for s in self.seedings) and any(s.watching for s in self.seedings)
-        ):
-            return draw_seed()
+        if not self.adaptive or any(s.recomputes for s in self.seedings):
+            return draw_seed()  # before any recomputation juggles the generator (see _attempt)
         return None
 
     def _attempt(
@@ -123,17 +119,45 @@ class Stepper:
         detach: bool,
     ) -> _Run:
         """One run of the step: committed if it returns, put back if it raises."""
-        self._snapshot = snapshot = Snapshot.take(self.parameters, self.batch_norms)
+        # Read each time: parameters replaced since (load_state_dict(assign=True)) count too.
+        parameters = list(self.model.parameters())
+        batch_norms = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
+        with deferred_interrupts():
+            self._snapshot = snapshot = Snapshot.take(parameters, batch_norms)
         try:
             step = make_step(self.seed())  # after a put-back run: the seed of its first run
+            start = torch.default_generator.get_state()
             run = self.runtime.run(schedule_of(len(step.inputs)), step, detach=detach)
             self.finish()
+            _settle_generators(start, run.seed, snapshot.rng[1])
         except BaseException:
-            snapshot.restore()
+            with deferred_interrupts():
+                snapshot.restore()
             raise
         finally:
             self._snapshot = None
-        snapshot.commit()
+        with deferred_interrupts():
+            snapshot.commit()
+        recomputes = any(s.recomputes for s in self.seedings)
         for seeding in self.seedings:
-            seeding.settle()
+            seeding.settle(pin=recomputes)
         return run
+
+
+def _settle_generators(
+    start: torch.Tensor, seed: StepSeed, cuda: list[torch.Tensor] | None
+) -> None:
+    """Puts the default generators where a successful step leaves them.
+
+    That is: the CPU generator as at the start, advanced by the step's seed if
+    it drew one; CUDA generators as before (seeded draws never move them).
+    Why set it: a model's own ``torch.utils.checkpoint`` saves and restores
+    the process-wide generator around each recomputation, unlocked, from
+    every stage's thread at once: interleaved, those restores leave it in a
+    state that depends on timing.
+    """
+    if seed.transition is not None and seed.drawn:
+        start = seed.transition[1]
+    torch.default_generator.set_state(start)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

@@ -20,7 +20,12 @@ it may change before it starts and commits at its end:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +33,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.batchnorm import DeferredBatchNorm
 
-__all__ = ["Snapshot"]
+__all__ = ["Snapshot", "deferred_interrupts"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +47,7 @@ class Snapshot:
         buffers: each BatchNorm running statistic, with a copy.
         deferred: the deferred BatchNorm layers (their accumulators start empty).
         rng: the CPU generator's state, and each initialized CUDA device's.
+        early: the parameters committed early (:meth:`commit_early`).
     """
 
     aside: dict[nn.Parameter, torch.Tensor]
@@ -49,6 +55,7 @@ class Snapshot:
     buffers: tuple[tuple[torch.Tensor, torch.Tensor], ...]
     deferred: tuple[DeferredBatchNorm, ...]
     rng: tuple[torch.Tensor, list[torch.Tensor] | None]
+    early: set[nn.Parameter] = field(default_factory=set)
 
     @classmethod
     def take(cls, parameters: list[nn.Parameter], layers: list[_BatchNorm]) -> Snapshot:
@@ -71,16 +78,11 @@ class Snapshot:
             cuda = torch.cuda.get_rng_state_all()
         return cls(aside, tuple(fresh), tuple(buffers), deferred, (torch.get_rng_state(), cuda))
 
-    def commit(self, parameters: list[nn.Parameter] | None = None) -> None:
-        """Adds the step's gradients into the set-aside ones (of ``parameters``; None: all).
-
-        Idempotent per parameter: a parameter committed early (its gradients
-        are read mid-step, e.g. by a replica's all-reduce) is not added twice.
-        """
+    def commit(self) -> None:
+        """Adds the step's gradients into the set-aside ones, and puts those back."""
         with torch.no_grad():
-            for p in list(self.aside) if parameters is None else parameters:
-                before = self.aside.pop(p, None)
-                if before is None:
+            for p, before in self.aside.items():
+                if p in self.early:
                     continue
                 if p.grad is not None:
                     if before.layout == torch.strided:
@@ -88,6 +90,28 @@ class Snapshot:
                     else:  # sparse: as AccumulateGrad adds
                         before = before + p.grad
                 p.grad = before
+        self.aside.clear()
+
+    def commit_early(self, parameters: list[nn.Parameter]) -> None:
+        """Makes ``parameters``' gradients final before the step ends (a replica's all-reduce).
+
+        Each ``.grad`` becomes the set-aside gradient plus the step's, in the
+        step's tensor: the set-aside one stays untouched, so :meth:`restore`
+        still puts it back if the step fails later.
+        """
+        with torch.no_grad():
+            for p in parameters:
+                before = self.aside.get(p)
+                if before is None or p in self.early:
+                    continue
+                self.early.add(p)
+                grad = p.grad
+                if grad is None:
+                    p.grad = before.clone()
+                elif grad.layout == torch.strided and before.layout == torch.strided:
+                    p.grad = grad.add_(before)
+                else:
+                    p.grad = before + grad
 
     def restore(self) -> None:
         """Puts everything back as it was when the snapshot was taken."""
@@ -104,3 +128,26 @@ class Snapshot:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[None]:
+    """Holds a Ctrl-C (SIGINT) back until the block ends, then raises it.
+
+    Why: setting gradients aside, committing or putting them back, cut
+    half-way, would leave some parameters' gradients lost or counted twice.
+    Only the main thread receives signals; elsewhere this does nothing.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[tuple[int, Any]] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: caught.append((number, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught and callable(previous):
+            previous(*caught[0])
+        elif caught and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)

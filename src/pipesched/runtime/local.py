@@ -212,29 +212,55 @@ class LocalRuntime:
         origin: float,
     ) -> None:
         """Runs each worker in its own thread and waits for all of them."""
+        done = [threading.Event() for _ in workers]
         threads = [
             threading.Thread(
                 target=self._work,
-                args=(w, rows[w], schedule, run, state, origin),
+                args=(w, rows[w], schedule, run, state, origin, event),
                 name=f"pipesched-worker-{w}",
                 daemon=True,
             )
-            for w in workers
+            for w, event in zip(workers, done, strict=True)
         ]
         previous_threads = torch.get_num_threads()
+        started: list[threading.Event] = []
         try:
-            for thread in threads:
+            for thread, event in zip(threads, done, strict=True):
                 thread.start()
-            for thread in threads:
-                thread.join()
+                started.append(event)
+            for event in started:
+                event.wait()
         except BaseException:  # Ctrl-C or SystemExit while waiting: stop everyone first
             run.mailbox.abort()
-            _join_all(threads)
+            for event in started:  # a second Ctrl-C goes through: the user insists
+                event.wait()
             raise
         finally:
             torch.set_num_threads(previous_threads)
 
     def _work(
+        self,
+        w: int,
+        actions: list[Action],
+        schedule: Schedule,
+        run: _Run,
+        state: ThreadState,
+        origin: float,
+        done: threading.Event | None = None,
+    ) -> None:
+        """Runs worker ``w``'s actions; sets ``done`` when it has finished, however.
+
+        Why an event and not ``Thread.join``: on Python 3.11 a join cut by
+        Ctrl-C can mark a running thread as stopped, and the caller would
+        return while the worker still runs the step.
+        """
+        try:
+            self._run_actions(w, actions, schedule, run, state, origin)
+        finally:
+            if done is not None:
+                done.set()
+
+    def _run_actions(
         self,
         w: int,
         actions: list[Action],
@@ -293,6 +319,14 @@ class LocalRuntime:
                 y = checkpoint(stage, x, preserve_rng_state=False)
             else:
                 y = stage(x)
+        if not run.detach and self.seeding[s].recomputes and torch.is_grad_enabled():
+            raise ConfigError(
+                f"stage {s} checkpoints itself (torch.utils.checkpoint) around random "
+                "operations: the backward you run after pipe(x) would recompute them with "
+                "other random numbers than the forward drew, giving wrong gradients; train "
+                "with pipe.step or GradientAccumulator.step, or turn the model's own "
+                "checkpointing off (Pipeline's checkpoint= recomputes stages itself)"
+            )
         last = s == schedule.num_stages - 1
         if not last:
             self.put(run, FORWARD, s + 1, i, y, stream)
@@ -341,11 +375,12 @@ class LocalRuntime:
             ]
             outputs, grads = [t for t, _ in pairs], [g for _, g in pairs]
         inputs = list(tensors(x))
-        if schedule.split_backward:
-            input_grads, pending = backward_input(outputs, grads, inputs)
-            run.pending_weights[s, i] = pending
-        else:
-            input_grads = backward_full(outputs, grads, inputs)
+        with self.seeding[s].backward(run.seed, i):  # the model's own checkpoints recompute
+            if schedule.split_backward:
+                input_grads, pending = backward_input(outputs, grads, inputs)
+                run.pending_weights[s, i] = pending
+            else:
+                input_grads = backward_full(outputs, grads, inputs)
         if s > 0:
             self.put(run, BACKWARD, s - 1, i, list(input_grads), stream)
         return start
@@ -380,7 +415,8 @@ class LocalRuntime:
 
     def _weight(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
         start = time.perf_counter()
-        run.pending_weights.pop((action.stage, action.microbatch)).run()
+        with self.seeding[action.stage].backward(run.seed, action.microbatch):
+            run.pending_weights.pop((action.stage, action.microbatch)).run()
         return start
 
 
@@ -419,18 +455,3 @@ def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
 
 
 _working = threading.local()  # .runtime: the runtime whose worker this thread is, inside a step
-
-
-def _join_all(threads: list[threading.Thread]) -> None:
-    """Waits for every started worker, whatever further interrupts arrive meanwhile.
-
-    A worker stops at its next action (the mailbox was aborted), so this is
-    short; returning earlier would leave threads running the interrupted step
-    (and a process ending then aborts in torch's C++ teardown).
-    """
-    for thread in threads:
-        while thread.ident is not None and thread.is_alive():
-            try:
-                thread.join()
-            except BaseException:
-                continue

@@ -160,8 +160,18 @@ class GradientAccumulator:
         raises, the window is as before the call (gradients included): the
         same batch can be stepped again.
         """
+        self._check_outside_step("step")
         with self._lock:
             return self._step(inputs, target, loss_fn, num_items)
+
+    def _check_outside_step(self, call: str) -> None:
+        """Refuses a call from inside the pipeline's own step (it would wait for itself)."""
+        if self.pipe._stepper.runtime.running_here():
+            raise ConfigError(
+                f"GradientAccumulator.{call}() was called from inside one of the pipeline's "
+                "own steps (a stage's forward or the loss_fn); it would wait for that step "
+                "to end: call it after the step returns"
+            )
 
     def _step(
         self,
@@ -197,6 +207,7 @@ class GradientAccumulator:
 
     def flush(self) -> StepResult | None:
         """Finishes an incomplete window, normalized by its own content; None if empty."""
+        self._check_outside_step("flush")
         with self._lock:
             if self.position == 0:
                 return None
