@@ -8,16 +8,19 @@ only in its first step (per training mode: ``train()`` and ``eval()`` are
 learned apart, dropout draws in one only), recording which modules drew. From
 its next step on, only those modules are seeded (a hook turns the dispatch
 mode on while they run), and a tripwire watches the rest: before and after
-each forward it reads the default generators' states, under the lock every
-seeded draw holds (seeded draws restore the state, so they are invisible to
-it). A changed state means an unseeded draw, somewhere no draw was seen
-before: the stage raises :class:`UnseededDraws`, the pipeline puts the step
+each forward and backward it reads the default generators' states (seeded
+draws never move them, and the step's own seed draw is told apart). A
+changed state means an unseeded draw, somewhere no draw was seen before: the stage raises :class:`UnseededDraws`, the pipeline puts the step
 back (:mod:`pipesched.transaction`, generators included) and runs it again
 with every stage seeded throughout, learning the new place. Draws are keyed
 the same way whichever of these is on, so the numbers never depend on it. A
 stage whose draws come from no named module (a random loss function), or
-that trips three times, stays seeded throughout. On a mesh a rerun would need
-every rank, so there every stage is seeded throughout, always.
+that trips three times, stays seeded throughout. A backward is seeded
+throughout where the model checkpoints itself (``torch.utils.checkpoint``
+inside a stage recomputes in backward); then every stage is, from then on:
+torch's recomputation sets and restores the shared generator from its
+thread, which other stages' tripwires would see. On a mesh a rerun would
+need every rank, so there every stage is seeded throughout, always.
 """
 
 from __future__ import annotations

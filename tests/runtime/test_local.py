@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from pipesched import Pipeline, Timeline
-from pipesched.runtime.local import ThreadState
 from pipesched.runtime.mailbox import Aborted, Mailbox
+from pipesched.runtime.threads import ThreadState
 
 
 class Record(nn.Module):
