@@ -73,12 +73,15 @@ def seeding(on: bool) -> Any:
     if on:
         yield
         return
-    real: Callable[..., Any] = StageSeeding.forward
+    forward: Callable[..., Any] = StageSeeding.forward
+    backward: Callable[..., Any] = StageSeeding.backward
     StageSeeding.forward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
+    StageSeeding.backward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
     try:
         yield
     finally:
-        StageSeeding.forward = real  # type: ignore[method-assign]
+        StageSeeding.forward = forward  # type: ignore[method-assign]
+        StageSeeding.backward = backward  # type: ignore[method-assign]
 
 
 def main() -> None:

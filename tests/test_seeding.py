@@ -237,3 +237,56 @@ def test_an_unseeded_draw_racing_a_seeded_one_is_seen_and_changes_no_mask():
         thread.join()
     assert hidden == 0
     assert runs[0] > 0 and not any(wrong)
+
+
+class _Embed(nn.Module):
+    def __init__(self, gpt2: nn.Module) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.drop = gpt2.wte, gpt2.wpe, gpt2.drop
+
+    def forward(self, ids):
+        return self.drop(self.wte(ids) + self.wpe(torch.arange(ids.shape[1])))
+
+
+class _Block(nn.Module):
+    def __init__(self, block: nn.Module) -> None:
+        super().__init__()
+        self.block = block
+
+    def forward(self, x):
+        out = self.block(x)
+        return out[0] if isinstance(out, tuple) else out
+
+
+def _gpt2_layers(checkpointing: bool) -> nn.Sequential:
+    """Hugging Face GPT-2 blocks with dropout, run eagerly, checkpointing themselves or not."""
+    from transformers import GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=100, n_positions=16)
+    gpt2 = GPT2Model(config)  # dropout 0.1 throughout (resid, embd, attn)
+    if checkpointing:
+        enable = getattr(gpt2, "activation_checkpointing_enable", None)  # transformers 5 name
+        (enable or gpt2.gradient_checkpointing_enable)({"use_reentrant": False})
+    gpt2.train()
+    return nn.Sequential(_Embed(gpt2), *map(_Block, gpt2.h), gpt2.ln_f)
+
+
+def test_hugging_face_layers_that_checkpoint_themselves_train_as_without():
+    pytest.importorskip("transformers")
+
+    def steps(checkpointing):
+        pipe = Pipeline(
+            _gpt2_layers(checkpointing),
+            4,
+            balance=[2, 2],
+            devices=["cpu"] * 2,
+            fuse_weight_grads=False,
+        )
+        torch.manual_seed(1)
+        ids, target = torch.randint(0, 100, (8, 6)), torch.randn(8, 6, 32)
+        losses = [pipe.step(ids, target, loss_fn=F.mse_loss) for _ in range(3)]
+        return losses + [p.grad for p in pipe.parameters()]
+
+    for a, b in zip(steps(True), steps(False), strict=True):
+        assert torch.equal(a, b)
