@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -103,6 +106,15 @@ def test_an_exception_on_one_rank_stops_every_rank(tmp_path):
         assert e.code not in (0, None), f"rank {e.rank}: {e.code}\n{e.output[-2000:]}"
     assert "ValueError: boom in a stage" in exits[1].output
     assert "rank 1 (pp 1, dp 0) failed in action 1F2 (stage 1, micro-batch 2)" in exits[0].output
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="pins threads (Linux)")
+def test_a_script_that_ends_right_after_a_step_exits_cleanly(tmp_path):
+    """No gloo thread is left to free a step's tensors while the interpreter exits."""
+    exit_worker = Path(__file__).with_name("exit_worker.py")  # a script: not imported
+    exits = launch("exit", 2, tmp_path, timeout=90, worker=exit_worker)
+    for e in exits:
+        assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-2000:]}"
 
 
 def test_a_killed_rank_makes_the_others_exit_with_a_clear_error(tmp_path):

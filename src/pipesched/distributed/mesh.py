@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import weakref
+from collections import deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -20,6 +21,9 @@ DEFAULT_TIMEOUT = 600.0
 """Seconds a pipeline's transfers and agreements wait when the mesh does not say."""
 
 _timeouts: weakref.WeakKeyDictionary[DeviceMesh, float] = weakref.WeakKeyDictionary()
+
+_waited: deque[Any] = deque(maxlen=4)
+"""The works of the last few collectives :func:`wait_kept` waited for."""
 
 
 def init_mesh(pp: int, dp: int = 1, *, timeout: float = DEFAULT_TIMEOUT) -> DeviceMesh:
@@ -141,3 +145,22 @@ def rank0_value(value: Any) -> Any:
     box = [value]
     dist.broadcast_object_list(box, src=0)
     return box[0]
+
+
+def wait_kept(work: Any) -> None:
+    """Waits for a collective started with ``async_op=True``, then keeps its work a while.
+
+    Why: gloo's worker thread may still hold a finished work when ``wait()``
+    returns; if its reference is the last, it frees the work's tensors itself,
+    which takes the GIL, and aborts the process ("terminate called without an
+    active exception") when the interpreter is already exiting: a script that
+    ends right after a step (pytorch/pytorch#190489). Kept here, the work is
+    freed by Python instead. Only for the mesh's groups: a kept work keeps its
+    group's connections open, and a pipeline's own group must close on failure.
+    """
+    if work is None:  # this rank is not in the group
+        return
+    try:
+        work.wait()
+    finally:
+        _waited.append(work)

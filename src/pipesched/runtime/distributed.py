@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipesched.distributed.mesh import MeshInfo
+from pipesched.distributed.mesh import MeshInfo, wait_kept
 from pipesched.distributed.placement import keep_own_stages
 from pipesched.errors import ConfigError, RemoteError
 from pipesched.runtime.agreement import StepShape, agreed_seed, mismatch
@@ -350,5 +350,6 @@ def broadcast_loss(
     total = torch.zeros((), dtype=torch.float64, device=info.device)
     if losses:
         total += torch.stack([losses[i] for i in range(count)]).sum().double()
-    dist.broadcast(total, src=info.pp_ranks[last_rank], group=info.pp_group)
+    src = info.pp_ranks[last_rank]
+    wait_kept(dist.broadcast(total, src=src, group=info.pp_group, async_op=True))
     return total

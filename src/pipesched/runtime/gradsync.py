@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipesched.distributed.mesh import MeshInfo
+from pipesched.distributed.mesh import MeshInfo, wait_kept
 from pipesched.distributed.placement import stage_parameters
 
 __all__ = ["BUCKET_BYTES", "GradientSync", "LocalSync", "Sync"]
@@ -133,12 +133,12 @@ class GradientSync:
         if self.info.dp_size == 1:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.info.device)
-        dist.all_reduce(t, group=self.info.dp_group)
+        wait_kept(dist.all_reduce(t, group=self.info.dp_group, async_op=True))
         return [float(v) for v in t.tolist()]
 
     def all_true(self, flag: bool) -> bool:
         t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=self.info.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        wait_kept(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         return int(t.item()) == 0
 
     def gradients(self) -> None:
@@ -209,7 +209,7 @@ class GradientSync:
             if p.grad is None or (ranks is not None and ranks[0] != self.info.pp_rank):
                 continue  # a shared parameter counts once, on the first rank holding it
             squares += p.grad.detach().double().pow(2).sum()
-        dist.all_reduce(squares, group=self.info.pp_group)
+        wait_kept(dist.all_reduce(squares, group=self.info.pp_group, async_op=True))
         return math.sqrt(float(squares))
 
 
