@@ -10,8 +10,9 @@ its next step on, only those modules are seeded (a hook turns the dispatch
 mode on while they run), and a tripwire watches the rest: before and after
 each forward and backward it reads the default generators' states (seeded
 draws never move them, and the step's own seed draw is told apart). A
-changed state means an unseeded draw, somewhere no draw was seen before: the stage raises :class:`UnseededDraws`, the pipeline puts the step
-back (:mod:`pipesched.transaction`, generators included) and runs it again
+changed state means an unseeded draw, somewhere no draw was seen before:
+the stage raises :class:`UnseededDraws`, the pipeline puts the step back
+(:mod:`pipesched.transaction`, generators included) and runs it again
 with every stage seeded throughout, learning the new place. Draws are keyed
 the same way whichever of these is on, so the numbers never depend on it. A
 stage whose draws come from no named module (a random loss function), or
