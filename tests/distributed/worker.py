@@ -127,8 +127,9 @@ def main() -> None:
         model = nn.Sequential(*model[:2], Die(), *model[2:])
         balance = [2, 3, 3]
     traced: dict[str, object] = {"example_inputs": (tokens(0, 0, 0)[0][:2],), "num_stages": pp}
-    if torch.distributed.get_rank() % pp == 1:  # a cut of its own: rank 0's must win
-        traced["split_points"] = ["head"]
+    # A fixed cut (a measured one moved with the machine's load, and the buckets with it);
+    # pp rank 1 asks for a cut of its own: rank 0's must win.
+    traced["split_points"] = ["head"] if torch.distributed.get_rank() % pp == 1 else ["fc2"]
     pipe = Pipeline(
         model,
         CHUNKS,
