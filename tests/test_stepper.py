@@ -84,6 +84,7 @@ class SlowBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this worker is deep in its backward
         time.sleep(1.0)
         SlowBackward.finished.set()
         return grad
@@ -101,11 +102,8 @@ def test_ctrl_c_during_a_long_backward_returns_only_after_the_workers_stop():
     model = nn.Sequential(nn.Linear(4, 4), Slow(), nn.Linear(4, 4))
     pipe = Pipeline(model, 1, balance=[2, 1], devices=["cpu", "cpu"])
     SlowBackward.finished.clear()
-    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))
-    timer.start()
     with pytest.raises(KeyboardInterrupt):
         pipe.step(torch.randn(4, 4), torch.randn(4, 4), loss_fn=F.mse_loss)
-    timer.join()
     assert SlowBackward.finished.is_set()  # the worker had stopped before we got here
     assert all(p.grad is None for p in model.parameters())
 
