@@ -19,7 +19,7 @@ from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.microbatch import batch_size
 from pipesched.runtime.tree import tensors
 
-__all__ = ["check_module", "check_pipeline", "check_positive_int", "check_step"]
+__all__ = ["check_module", "check_number", "check_pipeline", "check_positive_int", "check_step"]
 
 
 def check_positive_int(name: str, value: object, hint: str = "") -> int:
@@ -35,6 +35,16 @@ def check_positive_int(name: str, value: object, hint: str = "") -> int:
     if value < 1:
         raise ConfigError(f"{name} must be a positive integer, got {value!r}{hint}")
     return value
+
+
+def check_number(name: str, value: object, what: str) -> None:
+    """Refuses a ``value`` that is not a real number (a bool is not one either).
+
+    Raises:
+        ConfigTypeError: naming ``name``, ``what`` it must be, and the value seen.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigTypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
 
 
 def check_module(name: str, value: object) -> nn.Module:
@@ -73,13 +83,8 @@ def check_pipeline(
         )
     if num_stages is not None:
         check_positive_int("num_stages", num_stages)
-    if memory_budget is not None and (
-        isinstance(memory_budget, bool) or not isinstance(memory_budget, int | float)
-    ):
-        raise ConfigTypeError(
-            f"memory_budget must be a number of bytes per worker, got "
-            f"{type(memory_budget).__name__} {memory_budget!r}"
-        )
+    if memory_budget is not None:
+        check_number("memory_budget", memory_budget, "a number of bytes per worker")
 
 
 def check_step(inputs: Any, loss_fn: object, num_items: object) -> None:

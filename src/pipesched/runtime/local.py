@@ -178,14 +178,24 @@ class LocalRuntime:
         state: ThreadState,
         origin: float,
     ) -> None:
-        """Runs each worker in its own thread and waits for all of them."""
+        """Runs each worker in its own thread and waits for all of them.
+
+        Each worker sets an event when it has finished, however. Why not
+        ``Thread.join``: on Python 3.11 a join cut by Ctrl-C can mark a running
+        thread as stopped, and the caller would return while the worker still
+        runs the step.
+        """
+
+        def work(w: int, done: threading.Event) -> None:
+            try:
+                self._work(w, rows[w], schedule, run, state, origin)
+            finally:
+                done.set()
+
         done = [threading.Event() for _ in workers]
         threads = [
             threading.Thread(
-                target=self._work,
-                args=(w, rows[w], schedule, run, state, origin, event),
-                name=f"pipesched-worker-{w}",
-                daemon=True,
+                target=work, args=(w, event), name=f"pipesched-worker-{w}", daemon=True
             )
             for w, event in zip(workers, done, strict=True)
         ]
@@ -206,28 +216,6 @@ class LocalRuntime:
             torch.set_num_threads(previous_threads)
 
     def _work(
-        self,
-        w: int,
-        actions: list[Action],
-        schedule: Schedule,
-        run: _Run,
-        state: ThreadState,
-        origin: float,
-        done: threading.Event | None = None,
-    ) -> None:
-        """Runs worker ``w``'s actions; sets ``done`` when it has finished, however.
-
-        Why an event and not ``Thread.join``: on Python 3.11 a join cut by
-        Ctrl-C can mark a running thread as stopped, and the caller would
-        return while the worker still runs the step.
-        """
-        try:
-            self._run_actions(w, actions, schedule, run, state, origin)
-        finally:
-            if done is not None:
-                done.set()
-
-    def _run_actions(
         self,
         w: int,
         actions: list[Action],

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipesched.arguments import check_positive_int
+from pipesched.arguments import check_number, check_positive_int
 from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError
 from pipesched.microbatch import batch_size
 from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, describe
@@ -95,13 +95,8 @@ class GradientAccumulator:
         lr_scheduler: Any = None,
     ) -> None:
         check_positive_int("accumulation_steps", accumulation_steps)
-        if max_grad_norm is not None and (
-            isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, int | float)
-        ):
-            raise ConfigTypeError(
-                f"max_grad_norm must be a number or None, got {type(max_grad_norm).__name__} "
-                f"{max_grad_norm!r}"
-            )
+        if max_grad_norm is not None:
+            check_number("max_grad_norm", max_grad_norm, "a number or None")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(
                 f"max_grad_norm must be > 0, got {max_grad_norm!r}; use None to not clip"
