@@ -64,7 +64,7 @@ def main() -> None:
     print(f"held-out accuracy against the teacher: {accuracy:.1%} (chance: {1 / CLASSES:.0%})")
 
     assert measured is not None
-    planned = pipe.schedule(CHUNKS).simulate(measured.measured_costs())
+    planned = pipe.schedule_for(CHUNKS).simulate(measured.measured_costs())
     print(
         f"\nmeasured last step (ms; a column per shortest action, -- continues, . idle): "
         f"makespan {1000 * measured.makespan:.1f} ms"

@@ -49,7 +49,7 @@ def main() -> None:
     measured = pipe.last_timeline
     if measured is None:  # pragma: no cover - step always records one
         raise SystemExit("the pipeline recorded no timeline")
-    plan = pipe.schedule(args.chunks).simulate(measured.measured_costs())
+    plan = pipe.schedule_for(args.chunks).simulate(measured.measured_costs())
 
     picture = args.picture or args.out / f"measured-{args.schedule}.png"
     title = (

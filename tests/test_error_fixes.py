@@ -107,9 +107,9 @@ FIXES: dict[str, Fix] = {
         lambda: _trains(Pipeline(_model(), 4, balance=[2, 1], devices=["cpu", "cpu"])),
         TypeError,
     ),
-    "non-Sequential": Fix(
-        lambda: Pipeline(_Net(), 2, devices=["cpu", "cpu"]),
-        "pass example_inputs=(...) and num_stages=",
+    "non-Sequential cut before its first call": Fix(
+        lambda: Pipeline(_Net(), 2, devices=["cpu", "cpu"]).partition,
+        "or pass example_inputs= (one micro-batch) to cut it at construction",
         lambda: _trains(
             Pipeline(
                 _Net(), 2, devices=["cpu", "cpu"], example_inputs=(torch.randn(3, 4),), num_stages=2

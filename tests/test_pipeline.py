@@ -62,7 +62,7 @@ def test_step_gradients_equal_the_plain_model(schedule, workers, chunks, batch):
     assert all(torch.isfinite(g).all() for g in _grads(pipe).values())
     timeline = pipe.last_timeline
     assert timeline is not None
-    assert len(timeline.events) == sum(len(r) for r in pipe.schedule(min(chunks, batch)).actions)
+    assert len(timeline.events) == sum(len(r) for r in pipe.schedule_for(min(chunks, batch)).actions)
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
@@ -210,15 +210,6 @@ def test_bad_arguments(kwargs, error, message):
     kwargs = {"chunks": 2, **kwargs}
     with pytest.raises(error, match=message):
         Pipeline(_model(4), **kwargs)
-
-
-def test_non_sequential_needs_example_inputs():
-    class Net(nn.Module):
-        def forward(self, x):
-            return x
-
-    with pytest.raises(ConfigError, match="not an nn.Sequential; pass example_inputs"):
-        Pipeline(Net(), 2)
 
 
 def test_moving_a_pipeline_is_denied():

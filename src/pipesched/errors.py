@@ -1,4 +1,4 @@
-"""The exception hierarchy: one base class, each subclass also a built-in type users catch."""
+"""The exception hierarchy (one base class, each subclass also a built-in type) and warnings."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ __all__ = [
     "ConfigTypeError",
     "PartitionError",
     "PipeschedError",
+    "PipeschedWarning",
     "RemoteError",
+    "RetraceWarning",
     "ScheduleError",
 ]
 
@@ -86,4 +88,17 @@ class CheckpointError(PipeschedError, ValueError):
     Raised before anything was changed. The message names the file (when
     loading from a path), what does not fit and the fix; an unreadable file's
     own error is chained as ``__cause__``.
+    """
+
+
+class PipeschedWarning(UserWarning):
+    """Base class of every warning pipesched gives on purpose."""
+
+
+class RetraceWarning(PipeschedWarning):
+    """A traced model is traced and cut again: a call's arguments changed what the trace fixed.
+
+    The message names what changed (the structure of the arguments, a
+    non-tensor value, a tensor's dtype or number of dimensions). The new cut
+    is kept beside the old one, so alternating kinds of call trace once each.
     """

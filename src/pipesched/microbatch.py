@@ -23,7 +23,7 @@ Index letters as in the rest of pipesched: ``i`` a micro-batch, ``m`` their coun
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -106,7 +106,8 @@ def scatter(inputs: Any, chunks: int) -> list[Any]:
     Every tensor leaf with ``ndim >= 1`` is cut into views of the sizes
     :func:`microbatch_sizes` gives; other leaves (0-dim tensors included) are
     passed unchanged, the same object, to every micro-batch. Tuples, lists,
-    dicts and namedtuples keep their type; any other Mapping becomes a dict.
+    dicts and namedtuples keep their type; another Mapping keeps its type when it
+    can be built from keywords (a ``ModelOutput``), else becomes a dict.
 
     Args:
         inputs: A nesting of tuples, lists and Mappings with tensor and
@@ -171,6 +172,29 @@ def gather(outputs: Sequence[Any]) -> Any:
     return _gather(list(outputs), "")
 
 
+def join_outputs(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
+    """The batch's output from its micro-batches', as the plain model would return it.
+
+    Like :func:`gather`, except that a 0-dim floating-point tensor (a loss the
+    model computes as a mean over its samples) becomes the mean of the
+    micro-batches' values weighted by their ``rows``, not a stack of them.
+    Containers keep their type (a ``ModelOutput`` stays one).
+
+    Args:
+        outputs: the output of each micro-batch, in order.
+        rows: each micro-batch's sample count.
+    """
+    total = sum(rows)
+    weights = [r / total for r in rows]
+
+    def scalar_mean(values: list[Any], path: str) -> Any:
+        if all(isinstance(v, Tensor) and v.ndim == 0 and v.is_floating_point() for v in values):
+            return sum(w * v for w, v in zip(weights, values, strict=True))
+        return None
+
+    return _gather(list(outputs), "", scalar_mean)
+
+
 def _check_count(name: str, value: object, meaning: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigTypeError(f"{name} must be an int >= 1, got {value!r}: {meaning}")
@@ -192,7 +216,13 @@ def _children(value: Any) -> list[tuple[str, Any]] | None:
 def _rebuild(like: Any, items: list[Any]) -> Any:
     """A container of the kind of ``like`` holding ``items``."""
     if isinstance(like, Mapping):
-        return dict(zip(like.keys(), items, strict=True))
+        joined = dict(zip(like.keys(), items, strict=True))
+        if type(like) is not dict:
+            try:  # keep the type: OrderedDict, a Hugging Face ModelOutput, ...
+                return type(like)(**joined)
+            except Exception:
+                pass
+        return joined
     if isinstance(like, list):
         return items
     if hasattr(like, "_fields"):  # namedtuple
@@ -255,8 +285,15 @@ def _mismatch(i: int, path: str, seen: str, first: str, fix: str) -> ConfigError
 _SAME_STRUCTURE = "every micro-batch must return the same nesting of tuples, lists and dicts"
 
 
-def _gather(values: list[Any], path: str) -> Any:
-    """Gathers the values found at ``path`` in each micro-batch's output."""
+def _gather(
+    values: list[Any], path: str, special: Callable[[list[Any], str], Any] | None = None
+) -> Any:
+    """Gathers the values found at ``path`` in each micro-batch's output.
+
+    ``special``: tried first at every path; a result other than None is taken.
+    """
+    if special is not None and (joined := special(values, path)) is not None:
+        return joined
     first = values[0]
     for i, value in enumerate(values):
         if _kind(value) != _kind(first):
@@ -279,7 +316,8 @@ def _gather(values: list[Any], path: str) -> Any:
     else:
         return first if all(_equal(value, first) for value in values) else values
     gathered = [
-        _gather(column, path + suffix) for suffix, column in zip(suffixes, columns, strict=True)
+        _gather(column, path + suffix, special)
+        for suffix, column in zip(suffixes, columns, strict=True)
     ]
     return _rebuild(first, gathered)
 

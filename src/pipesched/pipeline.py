@@ -2,30 +2,33 @@
 
 from __future__ import annotations
 
-import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 import networkx as nx
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from pipesched.arguments import check_pipeline, check_step
+from pipesched.assembly import Assembly, Cut, assemble, resolve_layout
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
+from pipesched.call import Call, as_call, call_key, describe_change, with_cache_off
 from pipesched.checkpoint import checkpoint_stop
-from pipesched.devices import Device, resolve_workers, threads_per_worker
-from pipesched.distributed.mesh import MeshInfo, rank0_value
+from pipesched.devices import Device
+from pipesched.distributed.mesh import MeshInfo
 from pipesched.distributed.placement import stage_parameters
-from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.microbatch import batch_size, gather, scatter
-from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
+from pipesched.errors import ConfigError, ConfigTypeError, RetraceWarning
+from pipesched.microbatch import batch_size, join_outputs, scatter
+from pipesched.partition import Partition
 from pipesched.partition.sequential import sequential_layers
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
-from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
 from pipesched.runtime.local import LocalRuntime, StepInputs
 from pipesched.runtime.tree import tensors
-from pipesched.schedule import Schedule, Timeline, get_schedule, stages_per_worker
+from pipesched.schedule import Schedule, Timeline
+from pipesched.schedule.spec import check_spec, schedule_for, spec_name
 from pipesched.stepper import Stepper
 
 __all__ = ["Pipeline"]
@@ -106,11 +109,11 @@ class Pipeline(nn.Module):
         balance: Sequence[int] | str | None = None,
         devices: Sequence[Device] | None = None,
         checkpoint: str = "except_last",
-        schedule: str = "gpipe",
+        schedule: str | Schedule = "gpipe",
         deferred_batch_norm: bool = False,
         example_inputs: tuple[Any, ...] | None = None,
         num_stages: int | None = None,
-        mesh: Any = None,
+        mesh: DeviceMesh | None = None,
         split_points: Sequence[str] | None = None,
         memory_budget: float | None = None,
         fuse_weight_grads: bool = True,
@@ -118,118 +121,174 @@ class Pipeline(nn.Module):
         super().__init__()
         check_pipeline(module, chunks, balance, num_stages, memory_budget)
         checkpoint_stop(checkpoint, 1)  # checks the mode's name
-        v = stages_per_worker(schedule)  # checks the schedule's name
+        schedule = _check_schedule(schedule, chunks)
         sequential = isinstance(module, nn.Sequential)
-        if not sequential and example_inputs is None:
-            raise ConfigError(
-                f"module is a {type(module).__name__}, not an nn.Sequential; pass "
-                "example_inputs=(...) and num_stages= to have it traced and split, or wrap "
-                "its layers in an nn.Sequential"
-            )
         if deferred_batch_norm and sequential:
             DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
-        counts = None if balance is None or isinstance(balance, str) else list(balance)
-        requested = num_stages
-        if counts is not None or split_points is not None:
-            requested = len(counts) if counts is not None else len(list(split_points or ())) + 1
         info = None if mesh is None else MeshInfo.of(mesh)
-        workers, chosen_devices = resolve_workers(schedule, v, devices, counts, requested, info)
-        if counts is not None and isinstance(module, nn.Sequential):
-            check_balance(module, counts)
+        self._layout = resolve_layout(schedule, devices, balance, num_stages, split_points, info)
+        self._cut = Cut(
+            chunks, balance, split_points, memory_budget, deferred_batch_norm, fuse_weight_grads
+        )
+        self._model = (module,)  # a tuple: its layers are registered, not the model itself
         self.chunks = chunks
         self.checkpoint = checkpoint
-        self.schedule_name = schedule
-        self.devices = [torch.device(d) for d in chosen_devices]
-        self.placement = get_schedule(schedule, workers * v, 1).placement
-        stage_devices = [self.devices[w] for w in self.placement]
-        cpu_threads = threads_per_worker(sum(d.type == "cpu" for d in self.devices))
-        plan_of = functools.partial(
-            plan_partition,
-            module,
-            num_stages=workers * v,
-            devices=stage_devices,
-            schedule=schedule,
-            num_microbatches=chunks,
-            example_inputs=example_inputs,
-            memory_budget=memory_budget,
-            num_threads=cpu_threads,
-        )
-        plan = plan_of(balance=balance, split_points=split_points)
-        if info is not None and list(plan.counts) != (agreed := rank0_value(list(plan.counts))):
-            # Measured balances (time, schedule) can differ between ranks: rank 0's cut wins.
-            plan = plan_of(balance=agreed)
-        if deferred_batch_norm and not sequential:
-            DeferredBatchNorm.convert(module)  # after tracing: the stages call the new layers
-        stages = plan.build(module, stage_devices)
-        self.balance = list(plan.counts)
-        self.stage_graph: nx.DiGraph = plan.graph
-        """The model as a networkx graph of layers or traced operations, with their costs."""
-        self.partition: Partition = plan.partition
-        """Per stage: layers, parameters, time, activation memory (print it)."""
-        self.mesh = info
         self.sync: Sync = LocalSync()
-        self._runtime: LocalRuntime
-        if info is None:
-            own = list(range(len(stages)))
-            for s, stage in enumerate(stages):
-                stage.to(self.devices[self.placement[s]])
-            cpu_workers = sum(d.type == "cpu" for d in self.devices)
-            fused = unshared_parameters(stages) if fuse_weight_grads else None
-            self._runtime = LocalRuntime(
-                stages, self.devices, threads_per_worker(cpu_workers), fused
-            )
-        else:
-            self._runtime, own, tied = DistributedRuntime.on_rank(
-                stages, self.placement, info, fuse=fuse_weight_grads
-            )
+        """The reductions over the mesh's replicas and ranks (the identity locally)."""
+        self.last_timeline: Timeline | None = None
+        self._assemblies: list[Assembly] = []
+        self._current: Assembly | None = None
         if sequential:
-            children = [item for s in own for item in sequential_layers(stages[s])]
-        else:  # the whole model's children, its own parameters and buffers
-            children = list(module.named_children())
+            self._assemble(example_inputs, None)
+        else:  # the whole model's children, its own parameters and buffers, from now on
+            for name, layer in module.named_children():
+                _check_free(self, name)
+                self.add_module(name, layer)
             _register_state(self, module)
-        for name, layer in children:  # this process's layers, under the plain model's names
-            _check_free(self, name)
-            self.add_module(name, layer)
-        if info is not None:
-            self.sync = GradientSync(info, self.parameters(), tied, {s: stages[s] for s in own})
-            self._runtime.on_stage_done = self._stage_done  # type: ignore[attr-defined]
-        self._stages = stages
-        self._own_stages = own
-        random_ops = [t.random_ops for t in stages if isinstance(t, TracedStage)]
-        self._stepper = Stepper(  # a traced model's random operations are places of draws too
-            self._runtime,
+            if example_inputs is not None:
+                call = with_cache_off(module, Call.of(example_inputs))
+                self._assemble(call, call_key(call))
+
+    def _assemble(
+        self, example: Call | tuple[Any, ...] | None, key: tuple[Any, ...] | None
+    ) -> Assembly:
+        """Cuts the model (traced from ``example`` unless it is an nn.Sequential) and keeps it."""
+        layout, module = self._layout, self._model[0]
+        assembly = assemble(
             self,
-            stages,
-            stage_devices,
-            [r for r in random_ops if r is not None],
-            adaptive=info is None,  # on a mesh a rerun would need every rank
+            module,
+            layout,
+            self._cut,
+            example,
+            key=key,
+            on_stage_done=self._stage_done,
             finish=self._commit_batch_norm,
         )
-        self.last_timeline: Timeline | None = None
+        if isinstance(module, nn.Sequential):  # this process's layers, under the model's names
+            for s in assembly.own:
+                for name, layer in sequential_layers(assembly.stages[s]):
+                    _check_free(self, name)
+                    self.add_module(name, layer)
+        if layout.mesh is not None:
+            own = {s: assembly.stages[s] for s in assembly.own}
+            self.sync = GradientSync(layout.mesh, self.parameters(), assembly.tied, own)
+        self._assemblies.append(assembly)
+        self._current = assembly
+        return assembly
+
+    def _assembly_for(self, call: Call | None, first: Any) -> Assembly:
+        """The cut that runs ``call`` (``first``: its first micro-batch), traced if none fits."""
+        if call is None:  # an nn.Sequential: cut once, at construction
+            return self._built()
+        key = call_key(call)
+        for assembly in self._assemblies:
+            if assembly.key is None or assembly.key == key:
+                self._current = assembly
+                return assembly
+        if self._assemblies:
+            change = describe_change(self._built().key or (), key)
+            if self._layout.mesh is not None:
+                raise ConfigError(
+                    f"the model was traced for other arguments and cannot be traced again on "
+                    f"a mesh (the other ranks' layers are freed): {change}. Call the pipeline "
+                    "with arguments of one structure, or build a Pipeline per kind of call"
+                )
+            warnings.warn(
+                f"pipesched: tracing {type(self._model[0]).__name__} again and cutting it anew "
+                f"because {change}; each kind of call keeps its own cut (the first trace "
+                "depends on the arguments' structure, non-tensor values, dtypes and ranks)",
+                RetraceWarning,
+                stacklevel=3,
+            )
+        return self._assemble(first, key)
+
+    def _built(self) -> Assembly:
+        if self._current is None:
+            raise ConfigError(
+                f"{type(self._model[0]).__name__} is traced and cut on the pipeline's first "
+                "call; call pipe(...) or pipe.step(...) once first, or pass example_inputs= "
+                "(one micro-batch) to cut it at construction"
+            )
+        return self._current
+
+    @property
+    def schedule(self) -> str | Schedule:
+        """The schedule asked for: a built-in's name, or the one Schedule given."""
+        return self._layout.schedule
+
+    @property
+    def schedule_name(self) -> str:
+        """The schedule's name."""
+        return spec_name(self._layout.schedule)
+
+    @property
+    def mesh(self) -> MeshInfo | None:
+        """This rank's place in the mesh, or None in one process."""
+        return self._layout.mesh
+
+    @property
+    def devices(self) -> list[torch.device]:
+        """The device of each worker."""
+        return list(self._layout.devices)
+
+    @property
+    def placement(self) -> tuple[int, ...]:
+        """The worker of each stage."""
+        return self._layout.placement
 
     @property
     def num_stages(self) -> int:
         """Model stages."""
-        return len(self.balance)
+        return len(self._layout.placement)
+
+    @property
+    def balance(self) -> list[int]:
+        """Layers (or traced operations' layers) per stage, as cut."""
+        return list(self._built().plan.counts)
+
+    @property
+    def stage_graph(self) -> nx.DiGraph:
+        """The model as a networkx graph of layers or traced operations, with their costs."""
+        return self._built().plan.graph
+
+    @property
+    def partition(self) -> Partition:
+        """Per stage: layers, parameters, time, activation memory (print it)."""
+        return self._built().partition
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
         """The stage modules, sharing their layers with this Pipeline."""
-        return tuple(self._stages)
+        return tuple(self._built().stages)
 
-    def schedule(self, num_microbatches: int) -> Schedule:
+    @property
+    def _runtime(self) -> LocalRuntime:
+        return self._built().runtime
+
+    @property
+    def _stepper(self) -> Stepper:
+        return self._built().stepper
+
+    def running_here(self) -> bool:
+        """Whether the calling thread is one of this pipeline's workers, inside a step."""
+        return any(a.runtime.running_here() for a in self._assemblies)
+
+    def schedule_for(self, num_microbatches: int) -> Schedule:
         """The validated schedule this pipeline runs for ``num_microbatches`` micro-batches."""
-        return _schedule(self.schedule_name, self.num_stages, num_microbatches)
+        return schedule_for(self._layout.schedule, self.num_stages, num_microbatches)
 
-    def forward(self, *inputs: Any) -> Any:
-        """The model's output on ``inputs``, computed micro-batch by micro-batch, stage by stage.
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's output on ``model(*args, **kwargs)``, computed micro-batch by micro-batch.
 
         Autograd-transparent: ``loss_fn(pipe(x), y).backward()`` gives the
-        plain model's gradients. Under ``torch.no_grad()`` it only streams
-        forward. With a mesh it runs only under ``torch.no_grad()`` (a
-        backward cannot follow the output across ranks: train with
-        :meth:`step`) and returns the output on the last stage's rank, None
-        on the others.
+        plain model's gradients. The output has the model's own type (a
+        tensor, a tuple, a dict, a Hugging Face ``ModelOutput``): tensors are
+        concatenated along dim 0, and a 0-dim floating-point tensor (a loss
+        the model computes) is the mean of the micro-batches' values weighted
+        by their rows. Under ``torch.no_grad()`` it only streams forward.
+        With a mesh it runs only under ``torch.no_grad()`` (a backward cannot
+        follow the output across ranks: train with :meth:`step`) and returns
+        the output on the last stage's rank, None on the others.
         """
         if self.mesh is not None and torch.is_grad_enabled():
             raise ConfigError(
@@ -237,22 +296,33 @@ class Pipeline(nn.Module):
                 "(evaluation), and train with pipe.step or GradientAccumulator.step, whose "
                 "backward crosses the ranks"
             )
-        if len(inputs) != 1:
-            raise ConfigTypeError(
-                f"a Pipeline takes one input, got {len(inputs)}; pass a tuple or dict "
-                "as one argument if the first layer takes several tensors"
-            )
-        micro = scatter(inputs[0], self.chunks)
+        batch = self._batch(args, kwargs)
+        micro = scatter(batch, self.chunks)
+        assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro[0])
         stop = checkpoint_stop(self.checkpoint, len(micro))
-        run = self._stepper.run(
-            self.schedule,
+        run = assembly.stepper.run(
+            self.schedule_for,
             lambda seed: StepInputs(micro, checkpoint_stop=stop, seed=seed),
             detach=False,
         )
         self.last_timeline = run.timeline
         if self.mesh is not None and self.placement[-1] != self.mesh.pp_rank:
             return None
-        return gather([run.outputs[i] for i in range(len(micro))])
+        return join_outputs([run.outputs[i] for i in range(len(micro))], [_rows(x) for x in micro])
+
+    def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The stage-0 input of one call: the one argument of an nn.Sequential, else a Call."""
+        module = self._model[0]
+        if isinstance(module, nn.Sequential):
+            if len(args) != 1 or kwargs:
+                raise ConfigTypeError(
+                    f"a Pipeline of an nn.Sequential takes one input (its first layer's), got "
+                    f"{len(args)} positional and {len(kwargs)} keyword arguments; pass a tuple "
+                    "or dict as one argument if the first layer takes several tensors"
+                )
+            return args[0]
+        call = as_call(module, args[0]) if len(args) == 1 and not kwargs else Call(args, kwargs)
+        return with_cache_off(module, call)
 
     def step(
         self,
@@ -348,7 +418,9 @@ class Pipeline(nn.Module):
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; micro-batch i's loss weighs
         ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
-        micro = scatter((inputs, target), self.chunks)
+        batch = self._batch((inputs,), {})
+        micro = scatter((batch, target), self.chunks)
+        assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro[0][0])
         weights = [scale if summed else scale * _rows(x) for x, _ in micro]
 
         def make_step(seed: int | None) -> StepInputs:
@@ -361,7 +433,7 @@ class Pipeline(nn.Module):
                 seed=seed,
             )
 
-        run = self._stepper.run(self.schedule, make_step, detach=True)
+        run = assembly.stepper.run(self.schedule_for, make_step, detach=True)
         self.last_timeline = run.timeline
         if self.mesh is None:
             return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
@@ -369,7 +441,8 @@ class Pipeline(nn.Module):
 
     def _stage_done(self, stage: int) -> None:
         """A stage's gradients are final for this step: its replicas may start summing them."""
-        self._stepper.commit_early(stage_parameters(self._stages[stage]))
+        assembly = self._built()
+        assembly.stepper.commit_early(stage_parameters(assembly.stages[stage]))
         self.sync.stage_done(stage)
 
     def gather_timeline(self) -> Timeline | None:
@@ -419,7 +492,8 @@ def _register_state(pipe: Pipeline, module: nn.Module) -> None:
 
 
 def _check_free(pipe: Pipeline, name: str) -> None:
-    if hasattr(pipe, name):
+    held = (pipe.__dict__, pipe._modules, pipe._parameters, pipe._buffers)
+    if hasattr(type(pipe), name) or any(name in names for names in held):
         raise ConfigError(
             f"the model has a submodule or parameter named {name!r}, which is also a Pipeline "
             "attribute; rename it, or wrap the model in an nn.Module that holds it under another "
@@ -434,9 +508,15 @@ def _deny_move(call: str) -> NoReturn:
     )
 
 
-@functools.lru_cache(maxsize=64)
-def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
-    return get_schedule(name, num_stages, num_microbatches).validate()
+def _check_schedule(schedule: object, chunks: int) -> str | Schedule:
+    spec = check_spec(schedule)
+    if isinstance(spec, Schedule) and spec.num_microbatches != chunks:
+        raise ConfigError(
+            f"the schedule {spec.name!r} runs {spec.num_microbatches} micro-batches, but "
+            f"chunks={chunks}; pass chunks={spec.num_microbatches} (a Schedule is one table, "
+            "for one number of micro-batches)"
+        )
+    return spec
 
 
 def _item_count(num_items: int | float | torch.Tensor) -> float:

@@ -40,9 +40,12 @@ def test_untraceable_model_names_the_line_and_the_fixes():
     assert isinstance(error.value, ValueError)
 
 
-def test_non_sequential_needs_example_inputs():
-    with pytest.raises(ConfigError, match=r"not an nn.Sequential; pass example_inputs"):
-        Pipeline(UNet(), 2, devices=["cpu", "cpu"])
+def test_a_non_sequential_is_cut_on_its_first_call_a_timed_sequential_needs_an_example():
+    lazy = Pipeline(UNet(), 2, devices=["cpu", "cpu"])
+    with pytest.raises(ConfigError, match=r"traced and cut on the pipeline's first call"):
+        lazy.partition  # noqa: B018 - the property raises
+    lazy(X)
+    assert lazy.partition.balance == "time" and len(lazy.balance) == 2
     sequential = nn.Sequential(nn.Linear(2, 2), nn.ReLU())
     with pytest.raises(ConfigError, match=r"balance='time' measures .* example_inputs"):
         Pipeline(sequential, 2, devices=["cpu", "cpu"], balance="time")

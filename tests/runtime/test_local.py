@@ -92,7 +92,7 @@ def test_measured_timeline_has_every_action_in_order():
         schedule="zb-h1",
     )
     pipe.step(torch.randn(6, 3), torch.randn(6, 3), loss_fn=nn.functional.mse_loss)
-    schedule = pipe.schedule(3)
+    schedule = pipe.schedule_for(3)
     for w in range(2):
         events = pipe.last_timeline.worker_events(w)
         assert [e.action for e in events] == list(schedule.actions[w])

@@ -52,7 +52,8 @@ from pipesched.partition.sequential import split_sequential
 from pipesched.partition.split import split_traced
 from pipesched.partition.trace import TracedModel, trace_model
 from pipesched.runtime.tree import tensors
-from pipesched.schedule import Schedule, Timeline, get_schedule
+from pipesched.schedule import Schedule, Timeline
+from pipesched.schedule.spec import ScheduleSpec, schedule_for
 
 __all__ = ["BALANCE_MODES", "Plan", "plan_partition", "simulate_partition"]
 
@@ -96,7 +97,7 @@ def plan_partition(
     *,
     num_stages: int,
     devices: Sequence[torch.device],
-    schedule: str,
+    schedule: ScheduleSpec,
     num_microbatches: int,
     balance: Sequence[int] | str | None = None,
     example_inputs: tuple[Any, ...] | None = None,
@@ -147,7 +148,7 @@ def plan_partition(
     else:
         graph = sequential_graph(cast(nn.Sequential, module), first, _input_bytes(example_inputs))
     units = tuple(layers(graph))
-    plan_schedule = get_schedule(schedule, num_stages, num_microbatches)
+    plan_schedule = schedule_for(schedule, num_stages, num_microbatches)
     held = plan_schedule.simulate().peak_activations
     layer_costs = LayerCosts(units, devices, costs, graph, held)
     starts = start_units(traced, graph, boundaries)
@@ -162,7 +163,7 @@ def plan_partition(
 
 
 def simulate_partition(
-    graph: nx.DiGraph, counts: Sequence[int], schedule: str, num_microbatches: int
+    graph: nx.DiGraph, counts: Sequence[int], schedule: ScheduleSpec, num_microbatches: int
 ) -> Timeline:
     """The step ``schedule`` would take with ``graph``'s layers cut into ``counts``.
 
@@ -192,7 +193,7 @@ def simulate_partition(
     def passes(k: int, i: int, j: int) -> tuple[float, float, float]:
         return forward[j] - forward[i], backward[j] - backward[i], activation[j] - activation[i]
 
-    plan = get_schedule(schedule, len(counts), num_microbatches)
+    plan = schedule_for(schedule, len(counts), num_microbatches)
     return simulate_counts(plan, counts, passes, lambda k, i, j: 0.0).timeline
 
 

@@ -34,6 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
+from pipesched.call import Call
 from pipesched.partition.trace import TracedModel
 from pipesched.runtime.tree import map_tensors, tensors
 
@@ -103,7 +104,7 @@ def measure_traced(
     }
     values: dict[fx.Node, Any] = {}
     wants_grad: set[fx.Node] = set()
-    leaves = traced.input_leaves(example_inputs if traced.num_args > 1 else example_inputs[0])
+    leaves = traced.input_leaves(Call.of(example_inputs))
     for node, value in zip(traced.inputs, leaves, strict=True):
         values[node] = _to(value, device)
     for node, ref in traced.state.items():

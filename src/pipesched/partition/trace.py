@@ -8,12 +8,12 @@ graph only as a list of operations and feed it the model's *own* parameters
 and buffers, looked up by name at every call (see
 :mod:`pipesched.partition.stage`). Three more choices:
 
-- The batch dimension (dim 0 of every tensor input) is exported as dynamic
+- Every dimension of every tensor input is exported as dynamic
   (``Dim.AUTO``): micro-batches have other sizes than the example, uneven
-  ones included. An example of one row is traced as two (export would fix a
-  size of 1). Where the model's code pins the batch size, export keeps it
-  static and :attr:`TracedModel.traced_batch` says which size the stages
-  accept.
+  ones included, and other sequence lengths. An example of one row is traced
+  as two (export would fix a size of 1). Where the model's code pins a size
+  (an image size, a batch), export keeps it static; for the batch,
+  :attr:`TracedModel.traced_batch` says which size the stages accept.
 - export's own runtime checks (``_assert_tensor_metadata``, ``_assert_scalar``)
   are dropped: they pin the device and dtype of the trace and a batch of at
   least 2, while stages run on other devices and on micro-batches of one row.
@@ -23,6 +23,7 @@ and buffers, looked up by name at every call (see
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
 from collections.abc import Mapping
@@ -35,6 +36,7 @@ from torch import fx, nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
+from pipesched.call import Call
 from pipesched.errors import ConfigTypeError, PartitionError
 
 __all__ = ["StateRef", "TracedModel", "trace_model"]
@@ -92,6 +94,10 @@ class TracedModel:
             one batch size the graph accepts.
         training: the model's mode when it was traced.
         num_args: how many positional arguments the traced call had.
+        keywords: the keyword arguments' names, in the traced call's order.
+        positions: which of the call's flattened arguments ``inputs`` are (the
+            others, non-tensor values such as ``use_cache=False``, are constants
+            of the graph).
     """
 
     model: nn.Module
@@ -104,6 +110,8 @@ class TracedModel:
     traced_batch: int | None
     training: bool
     num_args: int
+    keywords: tuple[str, ...] = ()
+    positions: tuple[int, ...] | None = None
 
     def constant(self, name: str) -> torch.Tensor:
         """A tensor constant the export lifted out of the model's code."""
@@ -116,35 +124,37 @@ class TracedModel:
         return value
 
     def input_leaves(self, inputs: Any) -> list[Any]:
-        """The user-input values of one call, from the pipeline's single input.
+        """The user-input values of one call, from the pipeline's stage-0 input.
 
-        One example input: ``inputs`` is that argument. Several: ``inputs``
-        is the tuple of them.
+        ``inputs`` is a :class:`~pipesched.call.Call`, or (the older form) the
+        one example input, or the tuple of them when there were several.
         """
-        args = inputs if self.num_args > 1 else (inputs,)
-        if not isinstance(args, tuple | list):
-            raise ConfigTypeError(
-                f"the model was traced with {self.num_args} example inputs, so the pipeline "
-                f"takes a tuple of {self.num_args}; got {type(inputs).__name__}"
-            )
-        leaves, spec = pytree.tree_flatten((tuple(args), {}))
+        if not isinstance(inputs, Call):
+            if self.num_args > 1 and not isinstance(inputs, tuple | list):
+                raise ConfigTypeError(
+                    f"the model was traced with {self.num_args} positional arguments, so a "
+                    f"stage-0 input is a tuple of {self.num_args}; got {type(inputs).__name__}"
+                )
+            inputs = Call(tuple(inputs) if self.num_args > 1 else (inputs,), {})
+        leaves, spec = inputs.leaves(list(self.keywords))
         if spec != self.program.call_spec.in_spec:
             raise ConfigTypeError(
-                f"the pipeline's input does not have the structure of example_inputs: "
-                f"got {spec}, traced with {self.program.call_spec.in_spec}; pass one "
-                "argument shaped like example_inputs[0] (a tuple of them when there were several)"
+                f"the call does not have the structure the model was traced with: got "
+                f"{spec}, traced with {self.program.call_spec.in_spec}; call the pipeline "
+                "with the same positional and keyword arguments as the traced call"
             )
-        return leaves
+        return leaves if self.positions is None else [leaves[i] for i in self.positions]
 
 
-def trace_model(model: nn.Module, example_inputs: tuple[Any, ...]) -> TracedModel:
-    """Traces ``model(*example_inputs)`` with ``torch.export`` (non-strict, batch dim dynamic).
+def trace_model(model: nn.Module, example_inputs: tuple[Any, ...] | Call) -> TracedModel:
+    """Traces one call of ``model`` with ``torch.export`` (non-strict, every dim dynamic).
 
     Args:
         model: any nn.Module whose forward takes and returns tensors (nested in
             tuples, lists, dicts or Hugging Face ``ModelOutput``s).
-        example_inputs: the positional arguments of one call; every tensor's
-            dim 0 is the batch.
+        example_inputs: the positional arguments of one call, or a
+            :class:`~pipesched.call.Call` with keyword arguments too; every
+            tensor's dim 0 is the batch.
 
     Returns:
         The trace.
@@ -159,35 +169,52 @@ def trace_model(model: nn.Module, example_inputs: tuple[Any, ...]) -> TracedMode
             f"example_inputs must be a tuple of the model's positional arguments, got "
             f"{type(example_inputs).__name__}; write example_inputs=(x,)"
         )
+    call = Call.of(example_inputs)
     # A batch of one would be specialized (torch.export fixes sizes 0 and 1): trace two rows.
-    example_inputs = pytree.tree_map(
+    call = pytree.tree_map(
         lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.shape[:1] == (1,) else v,
-        example_inputs,
+        call,
     )
-    dynamic = tuple(
-        pytree.tree_map(
-            lambda v: {0: Dim.AUTO} if isinstance(v, torch.Tensor) and v.ndim >= 1 else None,
-            arg,
-        )
-        for arg in example_inputs
+    dynamic = pytree.tree_map(
+        lambda v: dict.fromkeys(range(v.ndim), Dim.AUTO)
+        if isinstance(v, torch.Tensor) and v.ndim >= 1
+        else None,
+        _bound(model, call),
     )
     try:
-        program = torch.export.export(model, example_inputs, dynamic_shapes=dynamic, strict=False)
+        program = torch.export.export(
+            model, call.args, call.kwargs, dynamic_shapes=dynamic, strict=False
+        )
     except Exception as error:
         raise PartitionError(_describe_failure(model, error)) from error
-    return _read(model, program, len(example_inputs))
+    return _read(model, program, len(call.args), tuple(call.kwargs))
 
 
-def _read(model: nn.Module, program: ExportedProgram, num_args: int) -> TracedModel:
+def _bound(model: nn.Module, call: Call) -> dict[str, Any] | tuple[Any, ...]:
+    """The call's arguments by parameter name, as export's ``dynamic_shapes`` wants them."""
+    try:
+        return dict(inspect.signature(model.forward).bind(*call.args, **call.kwargs).arguments)
+    except (TypeError, ValueError):
+        if call.kwargs:
+            raise
+        return tuple(call.args)
+
+
+def _read(
+    model: nn.Module, program: ExportedProgram, num_args: int, keywords: tuple[str, ...]
+) -> TracedModel:
     signature = program.graph_signature
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
-    inputs, state = [], {}
+    inputs, state, positions = [], {}, []
+    user = 0
     for spec in signature.input_specs:
         node = placeholders[spec.arg.name] if hasattr(spec.arg, "name") else None
         if spec.kind == InputKind.USER_INPUT:
+            user += 1
             if node is None:
                 continue  # a constant argument, specialized into the graph
             inputs.append(node)
+            positions.append(user - 1)
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
             if node is None or spec.target is None:
                 raise PartitionError(f"torch.export gave an input spec without a name: {spec}")
@@ -230,6 +257,8 @@ def _read(model: nn.Module, program: ExportedProgram, num_args: int) -> TracedMo
         traced_batch=_static_batch(inputs),
         training=model.training,
         num_args=num_args,
+        keywords=keywords,
+        positions=tuple(positions),
     )
 
 

@@ -67,6 +67,7 @@ class DistributedRuntime(LocalRuntime):
         num_threads: int,
         fused: Sequence[frozenset[int]] | None = None,
         keys: Sequence[tuple[str, ...] | None] | None = None,
+        on_stage_done: Callable[[int], None] | None = None,
     ) -> None:
         devices = [info.device] * info.pp_size
         super().__init__(stages, devices, num_threads, fused)  # type: ignore[arg-type]
@@ -80,7 +81,7 @@ class DistributedRuntime(LocalRuntime):
         self.transport = Transport(info.pp_ranks, info.device, self.failures, self.group)
         self._num_stages = len(placement)
         self.last_origin_wall = 0.0
-        self.on_stage_done: Callable[[int], None] | None = None
+        self.on_stage_done = on_stage_done
         """Called with a stage's index once it has run its last backward action of a step."""
         self._last_backward: dict[int, Action] = {}
         self._keys = list(keys) if keys is not None else [None] * len(placement)
@@ -93,19 +94,22 @@ class DistributedRuntime(LocalRuntime):
         info: MeshInfo,
         *,
         fuse: bool,
+        on_stage_done: Callable[[int], None] | None = None,
     ) -> tuple[DistributedRuntime, list[int], dict[int, tuple[int, ...]]]:
         """This rank's runtime, its own stages' indices, and its parameters tied to other ranks.
 
         Keeps this rank's stages on its device and frees the others
         (:func:`~pipesched.distributed.placement.keep_own_stages`); ``fuse``:
-        fused weight-gradient accumulation for parameters no other stage holds.
+        fused weight-gradient accumulation for parameters no other stage holds;
+        ``on_stage_done``: called with a stage once it has run its last backward
+        action of a step.
         """
         own, tied = keep_own_stages(stages, placement, info.pp_rank, info.device)
         kept = [stage if s in own else None for s, stage in enumerate(stages)]
         fused = unshared_parameters(kept) if fuse else None
         # A traced stage passes a dict: it crosses ranks as a tuple in the sender's key order.
         keys = [None, *(getattr(stage, "sends", None) for stage in stages[:-1])]
-        runtime = cls(kept, placement, info, torch.get_num_threads(), fused, keys)
+        runtime = cls(kept, placement, info, torch.get_num_threads(), fused, keys, on_stage_done)
         return runtime, own, tied
 
     def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> _Run:

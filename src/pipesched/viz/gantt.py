@@ -118,7 +118,7 @@ def gantt(
     if overlay is not None and not isinstance(overlay, Timeline):
         raise ConfigTypeError(
             f"overlay must be a Timeline, got {type(overlay).__name__}; simulate the plan "
-            "first: pipe.schedule(m).simulate(measured.measured_costs())"
+            "first: pipe.schedule_for(m).simulate(measured.measured_costs())"
         )
     if overlay is not None and overlay.num_workers != timeline.num_workers:
         raise ConfigError(

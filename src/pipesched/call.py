@@ -1,0 +1,137 @@
+"""A call of a model: its positional and keyword arguments as one value a pipeline can cut.
+
+``pipe(*args, **kwargs)`` packs its arguments into a :class:`Call`; the batch
+of ``pipe.step(batch, ...)`` becomes one too (:func:`as_call`). A Call is a
+NamedTuple, so :func:`pipesched.microbatch.scatter` cuts every tensor in it
+along dim 0 like any other nesting, and stage 0 of a traced model unpacks it
+into the model's own arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+__all__ = ["Call", "as_call", "call_key", "describe_change", "with_cache_off"]
+
+
+class Call(NamedTuple):
+    """The arguments of one call of a model: ``model(*args, **kwargs)``.
+
+    Pass one to :meth:`pipesched.Pipeline.step` when the batch is several
+    positional arguments *and* keyword arguments:
+    ``pipe.step(Call((x,), {"mask": m}), y, loss_fn=...)``.
+    """
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+
+    @classmethod
+    def of(cls, example_inputs: tuple[Any, ...] | Call) -> Call:
+        """``example_inputs`` (a Call, or a tuple of positional arguments) as a Call."""
+        if isinstance(example_inputs, Call):
+            return example_inputs
+        return cls(tuple(example_inputs), {})
+
+    def leaves(self, order: list[str] | None = None) -> tuple[list[Any], pytree.TreeSpec]:
+        """The flattened ``(args, kwargs)`` as ``torch.export`` sees them.
+
+        Args:
+            order: the keyword names in the order the trace saw them (a call's
+                keyword order does not matter to Python, so it must not here).
+        """
+        kwargs = self.kwargs
+        if order is not None and set(order) == set(kwargs):
+            kwargs = {name: kwargs[name] for name in order}
+        return pytree.tree_flatten((tuple(self.args), kwargs))
+
+
+def as_call(model: nn.Module, batch: Any) -> Call:
+    """What ``pipe.step(batch)`` calls a (traced) model with.
+
+    - a :class:`Call`: as it is;
+    - a Mapping whose keys ``model.forward`` accepts as keywords: keyword
+      arguments (``{"input_ids": ..., "attention_mask": ...}``);
+    - a tuple: positional arguments;
+    - anything else (a tensor, a Mapping the forward takes as one argument):
+      the one positional argument.
+    """
+    if isinstance(batch, Call):
+        return batch
+    if isinstance(batch, Mapping) and _binds_as_keywords(model, batch):
+        return Call((), dict(batch))
+    if type(batch) is tuple:
+        return Call(batch, {})
+    return Call((batch,), {})
+
+
+def with_cache_off(model: nn.Module, call: Call) -> Call:
+    """``call`` with ``use_cache=False`` when the model takes ``use_cache`` and it is not given.
+
+    Why: Hugging Face models return a cache object (``DynamicCache``) by
+    default, which is neither a tensor nor useful in training; a pipeline runs
+    them with caching off unless the caller asks for it.
+    """
+    if "use_cache" in call.kwargs:
+        return call
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return call
+    if "use_cache" not in parameters:
+        return call
+    return Call(call.args, {**call.kwargs, "use_cache": False})
+
+
+def call_key(call: Call) -> tuple[Any, ...]:
+    """What a trace of ``call`` depends on: the structure, non-tensor values, dtypes and ranks.
+
+    Two calls with equal keys run on one trace; sizes (batch, sequence length)
+    may differ, they are dynamic in the trace.
+    """
+    leaves, spec = call.leaves(sorted(call.kwargs))
+    return (spec, *(_leaf_key(leaf) for leaf in leaves))
+
+
+def describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
+    """What differs between two :func:`call_key` values, in words."""
+    if old[0] != new[0]:
+        return f"the arguments' structure changed from {old[0]} to {new[0]}"
+    for i, (a, b) in enumerate(zip(old[1:], new[1:], strict=True)):
+        if a != b:
+            return f"argument leaf {i} changed from {_show(a)} to {_show(b)}"
+    return "nothing"
+
+
+def _leaf_key(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return ("tensor", leaf.dtype, leaf.ndim)
+    try:
+        hash(leaf)
+    except TypeError:
+        return ("object", type(leaf).__name__, id(leaf))
+    return ("value", leaf)
+
+
+def _show(key: Any) -> str:
+    kind, *rest = key
+    if kind == "tensor":
+        return f"a {rest[1]}-dim {rest[0]} tensor"
+    if kind == "value":
+        return repr(rest[0])
+    return f"a {rest[0]}"
+
+
+def _binds_as_keywords(model: nn.Module, batch: Mapping[Any, Any]) -> bool:
+    if not all(isinstance(key, str) for key in batch):
+        return False
+    try:
+        inspect.signature(model.forward).bind(**batch)
+    except (TypeError, ValueError):
+        return False
+    return True
