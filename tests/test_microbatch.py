@@ -91,8 +91,8 @@ def test_structure_types_and_shared_leaves():
         assert part[2]["tag"] is tag
         assert part[2]["s"] is scale
         assert part[0].label == "l"
-    parts = scatter(OrderedDict(x=X), 2)
-    assert all(type(p) is dict for p in parts)
+    parts = scatter(OrderedDict(x=X), 2)  # a Mapping built from keywords keeps its type
+    assert all(type(p) is OrderedDict for p in parts)
 
 
 def test_pieces_are_views_sharing_storage():

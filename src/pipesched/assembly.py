@@ -26,6 +26,7 @@ from pipesched.partition import Partition, Plan, TracedStage, check_balance, pla
 from pipesched.runtime.distributed import DistributedRuntime
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.local import LocalRuntime
+from pipesched.runtime.tree import map_tensors
 from pipesched.schedule import Schedule, stages_per_worker
 from pipesched.schedule.spec import ScheduleSpec, spec_name, spec_placement
 from pipesched.stepper import Stepper
@@ -109,6 +110,12 @@ class Assembly:
     def partition(self) -> Partition:
         """The per-stage table of the cut."""
         return self.plan.partition
+
+    def fits(self, key: tuple[Any, ...]) -> bool:
+        """Whether this cut runs calls of ``key`` in the modules' present training modes."""
+        if self.key is not None and self.key != key:
+            return False
+        return all(s.modes_hold() for s in self.stages if isinstance(s, TracedStage))
 
 
 def resolve_layout(
@@ -207,11 +214,16 @@ def assemble(
             num_threads=layout.cpu_threads,
         )
 
-    plan = plan_with(cut.balance, cut.split_points)
+    # The first call may come under torch.no_grad() or inference_mode (an evaluation): tracing
+    # and profiling measure backward too, on a copy of the example made outside of them.
+    with torch.inference_mode(False), torch.enable_grad():
+        example = map_tensors(example, torch.clone) if example is not None else None
+        plan = plan_with(cut.balance, cut.split_points)
     info = layout.mesh
     if info is not None and list(plan.counts) != (agreed := rank0_value(list(plan.counts))):
         # Measured balances (time, schedule) can differ between ranks: rank 0's cut wins.
-        plan = plan_with(agreed, None)
+        with torch.inference_mode(False), torch.enable_grad():
+            plan = plan_with(agreed, None)
     if cut.deferred_batch_norm and not sequential:
         DeferredBatchNorm.convert(module)  # after tracing: the stages call the new layers
     stages = plan.build(module, stage_devices)

@@ -182,11 +182,15 @@ class Pipeline(nn.Module):
             return self._built()
         key = call_key(call)
         for assembly in self._assemblies:
-            if assembly.key is None or assembly.key == key:
+            if assembly.fits(key):
                 self._current = assembly
                 return assembly
         if self._assemblies:
-            change = describe_change(self._built().key or (), key)
+            old = self._built().key
+            change = "a module's training mode changed what the trace fixed (a dropout "
+            change += "probability of 0 in eval mode)"
+            if old is not None and old != key:
+                change = describe_change(old, key)
             if self._layout.mesh is not None:
                 raise ConfigError(
                     f"the model was traced for other arguments and cannot be traced again on "

@@ -170,6 +170,10 @@ class TracedStage(nn.Module):
         """The modules owning the parameters and buffers this stage uses."""
         return self._owners
 
+    def modes_hold(self) -> bool:
+        """Whether every module whose mode the trace fixed is in that mode now."""
+        return all(c.module.training == c.training for c in self._mode_checks)
+
     def used_parameters(self) -> list[nn.Parameter]:
         """The model's Parameters this stage computes with (it registers none itself)."""
         found = {

@@ -161,7 +161,7 @@ class GradientAccumulator:
 
     def _check_outside_step(self, call: str) -> None:
         """Refuses a call from inside the pipeline's own step (it would wait for itself)."""
-        if self.pipe._stepper.runtime.running_here():
+        if self.pipe.running_here():
             raise ConfigError(
                 f"GradientAccumulator.{call}() was called from inside one of the pipeline's "
                 "own steps (a stage's forward or the loss_fn); it would wait for that step "
