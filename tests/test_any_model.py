@@ -280,3 +280,22 @@ def test_parameters_are_the_models_own_before_the_first_call():
     assert {n: id(p) for n, p in pipe.named_parameters()} == {n: id(p) for n, p in own.items()}
     with pytest.raises(ConfigError, match="pass example_inputs="):
         pipe.partition  # noqa: B018 - the property raises
+
+
+def test_a_model_computing_its_own_token_loss_gives_token_weighted_gradients(fp64):
+    """The recipe of docs/guide.md: HF sums its loss when given num_items_in_batch=1."""
+    plain, model, _ = _built("hf-gpt2")
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, 64, (BATCH, 12), generator=g)
+    labels = ids.clone()
+    labels[::2, 5:] = -100  # padding: micro-batches hold different numbers of tokens
+    tokens = int((labels[:, 1:] != -100).sum())  # GPT-2 predicts token t + 1 from t
+    pipe = Pipeline(model, chunks=4, devices=["cpu", "cpu"])
+    batch = {"input_ids": ids, "labels": labels, "num_items_in_batch": 1}
+    loss = pipe.step(batch, loss_fn=lambda out: out.loss, num_items=tokens)
+    expected = plain(input_ids=ids, labels=labels, num_items_in_batch=tokens).loss
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-6, atol=0)  # its fp32 loss
+    got, want = _grads(model), _grads(plain)
+    for name in want:  # a float32 loss, summed: float32's tolerance
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)

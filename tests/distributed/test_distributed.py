@@ -17,7 +17,7 @@ def _reference(scenario: str) -> tuple[nn.Module, list[float], list[float]]:
     """The whole model in one process, trained on each window's data from every replica."""
     _, dp, _, _ = worker.SCENARIOS[scenario]
     model = worker.model_of(scenario)
-    tokens = scenario in ("tokens", "traced")
+    tokens = scenario in worker.TOKEN_SCENARIOS
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses, norms = [], []
     for window in range(worker.WINDOWS):
@@ -45,12 +45,20 @@ def _reference(scenario: str) -> tuple[nn.Module, list[float], list[float]]:
 # start during the window's last step: one per stage (2 per rank when interleaved);
 # traced: the stage's own bucket, then at the window's end the embedding tied across
 # pp ranks, over dp and over its pp ranks.
-BUCKETS = {"pp2dp2": (1, 1), "tokens": (2, 2), "traced": (3, 1)}
+BUCKETS = {"pp2dp2": (1, 1), "tokens": (2, 2), "traced": (3, 1), "lazy": (1, 0)}
 
 
 @pytest.mark.parametrize(
     ("scenario", "world"),
-    [("pp2", 2), ("pp2dp2", 4), ("interleaved", 2), ("zbv", 2), ("tokens", 4), ("traced", 4)],
+    [
+        ("pp2", 2),
+        ("pp2dp2", 4),
+        ("interleaved", 2),
+        ("zbv", 2),
+        ("tokens", 4),
+        ("traced", 4),
+        ("lazy", 2),
+    ],
 )
 def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_path):
     exits = launch(scenario, world, tmp_path, timeout=120)
@@ -79,7 +87,7 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
         assert result["receives"] == (0, 0)
     assert seen == set(expected)  # every parameter lives on some rank
     # pipe(x) under no_grad: the trained model's output on the last stage's rank.
-    x = (worker.tokens if scenario in ("tokens", "traced") else worker.data)(worker.WINDOWS, 0, 0)[
+    x = (worker.tokens if scenario in worker.TOKEN_SCENARIOS else worker.data)(worker.WINDOWS, 0, 0)[
         0
     ]
     with torch.no_grad():
@@ -98,6 +106,20 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
     assert len(first["gathered"]) == own
     assert {worker_index for _, worker_index, _, _ in first["gathered"]} == set(range(world // dp))
     assert 0.0 <= min(begin for _, _, begin, _ in first["gathered"]) < 1.0  # one clock
+
+
+def test_a_schedule_read_from_csv_runs_bitwise_as_the_named_one(tmp_path):
+    results = {}
+    for scenario in ("pp2", "csv"):
+        (tmp_path / scenario).mkdir()
+        exits = launch(scenario, 2, tmp_path / scenario, timeout=120)
+        for e in exits:
+            assert e.code == 0, f"{scenario} rank {e.rank} exited {e.code}:\n{e.output[-3000:]}"
+        results[scenario] = [torch.load(tmp_path / scenario / f"rank{r}.pt") for r in range(2)]
+    for named, given in zip(results["pp2"], results["csv"], strict=True):
+        assert named["params"].keys() == given["params"].keys()
+        assert all(torch.equal(named["params"][n], given["params"][n]) for n in named["params"])
+        assert named["window_losses"] == given["window_losses"]
 
 
 def test_an_exception_on_one_rank_stops_every_rank(tmp_path):

@@ -9,7 +9,7 @@ import sys
 import torch
 from torch import nn
 
-from pipesched import GradientAccumulator, Pipeline
+from pipesched import GradientAccumulator, Pipeline, Schedule, get_schedule
 from pipesched.distributed import init_mesh
 from pipesched.errors import ConfigError
 
@@ -21,10 +21,14 @@ SCENARIOS = {
     "zbv": (2, 1, "zb-v", [2, 2, 2, 1]),
     "tokens": (2, 2, "interleaved-1f1b", [1, 1, 2, 1]),
     "traced": (2, 2, "1f1b", None),  # torch.export-traced, cut by measured time
+    "lazy": (2, 1, "1f1b", None),  # traced on its first step: no example_inputs
+    # A user's Schedule read from CSV (here 1F1B's own table): it must run as 1F1B does.
+    "csv": (2, 1, Schedule.from_csv(get_schedule("1f1b", 2, 4).to_csv()), [3, 4]),
     "raise": (2, 1, "1f1b", [3, 4]),
     "kill": (3, 1, "1f1b", [2, 2, 3]),
 }
 WINDOWS, STEPS, CHUNKS = 2, 2, 4
+TOKEN_SCENARIOS = ("tokens", "traced", "lazy")
 ROWS = (10, 7)  # rows per step of replica 0 and replica 1: uneven on purpose
 VOCAB = 11
 
@@ -70,7 +74,7 @@ def tied_lm() -> TiedLM:
 
 
 def model_of(scenario: str) -> nn.Module:
-    return {"tokens": token_model, "traced": tied_lm}.get(scenario, mlp)()
+    return {"tokens": token_model, "traced": tied_lm, "lazy": tied_lm}.get(scenario, mlp)()
 
 
 def data(window: int, step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -126,7 +130,9 @@ def main() -> None:
     if scenario == "kill":
         model = nn.Sequential(*model[:2], Die(), *model[2:])
         balance = [2, 3, 3]
-    traced: dict[str, object] = {"example_inputs": (tokens(0, 0, 0)[0][:2],), "num_stages": pp}
+    traced: dict[str, object] = {"num_stages": pp}
+    if scenario == "traced":  # "lazy" is traced from its first step's first micro-batch
+        traced["example_inputs"] = (tokens(0, 0, 0)[0][:2],)
     # A fixed cut (a measured one moved with the machine's load, and the buckets with it);
     # pp rank 1 asks for a cut of its own: rank 0's must win.
     traced["split_points"] = ["head"] if torch.distributed.get_rank() % pp == 1 else ["fc2"]
@@ -137,7 +143,7 @@ def main() -> None:
         mesh=mesh,
         schedule=schedule,
         checkpoint="except_last",
-        **(traced if scenario == "traced" else {}),
+        **(traced if scenario in ("traced", "lazy") else {}),
     )
     acc = GradientAccumulator(
         pipe,
@@ -149,7 +155,7 @@ def main() -> None:
     losses, norms = [], []
     for window in range(WINDOWS):
         for step in range(STEPS):
-            if scenario in ("tokens", "traced"):
+            if scenario in TOKEN_SCENARIOS:
                 x, y, n = tokens(window, step, replica)
                 result = acc.step(x, y, loss_fn=token_sum, num_items=n)
             else:
@@ -159,7 +165,7 @@ def main() -> None:
         norms.append(result.grad_norm)
     whole = pipe.gather_timeline()  # a collective: every rank calls it
     own_events = len(pipe.last_timeline.events)
-    x = (tokens if scenario in ("tokens", "traced") else data)(WINDOWS, 0, 0)[0]
+    x = (tokens if scenario in TOKEN_SCENARIOS else data)(WINDOWS, 0, 0)[0]
     try:  # a backward could not follow pipe(x) across ranks: refused before any transfer
         pipe(x)
         refused = False

@@ -23,6 +23,7 @@ and buffers, looked up by name at every call (see
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 import traceback
@@ -98,6 +99,8 @@ class TracedModel:
         positions: which of the call's flattened arguments ``inputs`` are (the
             others, non-tensor values such as ``use_cache=False``, are constants
             of the graph).
+        fixed: keyword arguments bound to the forward for the trace (non-tensor
+            values a ``**kwargs`` collects); a call's values for them are not inputs.
     """
 
     model: nn.Module
@@ -112,6 +115,7 @@ class TracedModel:
     num_args: int
     keywords: tuple[str, ...] = ()
     positions: tuple[int, ...] | None = None
+    fixed: tuple[str, ...] = ()
 
     def constant(self, name: str) -> torch.Tensor:
         """A tensor constant the export lifted out of the model's code."""
@@ -136,6 +140,9 @@ class TracedModel:
                     f"stage-0 input is a tuple of {self.num_args}; got {type(inputs).__name__}"
                 )
             inputs = Call(tuple(inputs) if self.num_args > 1 else (inputs,), {})
+        if self.fixed:
+            kwargs = {k: v for k, v in inputs.kwargs.items() if k not in self.fixed}
+            inputs = Call(inputs.args, kwargs)
         leaves, spec = inputs.leaves(list(self.keywords))
         if spec != self.program.call_spec.in_spec:
             raise ConfigTypeError(
@@ -175,19 +182,62 @@ def trace_model(model: nn.Module, example_inputs: tuple[Any, ...] | Call) -> Tra
         lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.shape[:1] == (1,) else v,
         call,
     )
+    call, fixed = _fix_extra_keywords(model, call)
     dynamic = pytree.tree_map(
-        lambda v: dict.fromkeys(range(v.ndim), Dim.AUTO)
-        if isinstance(v, torch.Tensor) and v.ndim >= 1
-        else None,
+        lambda v: (
+            dict.fromkeys(range(v.ndim), Dim.AUTO)
+            if isinstance(v, torch.Tensor) and v.ndim >= 1
+            else None
+        ),
         _bound(model, call),
     )
+    forward = functools.partial(type(model).forward.__get__(model), **fixed) if fixed else None
     try:
+        if forward is not None:
+            model.forward = forward
         program = torch.export.export(
             model, call.args, call.kwargs, dynamic_shapes=dynamic, strict=False
         )
     except Exception as error:
         raise PartitionError(_describe_failure(model, error)) from error
-    return _read(model, program, len(call.args), tuple(call.kwargs))
+    finally:
+        if forward is not None:
+            del model.forward
+    return _read(model, program, len(call.args), tuple(call.kwargs), tuple(fixed))
+
+
+def _fix_extra_keywords(model: nn.Module, call: Call) -> tuple[Call, dict[str, Any]]:
+    """Splits off the non-tensor keywords a ``**kwargs`` of the forward collects.
+
+    Why: torch.export cannot take ``dynamic_shapes`` for a call whose
+    ``**kwargs`` receives values (Hugging Face's ``num_items_in_batch=``); such
+    values are bound to the forward for the trace instead, as the constants
+    the trace would have made of them (a call with other values is traced
+    again: they are part of :func:`pipesched.call.call_key`).
+
+    Raises:
+        PartitionError: a tensor goes to ``**kwargs``.
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return call, {}
+    named = {n for n, p in parameters.items() if p.kind != inspect.Parameter.VAR_KEYWORD}
+    extra = {k: v for k, v in call.kwargs.items() if k not in named}
+    if not extra or len(named) == len(parameters):
+        return call, {}
+    tensors = [
+        k
+        for k, v in extra.items()
+        if any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(v))
+    ]
+    if tensors:
+        raise PartitionError(
+            f"{type(model).__name__}.forward receives the tensor keyword arguments {tensors} "
+            "through **kwargs, which torch.export cannot trace with a dynamic batch; pass "
+            "them as Python numbers, or wrap the model in an nn.Module whose forward names them"
+        )
+    return Call(call.args, {k: v for k, v in call.kwargs.items() if k in named}), extra
 
 
 def _bound(model: nn.Module, call: Call) -> dict[str, Any] | tuple[Any, ...]:
@@ -201,7 +251,11 @@ def _bound(model: nn.Module, call: Call) -> dict[str, Any] | tuple[Any, ...]:
 
 
 def _read(
-    model: nn.Module, program: ExportedProgram, num_args: int, keywords: tuple[str, ...]
+    model: nn.Module,
+    program: ExportedProgram,
+    num_args: int,
+    keywords: tuple[str, ...],
+    fixed: tuple[str, ...],
 ) -> TracedModel:
     signature = program.graph_signature
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
@@ -259,6 +313,7 @@ def _read(
         num_args=num_args,
         keywords=keywords,
         positions=tuple(positions),
+        fixed=fixed,
     )
 
 
