@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ConfigTypeError",
+    "MicroBatchNormWarning",
     "PartitionError",
     "PipeschedError",
     "RemoteError",
@@ -86,4 +87,15 @@ class CheckpointError(PipeschedError, ValueError):
     Raised before anything was changed. The message names the file (when
     loading from a path), what does not fit and the fix; an unreadable file's
     own error is chained as ``__cause__``.
+    """
+
+
+class MicroBatchNormWarning(UserWarning):
+    """BatchNorm layers in training mode normalize each micro-batch, not the whole batch.
+
+    Issued once per :class:`~pipesched.Pipeline`, at its first step with more
+    than one micro-batch; the message names the layers, the micro-batch rows
+    and the remedies (:mod:`pipesched.batchnorm_warning`). A ``UserWarning``:
+    silence it with ``warnings.filterwarnings("ignore",
+    category=pipesched.MicroBatchNormWarning)``.
     """

@@ -12,6 +12,7 @@ from torch import nn
 
 from pipesched.arguments import check_pipeline, check_step
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
+from pipesched.batchnorm_warning import warn_micro_batch_norm
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device, resolve_workers, threads_per_worker
 from pipesched.distributed.mesh import MeshInfo, rank0_value
@@ -243,6 +244,7 @@ class Pipeline(nn.Module):
                 "as one argument if the first layer takes several tensors"
             )
         micro = scatter(inputs[0], self.chunks)
+        warn_micro_batch_norm(self, [batch_size(m) for m in micro])
         stop = checkpoint_stop(self.checkpoint, len(micro))
         run = self._stepper.run(
             self.schedule,
@@ -349,6 +351,7 @@ class Pipeline(nn.Module):
         """Forward and backward of every micro-batch; micro-batch i's loss weighs
         ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
         micro = scatter((inputs, target), self.chunks)
+        warn_micro_batch_norm(self, [batch_size(m) for m in micro])
         weights = [scale if summed else scale * _rows(x) for x, _ in micro]
 
         def make_step(seed: int | None) -> StepInputs:
