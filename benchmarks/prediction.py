@@ -1,19 +1,23 @@
 """The partition table's predicted step time against the measured one, for the examples' models.
 
-Run: .venv/bin/python benchmarks/prediction.py [--steps 8] [--rounds 3] [--detail]
+Run: .venv/bin/python benchmarks/prediction.py [--steps 10] [--rounds 3] [--detail] [--variants]
 
 For each example's model (examples/vit_pipeline.py, gpt2_pipeline.py,
 demo.py), built as the example builds it: the step time ``print(pipe.partition)``
-predicts (``pipe.partition.simulated.makespan``), and the measured one,
-``pipe.last_timeline.makespan`` after ``pipe.step`` (median over the steps
-of every round, after one warm-up step; the rounds alternate between the
-models), and their ratio. demo.py's pipeline balances by parameters and is
+predicts (``pipe.partition.simulated.makespan``) and the measured one,
+``pipe.last_timeline.makespan`` after ``pipe.step``: the best and the median
+step of all rounds (after one warm-up step; the rounds alternate between the
+models), their ratios to the prediction, and the median wall time of the
+whole ``pipe.step`` call. demo.py's pipeline balances by parameters and is
 not profiled, so it has no prediction; here it gets ``example_inputs`` and
-``balance="time"`` (the same cut of its equal layers). ``--detail`` adds
-each stage's predicted and measured mean F and B.
+``balance="time"``. ``--detail`` adds the bubbles and each stage's predicted
+and measured F and B; ``--variants`` adds each model with
+``checkpoint="never"`` (no recomputation), and also without
+``fuse_weight_grads`` (no wrapper around each operation).
 
-The machine's cores are shared: medians over alternating rounds, and the
-ratio is what to read, not the milliseconds.
+The machine's cores may be shared (the load average is printed): read the
+best step's ratio as what the prediction misses by itself, the median's as
+what a busy machine adds.
 """
 
 from __future__ import annotations
@@ -172,16 +176,18 @@ def main() -> None:
     )
     print(
         f"{'model':11} {'pipeline':18} {'predicted':>9} {'best':>8} {'median':>8} "
-        f"{'best/pred':>9} {'median/pred':>11}"
+        f"{'best/pred':>9} {'median/pred':>11} {'wall':>8}"
     )
     for variant, case in cases:
         simulated = case.pipe.partition.simulated
         assert simulated is not None
         predicted = simulated.makespan
         best, median = min(case.makespans), statistics.median(case.makespans)
+        wall = statistics.median(case.walls)
         print(
             f"{case.name:11} {variant:18} {1e3 * predicted:7.2f}ms {1e3 * best:6.2f}ms "
-            f"{1e3 * median:6.2f}ms {best / predicted:9.2f} {median / predicted:11.2f}"
+            f"{1e3 * median:6.2f}ms {best / predicted:9.2f} {median / predicted:11.2f} "
+            f"{1e3 * wall:6.2f}ms"
         )
     if args.detail:
         for variant, case in cases:
