@@ -62,7 +62,9 @@ def test_step_gradients_equal_the_plain_model(schedule, workers, chunks, batch):
     assert all(torch.isfinite(g).all() for g in _grads(pipe).values())
     timeline = pipe.last_timeline
     assert timeline is not None
-    assert len(timeline.events) == sum(len(r) for r in pipe.schedule_for(min(chunks, batch)).actions)
+    assert len(timeline.events) == sum(
+        len(r) for r in pipe.schedule_for(min(chunks, batch)).actions
+    )
 
 
 @pytest.mark.parametrize("schedule", list(SCHEDULES))

@@ -147,6 +147,7 @@ def test_first_stage_parameters_get_gradients_from_token_ids(schedule, workers, 
 
 @pytest.mark.parametrize(("schedule", "workers"), ALL)
 @pytest.mark.parametrize("mode", ["always", "except_last"])
+@pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")
 def test_checkpointing_does_not_repeat_batch_norm_updates(schedule, workers, mode):
     # INVARIANT 15.
     def run(checkpoint):

@@ -179,6 +179,7 @@ def test_seeding_only_where_draws_were_seen_changes_no_number(kind):
     assert not any(s.full[True] for s in adaptive._stepper.seedings)
 
 
+@pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")
 def test_a_draw_in_a_new_place_reruns_the_step_and_changes_nothing_else():
     # A module starts drawing in step 2: the tripwire sees it, the step is put back
     # (gradients, BatchNorm statistics, generators) and rerun seeded throughout.

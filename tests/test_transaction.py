@@ -16,7 +16,11 @@ from torch import nn
 from pipesched import ConfigError, DeferredBatchNorm, GradientAccumulator, Pipeline
 from pipesched.schedule import stages_per_worker
 
-pytestmark = pytest.mark.usefixtures("fp64")
+# The models hold BatchNorms on purpose: their micro-batch warning is expected here.
+pytestmark = [
+    pytest.mark.usefixtures("fp64"),
+    pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning"),
+]
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
 

@@ -6,6 +6,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ConfigTypeError",
+    "MicroBatchNormWarning",
     "PartitionError",
     "PipeschedError",
     "PipeschedWarning",
@@ -101,4 +102,15 @@ class RetraceWarning(PipeschedWarning):
     The message names what changed (the structure of the arguments, a
     non-tensor value, a tensor's dtype or number of dimensions). The new cut
     is kept beside the old one, so alternating kinds of call trace once each.
+    """
+
+
+class MicroBatchNormWarning(PipeschedWarning):
+    """BatchNorm layers in training mode normalize each micro-batch, not the whole batch.
+
+    Issued once per :class:`~pipesched.Pipeline`, at its first step with more
+    than one micro-batch; the message names the layers, the micro-batch rows
+    and the remedies (:mod:`pipesched.batchnorm_warning`). A ``UserWarning``:
+    silence it with ``warnings.filterwarnings("ignore",
+    category=pipesched.MicroBatchNormWarning)``.
     """

@@ -14,6 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from pipesched.arguments import check_pipeline, check_step
 from pipesched.assembly import Assembly, Cut, assemble, resolve_layout
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
+from pipesched.batchnorm_warning import warn_micro_batch_norm
 from pipesched.call import Call, as_call, call_key, describe_change, with_cache_off
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device
@@ -303,6 +304,7 @@ class Pipeline(nn.Module):
         batch = self._batch(args, kwargs)
         micro = scatter(batch, self.chunks)
         assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro[0])
+        warn_micro_batch_norm(self, [batch_size(m) for m in micro])
         stop = checkpoint_stop(self.checkpoint, len(micro))
         run = assembly.stepper.run(
             self.schedule_for,
@@ -425,6 +427,7 @@ class Pipeline(nn.Module):
         batch = self._batch((inputs,), {})
         micro = scatter((batch, target), self.chunks)
         assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro[0][0])
+        warn_micro_batch_norm(self, [batch_size(m) for m in micro])
         weights = [scale if summed else scale * _rows(x) for x, _ in micro]
 
         def make_step(seed: int | None) -> StepInputs:

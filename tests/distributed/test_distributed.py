@@ -87,9 +87,9 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
         assert result["receives"] == (0, 0)
     assert seen == set(expected)  # every parameter lives on some rank
     # pipe(x) under no_grad: the trained model's output on the last stage's rank.
-    x = (worker.tokens if scenario in worker.TOKEN_SCENARIOS else worker.data)(worker.WINDOWS, 0, 0)[
-        0
-    ]
+    x = (worker.tokens if scenario in worker.TOKEN_SCENARIOS else worker.data)(
+        worker.WINDOWS, 0, 0
+    )[0]
     with torch.no_grad():
         plain_output = reference(x)
     outputs = [torch.load(tmp_path / f"rank{rank}.pt")["evaluated"] for rank in range(world)]

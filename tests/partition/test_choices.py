@@ -104,6 +104,7 @@ def test_batch_norm_layers_follow_the_mode_and_keep_their_statistics():
     assert int(piped.down[0].norm.num_batches_tracked) == 1
 
 
+@pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")
 def test_recomputation_does_not_repeat_batch_norm_updates():
     torch.manual_seed(0)
     model = UNet(norm=nn.BatchNorm2d)

@@ -9,6 +9,7 @@ from torch import nn
 
 from pipesched import Pipeline
 from pipesched.partition import layer_graph, layers, simulate_partition
+from pipesched.partition.report import SIMULATED_NOTE
 from tests.partition.models import UNet
 
 
@@ -96,4 +97,25 @@ def test_partition_table_explains_the_stages(unet_pipe):
     lines = str(partition).splitlines()
     assert lines[0].startswith("2 stages, balance='time', schedule 'gpipe', 2 micro-batches")
     assert lines[1].split()[:3] == ["stage", "device", "layers"]
-    assert lines[-1].startswith("simulated step:")
+    assert lines[-len(SIMULATED_NOTE) - 1].startswith("simulated step:")
+    assert tuple(lines[-len(SIMULATED_NOTE) :]) == SIMULATED_NOTE
+
+
+def test_partition_table_says_what_its_simulated_step_leaves_out(unet_pipe):
+    """Not a timing: the words under the number name what it counts and what it does not."""
+    text = str(unet_pipe.partition)
+    simulated = text[text.index("simulated step:") :]
+    for included in ("fwd/bwd ms above", "timed alone on the example", "schedule's order"):
+        assert included in simulated
+    left_out = simulated[simulated.index("leaves out:") :]
+    for missing in ("recomputation", "the loss", "thread hand-offs", "other processes"):
+        assert missing in left_out
+    assert "pipe.last_timeline.makespan" in left_out and "2-5x" in left_out
+
+
+def test_unprofiled_table_says_there_is_no_simulated_step():
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), 2, devices=["cpu", "cpu"])
+    assert pipe.partition.simulated is None
+    last = str(pipe.partition).splitlines()[-1]
+    assert last.startswith("simulated step: none, times not measured")
+    assert "balance='time'" in last

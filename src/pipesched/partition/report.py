@@ -6,7 +6,25 @@ from dataclasses import dataclass
 
 from pipesched.schedule import Timeline
 
-__all__ = ["Partition", "StagePlan"]
+__all__ = ["SIMULATED_NOTE", "Partition", "StagePlan"]
+
+SIMULATED_NOTE = (
+    "  includes: the fwd/bwd ms above (each layer or operation timed alone on the example,",
+    "    the fastest of its runs), in the schedule's order of actions",
+    "  leaves out: recomputation (checkpoint='except_last' or 'always' adds about one fwd",
+    "    to the bwd of each checkpointed micro-batch), the loss, the runtime's own work per",
+    "    action (thread hand-offs, seeding, wrappers around each operation), other processes",
+    "    on the cores; measured steps on CPU (pipe.last_timeline.makespan after pipe.step)",
+    "    typically take 2-5x this, more on a busy machine",
+)
+"""What the simulated step of the table includes and leaves out, printed under it.
+
+Why words and not a better number: on the examples' models (CPU, 2 workers) the
+measured step was 1.5-4x the simulated one at its best and 4-14x at its median
+on a loaded 2-core machine (``benchmarks/prediction.py``); the largest parts,
+contention for the cores and per-operation Python overhead, depend on the
+machine at run time, not on anything a build-time profile can see.
+"""
 
 
 @dataclass(frozen=True)
@@ -57,7 +75,9 @@ class Partition:
         schedule: the schedule's name; ``num_microbatches`` per step.
         stages: one row per stage.
         simulated: the schedule simulated with the measured per-stage costs
-            (one micro-batch = the example input), or None unprofiled.
+            (one micro-batch = the example input), or None unprofiled. A
+            prediction of compute only: the table says what it leaves out
+            (:data:`SIMULATED_NOTE`).
         memory_budget: bytes per worker the cuts had to fit, if any.
     """
 
@@ -120,6 +140,12 @@ class Partition:
             lines.append(
                 f"simulated step: {_ms(t.makespan)} ms, bubble {100 * t.bubble_fraction:.1f}% "
                 "(micro-batches of the example's size)"
+            )
+            lines += SIMULATED_NOTE
+        elif all(stage.forward_time is None for stage in self.stages):
+            lines.append(
+                "simulated step: none, times not measured (balance='time' or 'schedule' "
+                "with example_inputs= measures them)"
             )
         return "\n".join(lines)
 

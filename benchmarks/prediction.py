@@ -1,0 +1,214 @@
+"""The partition table's predicted step time against the measured one, for the examples' models.
+
+Run: .venv/bin/python benchmarks/prediction.py [--steps 10] [--rounds 3] [--detail] [--variants]
+
+For each example's model (examples/vit_pipeline.py, gpt2_pipeline.py,
+demo.py), built as the example builds it: the step time ``print(pipe.partition)``
+predicts (``pipe.partition.simulated.makespan``) and the measured one,
+``pipe.last_timeline.makespan`` after ``pipe.step``: the best and the median
+step of all rounds (after one warm-up step; the rounds alternate between the
+models), their ratios to the prediction, and the median wall time of the
+whole ``pipe.step`` call. demo.py's pipeline balances by parameters and is
+not profiled, so it has no prediction; here it gets ``example_inputs`` and
+``balance="time"``. ``--detail`` adds the bubbles and each stage's predicted
+and measured F and B; ``--variants`` adds each model with
+``checkpoint="never"`` (no recomputation), and also without
+``fuse_weight_grads`` (no wrapper around each operation).
+
+The machine's cores may be shared (the load average is printed): read the
+best step's ratio as what the prediction misses by itself, the median's as
+what a busy machine adds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipesched import Pipeline
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+
+
+@dataclass
+class Case:
+    name: str
+    pipe: Pipeline
+    batch: Callable[[], tuple[Any, Any]]
+    loss_fn: Callable[..., torch.Tensor]
+    num_items: Callable[[Any], int | None] = lambda y: None
+    makespans: list[float] = field(default_factory=list)
+    walls: list[float] = field(default_factory=list)
+    bubbles: list[float] = field(default_factory=list)
+    durations: dict[tuple[str, int], list[float]] = field(default_factory=lambda: defaultdict(list))
+
+    def step(self) -> None:
+        x, y = self.batch()
+        start = time.perf_counter()
+        self.pipe.step(x, y, loss_fn=self.loss_fn, num_items=self.num_items(y))
+        wall = time.perf_counter() - start
+        self.pipe.zero_grad()
+        timeline = self.pipe.last_timeline
+        assert timeline is not None
+        self.makespans.append(timeline.makespan)
+        self.walls.append(wall)
+        self.bubbles.append(timeline.bubble_fraction)
+        for e in timeline.events:
+            self.durations[e.action.kind, e.action.stage].append(e.duration)
+
+
+def vit(**options: Any) -> Case:
+    import vit_pipeline as ex
+    from transformers import ViTConfig, ViTForImageClassification
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    patterns = torch.randn(ex.CLASSES, 3, 32, 32, generator=generator)
+    config = ViTConfig(
+        image_size=32,
+        patch_size=8,
+        hidden_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        intermediate_size=128,
+        num_labels=ex.CLASSES,
+    )
+    images, _ = ex.batch(patterns, generator)
+    pipe = Pipeline(
+        ViTForImageClassification(config),
+        chunks=ex.CHUNKS,
+        example_inputs=(images[: ex.BATCH // ex.CHUNKS],),
+        num_stages=2,
+        devices=["cpu", "cpu"],
+        schedule="1f1b",
+        balance="schedule",
+        **options,
+    )
+    return Case("vit", pipe, lambda: ex.batch(patterns, generator), ex.loss_fn)
+
+
+def gpt2(**options: Any) -> Case:
+    import gpt2_pipeline as ex
+
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    example, _ = ex.batch(generator)
+    pipe = Pipeline(
+        ex.GPT2Logits(),
+        chunks=ex.CHUNKS,
+        example_inputs=(example[: ex.BATCH // ex.CHUNKS],),
+        num_stages=2,
+        schedule="1f1b",
+        devices=["cpu", "cpu"],
+        **options,
+    )
+    return Case("gpt2", pipe, lambda: ex.batch(generator), ex.token_sum, lambda y: y.numel())
+
+
+def demo(**options: Any) -> Case:
+    import demo as ex
+
+    torch.manual_seed(0)
+    micro = ex.BATCH // ex.CHUNKS
+    pipe = Pipeline(
+        ex.model(),
+        chunks=ex.CHUNKS,
+        devices=["cpu", "cpu"],
+        schedule="1f1b",
+        example_inputs=(torch.randn(micro, 64),),
+        balance="time",
+        **options,
+    )
+
+    def batch() -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.randn(ex.BATCH, 64), torch.randint(0, ex.CLASSES, (ex.BATCH,))
+
+    return Case("demo (mlp)", pipe, batch, nn.functional.cross_entropy)
+
+
+VARIANTS = {
+    "as in the example": {},
+    "checkpoint=never": {"checkpoint": "never"},
+    "never, unfused": {"checkpoint": "never", "fuse_weight_grads": False},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per round")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--detail", action="store_true", help="per-stage F and B too")
+    parser.add_argument(
+        "--variants", action="store_true", help="also checkpoint='never', and unfused"
+    )
+    args = parser.parse_args()
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    variants = VARIANTS if args.variants else {"as in the example": {}}
+    cases = [
+        (variant, build(**options))
+        for build in (vit, gpt2, demo)
+        for variant, options in variants.items()
+    ]
+    for _, case in cases:
+        case.step()  # warm-up
+        case.makespans.clear(), case.walls.clear(), case.bubbles.clear()
+        case.durations.clear()
+    for _ in range(args.rounds):
+        for _, case in cases:
+            for _ in range(args.steps):
+                case.step()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
+        f"{os.getloadavg()[0]:.1f}; {args.rounds} alternating rounds x {args.steps} steps"
+    )
+    print(
+        f"{'model':11} {'pipeline':18} {'predicted':>9} {'best':>8} {'median':>8} "
+        f"{'best/pred':>9} {'median/pred':>11} {'wall':>8}"
+    )
+    for variant, case in cases:
+        simulated = case.pipe.partition.simulated
+        assert simulated is not None
+        predicted = simulated.makespan
+        best, median = min(case.makespans), statistics.median(case.makespans)
+        wall = statistics.median(case.walls)
+        print(
+            f"{case.name:11} {variant:18} {1e3 * predicted:7.2f}ms {1e3 * best:6.2f}ms "
+            f"{1e3 * median:6.2f}ms {best / predicted:9.2f} {median / predicted:11.2f} "
+            f"{1e3 * wall:6.2f}ms"
+        )
+    if args.detail:
+        for variant, case in cases:
+            simulated = case.pipe.partition.simulated
+            assert simulated is not None
+            print(
+                f"\n{case.name}, {variant}: bubble predicted "
+                f"{100 * simulated.bubble_fraction:.0f}%, measured (median) "
+                f"{100 * statistics.median(case.bubbles):.0f}%; per stage, ms, "
+                "measured: best and median of the actions"
+            )
+            for s, row in enumerate(case.pipe.partition.stages):
+                cells = []
+                for kind, predicted in (("F", row.forward_time), ("B", row.backward_time)):
+                    got = case.durations[kind, s]
+                    cells.append(
+                        f"{kind} predicted {1e3 * (predicted or 0):.2f} measured "
+                        f"{1e3 * min(got):.2f} / {1e3 * statistics.median(got):.2f}"
+                    )
+                print(f"  stage {s}: " + "; ".join(cells))
+
+
+if __name__ == "__main__":
+    main()

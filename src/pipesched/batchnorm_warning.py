@@ -1,0 +1,143 @@
+"""The warning that BatchNorm layers normalize micro-batches, issued once per pipeline.
+
+A pipeline runs its model on each micro-batch separately, so a BatchNorm in
+training mode computes its mean and variance over a micro-batch: its outputs
+and gradients differ from the plain model's on the whole batch (exactly as
+torchgpipe and GPipe do), and its running statistics move once per
+micro-batch, each from a smaller sample. Everything else pipesched runs gives
+the plain model's numbers, so this one departure is said out loud, once, at
+the first step where it happens.
+
+Which layers count: every ``torch.nn`` BatchNorm (``BatchNorm1d/2d/3d``, their
+lazy forms, ``SyncBatchNorm``, which syncs across replicas but still over one
+micro-batch each) in training mode, or in eval mode without running
+statistics (``track_running_stats=False``: it then normalizes with batch
+statistics in eval too). Not counted: BatchNorms in eval mode with running
+statistics (they normalize with those, whatever the batch); InstanceNorm,
+LayerNorm and GroupNorm (per sample); and :class:`~pipesched.DeferredBatchNorm`
+(``deferred_batch_norm=True``): choosing it is choosing per-micro-batch
+normalization with whole-batch running statistics. A step with one
+micro-batch (``chunks=1``, or a batch of one row) changes nothing and warns
+nothing.
+
+Why a warning and not an error: per-micro-batch BatchNorm is how GPipe trains
+(and large enough micro-batches make the difference small); the user should
+know, not be stopped.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+import weakref
+from collections.abc import Sequence
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from pipesched.batchnorm import DeferredBatchNorm
+from pipesched.errors import MicroBatchNormWarning
+
+__all__ = ["MicroBatchNormWarning", "micro_batch_norms", "warn_micro_batch_norm"]
+
+_SHOWN_NAMES = 5  # layer names in the message; the rest are counted
+
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def micro_batch_norms(module: nn.Module) -> list[str]:
+    """The names in ``module`` of the BatchNorm layers that would normalize micro-batches.
+
+    See the module docstring for which layers count. A layer that is
+    ``module`` itself is named by its type.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.LayerNorm(3))
+        >>> micro_batch_norms(model)
+        ['1']
+        >>> micro_batch_norms(model.eval())
+        []
+    """
+    return [
+        name or type(layer).__name__
+        for name, layer in module.named_modules()
+        if _normalizes_batch(layer)
+    ]
+
+
+def warn_micro_batch_norm(pipeline: nn.Module, rows: Sequence[int]) -> None:
+    """Warns once per ``pipeline`` if this step's BatchNorms normalize micro-batches.
+
+    Call at the start of every step (training or forward) with the row count
+    of each of its micro-batches. The first call that has more than one
+    micro-batch and finds a counted BatchNorm (:func:`micro_batch_norms`)
+    issues a :class:`~pipesched.errors.MicroBatchNormWarning` attributed to
+    the user's line that called the pipeline; later calls for the same
+    pipeline do nothing, whether or not the warning was filtered out.
+
+    Args:
+        pipeline: the pipeline (its layers carry the plain model's names); its
+            ``chunks`` attribute, if any, is quoted in the message.
+        rows: the rows of each micro-batch of this step.
+    """
+    if len(rows) < 2 or pipeline in _warned:
+        return
+    names = micro_batch_norms(pipeline)
+    if not names:
+        return
+    with _lock:
+        if pipeline in _warned:
+            return
+        _warned.add(pipeline)
+    chunks = getattr(pipeline, "chunks", len(rows))
+    warnings.warn(
+        _message(names, list(rows), chunks), MicroBatchNormWarning, stacklevel=_user_level()
+    )
+
+
+def _normalizes_batch(layer: nn.Module) -> bool:
+    if not isinstance(layer, _BatchNorm) or isinstance(layer, DeferredBatchNorm):
+        return False
+    return layer.training or (layer.running_mean is None and layer.running_var is None)
+
+
+def _message(names: list[str], rows: list[int], chunks: int) -> str:
+    shown = ", ".join(names[:_SHOWN_NAMES])
+    if len(names) > _SHOWN_NAMES:
+        shown += f" and {len(names) - _SHOWN_NAMES} more"
+    layers = "layer" if len(names) == 1 else f"{len(names)} layers"
+    verb = "normalizes" if len(names) == 1 else "normalize"
+    low, high = min(rows), max(rows)
+    size = f"{low}" if low == high else f"{low} to {high}"
+    count = "" if len(rows) == chunks else f": {len(rows)} micro-batches"
+    return (
+        f"BatchNorm {layers} ({shown}) {verb} over micro-batches of {size} "
+        f"row{'s' if high != 1 else ''} (batch {sum(rows)} / chunks {chunks}{count}), "
+        "not over the whole batch: outputs and gradients differ from the plain model's on "
+        "the batch, and running statistics move once per micro-batch. Options: "
+        "deferred_batch_norm=True (running statistics of the whole batch; normalization "
+        "stays per micro-batch, and this warning is not shown); GroupNorm or LayerNorm "
+        "instead of BatchNorm (per sample: no batch dependence); larger micro-batches "
+        "(fewer chunks) for statistics closer to the batch's. Shown once per Pipeline; "
+        "silence it with warnings.filterwarnings('ignore', "
+        "category=pipesched.MicroBatchNormWarning)."
+    )
+
+
+def _user_level() -> int:
+    """The ``stacklevel`` of the first caller outside pipesched and torch.
+
+    Why: the pipeline is reached through ``nn.Module.__call__``,
+    ``GradientAccumulator.step`` or ``Pipeline.step``, at different depths;
+    the warning belongs to the user's line, not to one of ours.
+    """
+    level, frame = 2, sys._getframe(2)  # 2: warn_micro_batch_norm's caller
+    while frame.f_back is not None and _internal(frame.f_globals.get("__name__", "")):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def _internal(module: str) -> bool:
+    return module.split(".", 1)[0] in ("pipesched", "torch")
