@@ -179,6 +179,7 @@ def assemble(
     example: Call | tuple[Any, ...] | None,
     *,
     key: tuple[Any, ...] | None,
+    register: Callable[[Sequence[nn.Module], list[int]], None],
     on_stage_done: Callable[[int], None],
     finish: Callable[[], None],
 ) -> Assembly:
@@ -190,6 +191,8 @@ def assemble(
         layout, cut: where stages run and how to cut.
         example: one micro-batch's call (a traced model), or None.
         key: the call key the cut is for.
+        register: called with the stages and this process's own ones before
+            the stepper names the places of random draws by the pipeline's modules.
         on_stage_done: on a mesh, called with a stage once its gradients are final.
         finish: called at the end of each successful step (committing BatchNorm).
     """
@@ -239,6 +242,7 @@ def assemble(
         runtime, own, tied = DistributedRuntime.on_rank(
             stages, layout.placement, info, fuse=cut.fuse_weight_grads, on_stage_done=on_stage_done
         )
+    register(stages, own)
     random_ops = [t.random_ops for t in stages if isinstance(t, TracedStage)]
     stepper = Stepper(  # a traced model's random operations are places of draws too
         runtime,

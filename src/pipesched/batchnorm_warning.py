@@ -27,9 +27,7 @@ know, not be stopped.
 
 from __future__ import annotations
 
-import sys
 import threading
-import warnings
 import weakref
 from collections.abc import Sequence
 
@@ -37,7 +35,7 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.batchnorm import DeferredBatchNorm
-from pipesched.errors import MicroBatchNormWarning
+from pipesched.errors import MicroBatchNormWarning, warn_user
 
 __all__ = ["MicroBatchNormWarning", "micro_batch_norms", "warn_micro_batch_norm"]
 
@@ -92,9 +90,7 @@ def warn_micro_batch_norm(pipeline: nn.Module, rows: Sequence[int]) -> None:
             return
         _warned.add(pipeline)
     chunks = getattr(pipeline, "chunks", len(rows))
-    warnings.warn(
-        _message(names, list(rows), chunks), MicroBatchNormWarning, stacklevel=_user_level()
-    )
+    warn_user(_message(names, list(rows), chunks), MicroBatchNormWarning)
 
 
 def _normalizes_batch(layer: nn.Module) -> bool:
@@ -124,20 +120,3 @@ def _message(names: list[str], rows: list[int], chunks: int) -> str:
         "silence it with warnings.filterwarnings('ignore', "
         "category=pipesched.MicroBatchNormWarning)."
     )
-
-
-def _user_level() -> int:
-    """The ``stacklevel`` of the first caller outside pipesched and torch.
-
-    Why: the pipeline is reached through ``nn.Module.__call__``,
-    ``GradientAccumulator.step`` or ``Pipeline.step``, at different depths;
-    the warning belongs to the user's line, not to one of ours.
-    """
-    level, frame = 2, sys._getframe(2)  # 2: warn_micro_batch_norm's caller
-    while frame.f_back is not None and _internal(frame.f_globals.get("__name__", "")):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def _internal(module: str) -> bool:
-    return module.split(".", 1)[0] in ("pipesched", "torch")

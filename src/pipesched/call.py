@@ -94,15 +94,19 @@ def call_key(call: Call) -> tuple[Any, ...]:
     Two calls with equal keys run on one trace; sizes (batch, sequence length)
     may differ, they are dynamic in the trace.
     """
-    leaves, spec = call.leaves(sorted(call.kwargs))
-    return (spec, *(_leaf_key(leaf) for leaf in leaves))
+    order = sorted(call.kwargs)
+    leaves, spec = call.leaves(order)
+    names = f"{len(call.args)} positional argument(s) and keywords {order}"
+    return (names, spec, *(_leaf_key(leaf) for leaf in leaves))
 
 
 def describe_change(old: tuple[Any, ...], new: tuple[Any, ...]) -> str:
     """What differs between two :func:`call_key` values, in words."""
     if old[0] != new[0]:
-        return f"the arguments' structure changed from {old[0]} to {new[0]}"
-    for i, (a, b) in enumerate(zip(old[1:], new[1:], strict=True)):
+        return f"the call changed from {old[0]} to {new[0]}"
+    if old[1] != new[1]:
+        return "the arguments' structure changed (a nesting of tuples, lists or dicts)"
+    for i, (a, b) in enumerate(zip(old[2:], new[2:], strict=True)):
         if a != b:
             return f"argument leaf {i} changed from {_show(a)} to {_show(b)}"
     return "nothing"

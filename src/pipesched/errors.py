@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+import warnings
+
 __all__ = [
     "CheckpointError",
     "ConfigError",
@@ -13,6 +16,7 @@ __all__ = [
     "RemoteError",
     "RetraceWarning",
     "ScheduleError",
+    "warn_user",
 ]
 
 
@@ -114,3 +118,20 @@ class MicroBatchNormWarning(PipeschedWarning):
     silence it with ``warnings.filterwarnings("ignore",
     category=pipesched.MicroBatchNormWarning)``.
     """
+
+
+def warn_user(message: str, category: type[Warning]) -> None:
+    """Warns at the first caller outside pipesched and torch: the user's own line.
+
+    Why: pipesched is reached through ``nn.Module.__call__``,
+    ``GradientAccumulator.step`` or ``Pipeline.step``, at different depths;
+    a warning belongs to the user's line, not to one of ours.
+    """
+    level, frame = 2, sys._getframe(1)  # 2: warn_user's caller
+    while frame.f_back is not None and _internal(frame.f_globals.get("__name__", "")):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
+
+
+def _internal(module: str) -> bool:
+    return module.split(".", 1)[0] in ("pipesched", "torch")

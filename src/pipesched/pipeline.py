@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
@@ -20,7 +19,7 @@ from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.distributed.placement import stage_parameters
-from pipesched.errors import ConfigError, ConfigTypeError, RetraceWarning
+from pipesched.errors import ConfigError, ConfigTypeError, RetraceWarning, warn_user
 from pipesched.microbatch import batch_size, join_outputs, scatter
 from pipesched.partition import Partition
 from pipesched.partition.sequential import sequential_layers
@@ -162,20 +161,24 @@ class Pipeline(nn.Module):
             self._cut,
             example,
             key=key,
+            register=self._register_layers,
             on_stage_done=self._stage_done,
             finish=self._commit_batch_norm,
         )
-        if isinstance(module, nn.Sequential):  # this process's layers, under the model's names
-            for s in assembly.own:
-                for name, layer in sequential_layers(assembly.stages[s]):
-                    _check_free(self, name)
-                    self.add_module(name, layer)
         if layout.mesh is not None:
             own = {s: assembly.stages[s] for s in assembly.own}
             self.sync = GradientSync(layout.mesh, self.parameters(), assembly.tied, own)
         self._assemblies.append(assembly)
         self._current = assembly
         return assembly
+
+    def _register_layers(self, stages: Sequence[nn.Module], own: list[int]) -> None:
+        """An nn.Sequential's layers of this process, under the model's names."""
+        if isinstance(self._model[0], nn.Sequential):
+            for s in own:
+                for name, layer in sequential_layers(stages[s]):
+                    _check_free(self, name)
+                    self.add_module(name, layer)
 
     def _assembly_for(self, call: Call | None, first: Any) -> Assembly:
         """The cut that runs ``call`` (``first``: its first micro-batch), traced if none fits."""
@@ -198,12 +201,11 @@ class Pipeline(nn.Module):
                     f"a mesh (the other ranks' layers are freed): {change}. Call the pipeline "
                     "with arguments of one structure, or build a Pipeline per kind of call"
                 )
-            warnings.warn(
+            warn_user(
                 f"pipesched: tracing {type(self._model[0]).__name__} again and cutting it anew "
-                f"because {change}; each kind of call keeps its own cut (the first trace "
-                "depends on the arguments' structure, non-tensor values, dtypes and ranks)",
+                f"because {change}; each kind of call keeps its own cut (a trace depends on "
+                "the arguments' names and structure, non-tensor values, dtypes and ranks)",
                 RetraceWarning,
-                stacklevel=3,
             )
         return self._assemble(first, key)
 

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from pipesched import ConfigError, PartitionError, Pipeline
+from pipesched.errors import RetraceWarning
 from tests.partition.models import UNet
 
 X = torch.randn(2, 3, 16, 16)
@@ -191,7 +192,7 @@ def test_eval_mode_turns_traced_dropout_off():
         torch.testing.assert_close(pipe(ids), plain(ids))  # attention dropout off too
 
 
-def test_model_traced_in_eval_mode_cannot_silently_train_without_dropout():
+def test_model_traced_in_eval_mode_is_traced_again_to_train_with_dropout():
     pytest.importorskip("transformers")
     from tests.partition.models import GPT2Logits
 
@@ -200,6 +201,13 @@ def test_model_traced_in_eval_mode_cannot_silently_train_without_dropout():
     pipe = Pipeline(model, 2, example_inputs=(ids,), devices=["cpu", "cpu"], balance="params")
     with torch.no_grad():
         pipe(ids)
-    pipe.train()
-    with pytest.raises(ConfigError, match=r"'gpt2.transformer.h.0.attn' .* training mode but"):
-        pipe(ids)
+    with torch.no_grad():
+        evaluated = pipe(ids)
+    pipe.train()  # the eval trace fixed attention's dropout at 0: it is traced again
+    with pytest.warns(RetraceWarning, match="training mode changed what the trace fixed"):
+        trained = pipe(ids)
+    assert not torch.equal(trained, evaluated)  # dropout is on
+    pipe.eval()
+    with torch.no_grad():
+        assert torch.equal(pipe(ids), evaluated)  # the eval cut again, no third trace
+    assert len(pipe._assemblies) == 2
