@@ -1,23 +1,22 @@
-"""A Hugging Face ViT, traced and cut into 2 CPU stages automatically, trained on synthetic images.
+"""A Hugging Face ViT, pipelined with one line and called as ViT is, trained on synthetic images.
 
 Run: .venv/bin/python examples/vit_pipeline.py
      (needs transformers: .venv/bin/pip install transformers; nothing is downloaded)
 
-``ViTForImageClassification`` from a small config (32x32 images, 8x8
-patches, 4 encoder layers) is not an ``nn.Sequential``: ``Pipeline`` traces
-it with torch.export on one example micro-batch, builds its stage graph
-(``pipe.stage_graph``, a networkx DiGraph of the traced operations with
-their measured costs), and cuts it where the simulated 1F1B step is
-shortest (``balance="schedule"``); the table of the cut is printed. The
-images are noise plus one of 10 fixed patterns, the pattern being the
-label. The model returns an ``ImageClassifierOutput``, so the loss takes
-``out["logits"]``.
+``Pipeline(model, chunks=4, devices=["cpu", "cpu"])`` wraps
+``ViTForImageClassification`` from a small config (32x32 images, 8x8 patches,
+4 encoder layers) as it is. The first step traces it with torch.export on that
+step's first micro-batch, builds its stage graph (``pipe.stage_graph``, a
+networkx DiGraph of the traced operations with their measured costs) and cuts
+it where both stages take the same time; the table of the cut is printed. The
+batch is what ViT takes, ``{"pixel_values": ..., "labels": ...}``, and the
+loss is ViT's own ``out.loss``. The images are noise plus one of 10 fixed
+patterns, the pattern being the label.
 """
 
 from __future__ import annotations
 
 import torch
-from torch import nn
 from transformers import ViTConfig, ViTForImageClassification
 from transformers.utils import logging
 
@@ -27,14 +26,10 @@ from pipesched.partition import layer_graph
 CLASSES, BATCH, CHUNKS, STEPS = 10, 32, 4, 30
 
 
-def batch(patterns: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(patterns: torch.Tensor, generator: torch.Generator) -> dict[str, torch.Tensor]:
     labels = torch.randint(0, CLASSES, (BATCH,), generator=generator)
     noise = torch.randn(BATCH, 3, 32, 32, generator=generator)
-    return patterns[labels] + noise, labels
-
-
-def loss_fn(out: dict[str, torch.Tensor], labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(out["logits"], labels)
+    return {"pixel_values": patterns[labels] + noise, "labels": labels}
 
 
 def main() -> None:
@@ -52,36 +47,28 @@ def main() -> None:
         num_labels=CLASSES,
     )
     model = ViTForImageClassification(config)
-    images, _ = batch(patterns, generator)
-    pipe = Pipeline(
-        model,
-        chunks=CHUNKS,
-        example_inputs=(images[: BATCH // CHUNKS],),  # one micro-batch
-        num_stages=2,
-        devices=["cpu", "cpu"],
-        schedule="1f1b",
-        balance="schedule",
-    )
-    print(pipe.partition, end="\n\n")
-    graph = pipe.stage_graph
-    layers = layer_graph(graph).number_of_nodes() - 2  # without the input and output nodes
-    print(
-        f"stage graph: {graph.number_of_nodes() - 2} traced operations in {layers} layers, "
-        f"{graph.number_of_edges()} edges\n"
-    )
+    pipe = Pipeline(model, chunks=CHUNKS, devices=["cpu", "cpu"])
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=2e-3)
     for step in range(1, STEPS + 1):
-        images, labels = batch(patterns, generator)
-        loss = pipe.step(images, labels, loss_fn=loss_fn)
+        loss = pipe.step(batch(patterns, generator), loss_fn=lambda out: out.loss)
         optimizer.step()
         optimizer.zero_grad()
+        if step == 1:  # cut at the first step
+            print(pipe.partition, end="\n\n")
+            graph = pipe.stage_graph
+            layers = layer_graph(graph).number_of_nodes() - 2  # without input and output
+            print(
+                f"stage graph: {graph.number_of_nodes() - 2} traced operations in {layers} "
+                f"layers, {graph.number_of_edges()} edges\n"
+            )
         if step % 5 == 0 or step == 1:
             print(f"step {step:3d}  loss {loss.item():.3f}  ({pipe.last_timeline.summary()})")
-    images, labels = batch(patterns, generator)
+    data = batch(patterns, generator)
     pipe.eval()
     with torch.no_grad():
-        accuracy = (pipe(images)["logits"].argmax(-1) == labels).float().mean().item()
-    print(f"\naccuracy on a fresh batch: {accuracy:.2f}")
+        out = pipe(**data)  # ViT's own ImageClassifierOutput, loss included
+    accuracy = (out.logits.argmax(-1) == data["labels"]).float().mean().item()
+    print(f"\n{type(out).__name__}: loss {out.loss:.3f}, accuracy on a fresh batch {accuracy:.2f}")
 
 
 if __name__ == "__main__":

@@ -1,85 +1,41 @@
-"""Putting a Pipeline together: where its stages run, where the model is cut, what runs them.
+"""Putting a Pipeline together: where the model is cut, and what runs the stages.
 
-A :class:`~pipesched.Pipeline` is built in named steps: :func:`resolve_layout`
-(the schedule, the workers' devices and each stage's worker; no model needed),
-then :func:`assemble` (the cut, the stage modules, the runtime and the stepper
-for one kind of call). An ``nn.Sequential`` is assembled at construction; any
-other model on its first call, traced from that call's first micro-batch, and
-again only when the arguments' structure changes (:func:`pipesched.call.call_key`).
+A :class:`~pipesched.Pipeline` is built in named steps:
+:func:`~pipesched.layout.resolve_layout` (the schedule, the workers' devices
+and each stage's worker; no model needed), then :func:`assemble` (the cut,
+the stage modules, the runtime and the stepper for one kind of call). An
+``nn.Sequential`` is assembled at construction; any other model on its first
+call, traced from that call's first micro-batch, and again only when a call
+needs another trace (:func:`pipesched.call.call_key`, :meth:`Assembly.fits`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from pipesched.batchnorm import DeferredBatchNorm
-from pipesched.call import Call
-from pipesched.devices import Device, resolve_devices, resolve_workers, threads_per_worker
-from pipesched.distributed.mesh import MeshInfo, rank0_value
-from pipesched.errors import ConfigError
+from pipesched.call import Call, call_key, describe_change
+from pipesched.distributed.mesh import rank0_value
+from pipesched.errors import ConfigError, RetraceWarning, warn_user
+from pipesched.layout import Cut, Layout
 from pipesched.partition import Partition, Plan, TracedStage, check_balance, plan_partition
+from pipesched.partition.sequential import sequential_layers
 from pipesched.runtime.distributed import DistributedRuntime
 from pipesched.runtime.fused_linear import unshared_parameters
+from pipesched.runtime.gradsync import GradientSync
 from pipesched.runtime.local import LocalRuntime
 from pipesched.runtime.tree import map_tensors
-from pipesched.schedule import Schedule, stages_per_worker
-from pipesched.schedule.spec import ScheduleSpec, spec_name, spec_placement
 from pipesched.stepper import Stepper
 
-__all__ = ["Assembly", "Cut", "Layout", "assemble", "resolve_layout"]
+if TYPE_CHECKING:
+    from pipesched.pipeline import Pipeline
 
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a pipeline's stages run.
-
-    Args:
-        schedule: the schedule's name, or the one Schedule given.
-        devices: each worker's device (pp rank's, on a mesh).
-        placement: each stage's worker.
-        mesh: this rank's place in the mesh, or None (one process).
-    """
-
-    schedule: ScheduleSpec
-    devices: tuple[torch.device, ...]
-    placement: tuple[int, ...]
-    mesh: MeshInfo | None
-
-    @property
-    def stage_devices(self) -> list[torch.device]:
-        """The device of each stage."""
-        return [self.devices[w] for w in self.placement]
-
-    @property
-    def cpu_threads(self) -> int:
-        """Intra-op threads per CPU worker."""
-        return threads_per_worker(sum(d.type == "cpu" for d in self.devices))
-
-
-@dataclass(frozen=True)
-class Cut:
-    """How to cut the model: the Pipeline's arguments that choose the stages.
-
-    Args:
-        chunks: micro-batches per batch (what ``balance="schedule"`` simulates).
-        balance: layers per stage, or a balancing mode's name, or None.
-        split_points: names of the modules stages 1, 2, ... begin with.
-        memory_budget: bytes per worker.
-        deferred_batch_norm: replace BatchNorm layers by DeferredBatchNorm.
-        fuse_weight_grads: fused weight-gradient accumulation in steps.
-    """
-
-    chunks: int
-    balance: Sequence[int] | str | None
-    split_points: Sequence[str] | None
-    memory_budget: float | None
-    deferred_batch_norm: bool
-    fuse_weight_grads: bool
+__all__ = ["Assemblies", "Assembly", "assemble", "check_free", "register_model"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -116,59 +72,6 @@ class Assembly:
         if self.key is not None and self.key != key:
             return False
         return all(s.modes_hold() for s in self.stages if isinstance(s, TracedStage))
-
-
-def resolve_layout(
-    schedule: ScheduleSpec,
-    devices: Sequence[Device] | None,
-    balance: Sequence[int] | str | None,
-    num_stages: int | None,
-    split_points: Sequence[str] | None,
-    mesh: MeshInfo | None,
-) -> Layout:
-    """The schedule, the workers' devices and each stage's worker, from the arguments.
-
-    Raises:
-        ConfigError: the stages asked for (``num_stages``, ``balance``,
-            ``split_points``, a given Schedule) do not fit the workers.
-    """
-    counts = None if balance is None or isinstance(balance, str) else list(balance)
-    requested = num_stages
-    if counts is not None or split_points is not None:
-        requested = len(counts) if counts is not None else len(list(split_points or ())) + 1
-    if isinstance(schedule, Schedule):
-        workers, chosen = _given_schedule_workers(schedule, devices, requested, mesh)
-    else:
-        v = stages_per_worker(schedule)
-        workers, chosen = resolve_workers(schedule, v, devices, counts, requested, mesh)
-    return Layout(
-        schedule, tuple(torch.device(d) for d in chosen), spec_placement(schedule, workers), mesh
-    )
-
-
-def _given_schedule_workers(
-    schedule: Schedule,
-    devices: Sequence[Device] | None,
-    requested: int | None,
-    mesh: MeshInfo | None,
-) -> tuple[int, list[Device]]:
-    name = f"the schedule {schedule.name!r}"
-    if requested is not None and requested != schedule.num_stages:
-        raise ConfigError(
-            f"{name} has {schedule.num_stages} stages, but {requested} were asked for "
-            "(num_stages, balance or split_points); ask for as many as the schedule has"
-        )
-    if mesh is not None:
-        workers, chosen = resolve_workers(spec_name(schedule), 1, devices, None, None, mesh)
-    else:
-        workers, chosen = resolve_devices(devices, None, schedule.num_workers, 1, schedule.name)
-    if workers != schedule.num_workers:
-        where = "pipeline ranks (pp)" if mesh is not None else "devices"
-        raise ConfigError(
-            f"{name} runs on {schedule.num_workers} workers, but there are {workers} {where}; "
-            f"give {schedule.num_workers} {where}"
-        )
-    return workers, chosen
 
 
 def assemble(
@@ -254,3 +157,142 @@ def assemble(
         finish=finish,
     )
     return Assembly(key, plan, stages, own, runtime, tied, stepper)
+
+
+class Assemblies:
+    """The cuts of one pipeline: one per kind of call, made when a call first needs one.
+
+    Args:
+        pipe: the Pipeline (its modules name the places of random draws; it
+            holds an nn.Sequential's layers and the mesh's reductions).
+        model: the model.
+        layout, cut: where stages run and how to cut.
+        on_stage_done, finish: see :func:`assemble`.
+    """
+
+    def __init__(
+        self,
+        pipe: Pipeline,
+        model: nn.Module,
+        layout: Layout,
+        cut: Cut,
+        on_stage_done: Callable[[int], None],
+        finish: Callable[[], None],
+    ) -> None:
+        self._pipe, self._model, self._layout, self._cut = pipe, model, layout, cut
+        self._on_stage_done, self._finish = on_stage_done, finish
+        self._all: list[Assembly] = []
+        self._current: Assembly | None = None
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    @property
+    def current(self) -> Assembly:
+        """The cut the last call ran (or the only one).
+
+        Raises:
+            ConfigError: the model is cut on its first call, which has not come.
+        """
+        if self._current is None:
+            raise ConfigError(
+                f"{type(self._model).__name__} is traced and cut on the pipeline's first "
+                "call; call pipe(...) or pipe.step(...) once first, or pass example_inputs= "
+                "(one micro-batch) to cut it at construction"
+            )
+        return self._current
+
+    def add(self, example: Call | tuple[Any, ...] | None, key: tuple[Any, ...] | None) -> Assembly:
+        """Cuts the model now (traced from ``example`` unless an nn.Sequential), for ``key``."""
+        pipe, layout = self._pipe, self._layout
+        assembly = assemble(
+            pipe,
+            self._model,
+            layout,
+            self._cut,
+            example,
+            key=key,
+            register=self._register_layers,
+            on_stage_done=self._on_stage_done,
+            finish=self._finish,
+        )
+        if layout.mesh is not None:
+            own = {s: assembly.stages[s] for s in assembly.own}
+            pipe.sync = GradientSync(layout.mesh, pipe.parameters(), assembly.tied, own)
+        self._all.append(assembly)
+        self._current = assembly
+        return assembly
+
+    def for_call(self, call: Call | None, first: Any) -> Assembly:
+        """The cut that runs ``call`` (``first``: its first micro-batch), cut now if none fits.
+
+        Raises:
+            ConfigError: on a mesh, a call that the first cut does not fit.
+        """
+        if call is None:  # an nn.Sequential: cut once, at construction
+            return self.current
+        key = call_key(call)
+        for assembly in self._all:
+            if assembly.fits(key):
+                self._current = assembly
+                return assembly
+        if self._all:
+            self._explain_retrace(key)
+        return self.add(first, key)
+
+    def _register_layers(self, stages: Sequence[nn.Module], own: list[int]) -> None:
+        """An nn.Sequential's layers of this process, under the model's names."""
+        if isinstance(self._model, nn.Sequential):
+            for s in own:
+                for name, layer in sequential_layers(stages[s]):
+                    check_free(self._pipe, name)
+                    self._pipe.add_module(name, layer)
+
+    def running_here(self) -> bool:
+        """Whether the calling thread is one of the workers, inside a step."""
+        return any(a.runtime.running_here() for a in self._all)
+
+    def _explain_retrace(self, key: tuple[Any, ...]) -> None:
+        old = self.current.key
+        change = "a module's training mode changed what the trace fixed (a dropout "
+        change += "probability of 0 in eval mode)"
+        if old is not None and old != key:
+            change = describe_change(old, key)
+        if self._layout.mesh is not None:
+            raise ConfigError(
+                f"the model was traced for other arguments and cannot be traced again on a "
+                f"mesh (the other ranks' layers are freed): {change}. Call the pipeline with "
+                "arguments of one structure, or build a Pipeline per kind of call"
+            )
+        warn_user(
+            f"pipesched: tracing {type(self._model).__name__} again and cutting it anew "
+            f"because {change}; each kind of call keeps its own cut (a trace depends on the "
+            "arguments' names and structure, non-tensor values, dtypes and ranks)",
+            RetraceWarning,
+        )
+
+
+def register_model(pipe: nn.Module, module: nn.Module) -> None:
+    """Registers ``module``'s children, parameters and buffers on ``pipe``, under their names."""
+    for name, layer in module.named_children():
+        check_free(pipe, name)
+        pipe.add_module(name, layer)
+    for name, param in module.named_parameters(recurse=False):
+        check_free(pipe, name)
+        pipe.register_parameter(name, param)
+    for name, buffer in module.named_buffers(recurse=False):
+        check_free(pipe, name)
+        pipe.register_buffer(
+            name, buffer, persistent=name not in module._non_persistent_buffers_set
+        )
+
+
+def check_free(pipe: nn.Module, name: str) -> None:
+    """Raises ConfigError if ``name`` is already a Pipeline attribute (not calling properties)."""
+    held = (pipe.__dict__, pipe._modules, pipe._parameters, pipe._buffers)
+    if hasattr(type(pipe), name) or any(name in names for names in held):
+        raise ConfigError(
+            f"the model has a submodule or parameter named {name!r}, which is also a Pipeline "
+            "attribute; rename it, or wrap the model in an nn.Module that holds it under another "
+            "name (e.g. self.model = model)"
+        )

@@ -17,7 +17,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-__all__ = ["Call", "as_call", "call_key", "describe_change", "with_cache_off"]
+from pipesched.errors import ConfigTypeError
+
+__all__ = [
+    "Call",
+    "as_call",
+    "call_key",
+    "describe_change",
+    "stage_input",
+    "with_cache_off",
+]
 
 
 class Call(NamedTuple):
@@ -68,6 +77,28 @@ def as_call(model: nn.Module, batch: Any) -> Call:
     if type(batch) is tuple:
         return Call(batch, {})
     return Call((batch,), {})
+
+
+def stage_input(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """A pipeline's stage-0 input for ``model(*args, **kwargs)``.
+
+    An ``nn.Sequential``: its one argument (its first layer's input). Any
+    other model: a :class:`Call` (one positional argument and no keywords is
+    read by :func:`as_call`, as a step's batch is), with caching off.
+
+    Raises:
+        ConfigTypeError: an ``nn.Sequential`` called with several arguments.
+    """
+    if isinstance(model, nn.Sequential):
+        if len(args) != 1 or kwargs:
+            raise ConfigTypeError(
+                f"a Pipeline of an nn.Sequential takes one input (its first layer's), got "
+                f"{len(args)} positional and {len(kwargs)} keyword arguments; pass a tuple "
+                "or dict as one argument if the first layer takes several tensors"
+            )
+        return args[0]
+    call = as_call(model, args[0]) if len(args) == 1 and not kwargs else Call(args, kwargs)
+    return with_cache_off(model, call)
 
 
 def with_cache_off(model: nn.Module, call: Call) -> Call:

@@ -11,20 +11,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from pipesched.arguments import check_pipeline, check_step
-from pipesched.assembly import Assembly, Cut, assemble, resolve_layout
+from pipesched.assembly import Assemblies, Assembly, register_model
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.batchnorm_warning import warn_micro_batch_norm
-from pipesched.call import Call, as_call, call_key, describe_change, with_cache_off
+from pipesched.call import Call, call_key, stage_input, with_cache_off
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.distributed.placement import stage_parameters
-from pipesched.errors import ConfigError, ConfigTypeError, RetraceWarning, warn_user
+from pipesched.errors import ConfigError
+from pipesched.layout import Cut, resolve_layout
 from pipesched.microbatch import batch_size, join_outputs, scatter
 from pipesched.partition import Partition
-from pipesched.partition.sequential import sequential_layers
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
-from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
+from pipesched.runtime.gradsync import LocalSync, Sync
 from pipesched.runtime.local import LocalRuntime, StepInputs
 from pipesched.runtime.tree import tensors
 from pipesched.schedule import Schedule, Timeline
@@ -44,10 +44,13 @@ class Pipeline(nn.Module):
     worker thread.
 
     Args:
-        module: an ``nn.Sequential`` (cut between its children), or any
-            model, traced with ``torch.export`` on ``example_inputs`` and cut
+        module: any model. An ``nn.Sequential`` is cut between its children
+            at construction. Any other model is traced with ``torch.export``
+            on its first call (from that call's first micro-batch) and cut
             between the layers of its stage graph; tensors that cross a cut,
             skip connections included, travel to the stage that uses them.
+            Its parameters are the model's own, under its names, from
+            construction on.
         chunks: micro-batches per mini-batch; a smaller batch runs fewer.
         balance: layers per stage (torchgpipe's meaning), or how to choose
             them: ``"params"`` (the default for an ``nn.Sequential``),
@@ -59,20 +62,25 @@ class Pipeline(nn.Module):
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``:
             which micro-batches recompute their forward in backward.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``
-            or ``"zb-v"``. Schedules with several stages per worker need
-            ``len(balance)`` to be that many times ``len(devices)``.
+            or ``"zb-v"`` (schedules with several stages per worker need
+            ``len(balance)`` to be that many times ``len(devices)``); or a
+            :class:`~pipesched.Schedule` of your own (from CSV, or built
+            action by action), validated here, for ``chunks`` micro-batches.
         deferred_batch_norm: replace BatchNorm layers by DeferredBatchNorm,
             whose running statistics equal BatchNorm's on the whole mini-batch.
-        example_inputs: the positional arguments of one call of ``module``
-            (best one micro-batch): what a non-Sequential model is traced
-            with, and what every balance but ``"params"`` measures. A traced
-            pipeline takes ``example_inputs[0]``'s kind of input (a tuple of
-            them when there are several).
+        example_inputs: one call's positional arguments (best one
+            micro-batch), or a :class:`~pipesched.call.Call` with keywords:
+            a model that is not an ``nn.Sequential`` is traced and cut on it
+            at construction instead of on its first call; every balance but
+            ``"params"`` measures on it.
         num_stages: stages to cut when ``devices`` is not given.
         split_points: instead of ``balance``: the names of the modules that
             begin stages 1, 2, ... (``["transformer.h.2"]``).
         memory_budget: bytes per worker that ``balance="time"`` or
             ``"schedule"`` must fit (parameters, gradients, held activations).
+        mesh: the ("dp", "pp") device mesh of a torchrun job
+            (:func:`pipesched.distributed.init_mesh`): this process runs its
+            pp rank's stages and syncs gradients with its dp replicas.
         fuse_weight_grads: in :meth:`step` and :meth:`accumulate`, accumulate
             the weight gradients of ``linear`` layers into ``.grad`` inside
             the GEMM, as Megatron-LM does: the same sums, 30-40% less backward
@@ -121,7 +129,7 @@ class Pipeline(nn.Module):
         super().__init__()
         check_pipeline(module, chunks, balance, num_stages, memory_budget)
         checkpoint_stop(checkpoint, 1)  # checks the mode's name
-        schedule = _check_schedule(schedule, chunks)
+        schedule = check_spec(schedule, chunks)
         sequential = isinstance(module, nn.Sequential)
         if deferred_batch_norm and sequential:
             DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
@@ -136,87 +144,23 @@ class Pipeline(nn.Module):
         self.sync: Sync = LocalSync()
         """The reductions over the mesh's replicas and ranks (the identity locally)."""
         self.last_timeline: Timeline | None = None
-        self._assemblies: list[Assembly] = []
-        self._current: Assembly | None = None
+        self._assemblies = Assemblies(
+            self, module, self._layout, self._cut, self._stage_done, self._commit_batch_norm
+        )
         if sequential:
-            self._assemble(example_inputs, None)
+            self._assemblies.add(example_inputs, None)
         else:  # the whole model's children, its own parameters and buffers, from now on
-            for name, layer in module.named_children():
-                _check_free(self, name)
-                self.add_module(name, layer)
-            _register_state(self, module)
+            register_model(self, module)
             if example_inputs is not None:
                 call = with_cache_off(module, Call.of(example_inputs))
-                self._assemble(call, call_key(call))
-
-    def _assemble(
-        self, example: Call | tuple[Any, ...] | None, key: tuple[Any, ...] | None
-    ) -> Assembly:
-        """Cuts the model (traced from ``example`` unless it is an nn.Sequential) and keeps it."""
-        layout, module = self._layout, self._model[0]
-        assembly = assemble(
-            self,
-            module,
-            layout,
-            self._cut,
-            example,
-            key=key,
-            register=self._register_layers,
-            on_stage_done=self._stage_done,
-            finish=self._commit_batch_norm,
-        )
-        if layout.mesh is not None:
-            own = {s: assembly.stages[s] for s in assembly.own}
-            self.sync = GradientSync(layout.mesh, self.parameters(), assembly.tied, own)
-        self._assemblies.append(assembly)
-        self._current = assembly
-        return assembly
-
-    def _register_layers(self, stages: Sequence[nn.Module], own: list[int]) -> None:
-        """An nn.Sequential's layers of this process, under the model's names."""
-        if isinstance(self._model[0], nn.Sequential):
-            for s in own:
-                for name, layer in sequential_layers(stages[s]):
-                    _check_free(self, name)
-                    self.add_module(name, layer)
+                self._assemblies.add(call, call_key(call))
 
     def _assembly_for(self, call: Call | None, first: Any) -> Assembly:
-        """The cut that runs ``call`` (``first``: its first micro-batch), traced if none fits."""
-        if call is None:  # an nn.Sequential: cut once, at construction
-            return self._built()
-        key = call_key(call)
-        for assembly in self._assemblies:
-            if assembly.fits(key):
-                self._current = assembly
-                return assembly
-        if self._assemblies:
-            old = self._built().key
-            change = "a module's training mode changed what the trace fixed (a dropout "
-            change += "probability of 0 in eval mode)"
-            if old is not None and old != key:
-                change = describe_change(old, key)
-            if self._layout.mesh is not None:
-                raise ConfigError(
-                    f"the model was traced for other arguments and cannot be traced again on "
-                    f"a mesh (the other ranks' layers are freed): {change}. Call the pipeline "
-                    "with arguments of one structure, or build a Pipeline per kind of call"
-                )
-            warn_user(
-                f"pipesched: tracing {type(self._model[0]).__name__} again and cutting it anew "
-                f"because {change}; each kind of call keeps its own cut (a trace depends on "
-                "the arguments' names and structure, non-tensor values, dtypes and ranks)",
-                RetraceWarning,
-            )
-        return self._assemble(first, key)
+        """The cut that runs ``call`` (``first``: its first micro-batch), cut now if none fits."""
+        return self._assemblies.for_call(call, first)
 
     def _built(self) -> Assembly:
-        if self._current is None:
-            raise ConfigError(
-                f"{type(self._model[0]).__name__} is traced and cut on the pipeline's first "
-                "call; call pipe(...) or pipe.step(...) once first, or pass example_inputs= "
-                "(one micro-batch) to cut it at construction"
-            )
-        return self._current
+        return self._assemblies.current
 
     @property
     def schedule(self) -> str | Schedule:
@@ -278,7 +222,7 @@ class Pipeline(nn.Module):
 
     def running_here(self) -> bool:
         """Whether the calling thread is one of this pipeline's workers, inside a step."""
-        return any(a.runtime.running_here() for a in self._assemblies)
+        return self._assemblies.running_here()
 
     def schedule_for(self, num_microbatches: int) -> Schedule:
         """The validated schedule this pipeline runs for ``num_microbatches`` micro-batches."""
@@ -319,18 +263,7 @@ class Pipeline(nn.Module):
         return join_outputs([run.outputs[i] for i in range(len(micro))], [_rows(x) for x in micro])
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The stage-0 input of one call: the one argument of an nn.Sequential, else a Call."""
-        module = self._model[0]
-        if isinstance(module, nn.Sequential):
-            if len(args) != 1 or kwargs:
-                raise ConfigTypeError(
-                    f"a Pipeline of an nn.Sequential takes one input (its first layer's), got "
-                    f"{len(args)} positional and {len(kwargs)} keyword arguments; pass a tuple "
-                    "or dict as one argument if the first layer takes several tensors"
-                )
-            return args[0]
-        call = as_call(module, args[0]) if len(args) == 1 and not kwargs else Call(args, kwargs)
-        return with_cache_off(module, call)
+        return stage_input(self._model[0], args, kwargs)
 
     def step(
         self,
@@ -488,44 +421,11 @@ class Pipeline(nn.Module):
         _deny_move("cpu()")
 
 
-def _register_state(pipe: Pipeline, module: nn.Module) -> None:
-    """Registers the parameters and buffers ``module`` holds itself (not its children's)."""
-    for name, param in module.named_parameters(recurse=False):
-        _check_free(pipe, name)
-        pipe.register_parameter(name, param)
-    for name, buffer in module.named_buffers(recurse=False):
-        _check_free(pipe, name)
-        pipe.register_buffer(
-            name, buffer, persistent=name not in module._non_persistent_buffers_set
-        )
-
-
-def _check_free(pipe: Pipeline, name: str) -> None:
-    held = (pipe.__dict__, pipe._modules, pipe._parameters, pipe._buffers)
-    if hasattr(type(pipe), name) or any(name in names for names in held):
-        raise ConfigError(
-            f"the model has a submodule or parameter named {name!r}, which is also a Pipeline "
-            "attribute; rename it, or wrap the model in an nn.Module that holds it under another "
-            "name (e.g. self.model = model)"
-        )
-
-
 def _deny_move(call: str) -> NoReturn:
     raise ConfigError(
         f"Pipeline.{call} would move every stage to one device; a Pipeline keeps stage s on "
         "devices[placement[s]]. Move the model before wrapping it, or pass devices="
     )
-
-
-def _check_schedule(schedule: object, chunks: int) -> str | Schedule:
-    spec = check_spec(schedule)
-    if isinstance(spec, Schedule) and spec.num_microbatches != chunks:
-        raise ConfigError(
-            f"the schedule {spec.name!r} runs {spec.num_microbatches} micro-batches, but "
-            f"chunks={chunks}; pass chunks={spec.num_microbatches} (a Schedule is one table, "
-            "for one number of micro-batches)"
-        )
-    return spec
 
 
 def _item_count(num_items: int | float | torch.Tensor) -> float:

@@ -14,16 +14,26 @@ ScheduleSpec = str | Schedule
 """A built-in schedule's name (built for every micro-batch count), or one Schedule."""
 
 
-def check_spec(spec: object) -> ScheduleSpec:
+def check_spec(spec: object, chunks: int | None = None) -> ScheduleSpec:
     """Checks a schedule argument; a Schedule is validated here, before anything runs.
+
+    Args:
+        spec: the argument.
+        chunks: the micro-batches per step a given Schedule must be written for.
 
     Raises:
         ConfigTypeError: neither a name nor a Schedule.
-        ConfigError: an unknown name.
+        ConfigError: an unknown name, or a Schedule for another count than ``chunks``.
         ScheduleError: the Schedule cannot run (an action missing, duplicated,
             on the wrong worker, or an order that deadlocks).
     """
     if isinstance(spec, Schedule):
+        if chunks is not None and spec.num_microbatches != chunks:
+            raise ConfigError(
+                f"the schedule {spec.name!r} runs {spec.num_microbatches} micro-batches, but "
+                f"chunks={chunks}; pass chunks={spec.num_microbatches} (a Schedule is one "
+                "table, for one number of micro-batches)"
+            )
         return spec.validate()
     if not isinstance(spec, str):
         raise ConfigTypeError(
