@@ -66,15 +66,16 @@ def as_call(model: nn.Module, batch: Any) -> Call:
     - a :class:`Call`: as it is;
     - a Mapping whose keys ``model.forward`` accepts as keywords: keyword
       arguments (``{"input_ids": ..., "attention_mask": ...}``);
-    - a tuple: positional arguments;
+    - a tuple: positional arguments, unless the forward takes it only as its
+      one argument (``forward(self, pair)``);
     - anything else (a tensor, a Mapping the forward takes as one argument):
       the one positional argument.
     """
     if isinstance(batch, Call):
         return batch
-    if isinstance(batch, Mapping) and _binds_as_keywords(model, batch):
+    if isinstance(batch, Mapping) and _binds(model, (), dict(batch)):
         return Call((), dict(batch))
-    if type(batch) is tuple:
+    if type(batch) is tuple and (_binds(model, batch, {}) or not _binds(model, (batch,), {})):
         return Call(batch, {})
     return Call((batch,), {})
 
@@ -162,11 +163,16 @@ def _show(key: Any) -> str:
     return f"a {rest[0]}"
 
 
-def _binds_as_keywords(model: nn.Module, batch: Mapping[Any, Any]) -> bool:
-    if not all(isinstance(key, str) for key in batch):
+def _binds(model: nn.Module, args: tuple[Any, ...], kwargs: dict[Any, Any]) -> bool:
+    """Whether ``model.forward`` accepts these arguments (True when it cannot tell)."""
+    if not all(isinstance(key, str) for key in kwargs):
         return False
     try:
-        inspect.signature(model.forward).bind(**batch)
+        signature = inspect.signature(model.forward)
     except (TypeError, ValueError):
+        return True
+    try:
+        signature.bind(*args, **kwargs)
+    except TypeError:
         return False
     return True
