@@ -10,21 +10,21 @@ import networkx as nx
 import torch
 from torch import nn
 
-from pipesched.arguments import check_pipeline, check_step
+from pipesched.arguments import check_loss, check_pipeline
+from pipesched.batches import StepBatches, step_batches
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device, resolve_workers, threads_per_worker
 from pipesched.distributed.mesh import MeshInfo, rank0_value
 from pipesched.distributed.placement import stage_parameters
 from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.microbatch import batch_size, gather, scatter
+from pipesched.microbatch import gather, scatter
 from pipesched.partition import Partition, TracedStage, check_balance, plan_partition
 from pipesched.partition.sequential import sequential_layers
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
 from pipesched.runtime.local import LocalRuntime, StepInputs
-from pipesched.runtime.tree import tensors
 from pipesched.schedule import Schedule, Timeline, get_schedule, stages_per_worker
 from pipesched.stepper import Stepper
 
@@ -256,11 +256,13 @@ class Pipeline(nn.Module):
 
     def step(
         self,
-        inputs: Any,
+        inputs: Any = None,
         target: Any = None,
         *,
         loss_fn: Callable[..., torch.Tensor],
         num_items: int | float | torch.Tensor | None = None,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch, in the schedule's order.
 
@@ -270,44 +272,55 @@ class Pipeline(nn.Module):
         model's loss on the whole batch.
 
         Args:
-            inputs: the model's input (one argument: a tensor, tuple or dict).
+            inputs: the model's input (one argument: a tensor, tuple or dict),
+                cut into ``chunks`` micro-batches.
             target: the loss target, cut into micro-batches like ``inputs``.
             loss_fn: returns a scalar: the mean over its micro-batch's
                 samples when ``num_items`` is None (pipesched weights it by
-                the micro-batch's share of the batch), or a sum over items
-                (e.g. tokens) when ``num_items`` is given.
+                the micro-batch's share of the batch's rows), or a sum over
+                items (e.g. tokens) when ``num_items`` is given.
             num_items: the batch's total item count; every micro-batch's sum
                 is divided by it.
+            microbatches: instead of ``inputs``, the micro-batches themselves,
+                each what one micro-batch of ``inputs`` would be, with shapes
+                of their own (rows, sequence lengths); the step runs
+                ``len(microbatches)`` of them, whatever ``chunks`` is.
+            targets: with ``microbatches``: None, or one target per micro-batch.
 
         Returns:
             The normalized loss of the batch, detached.
 
         Raises:
-            ConfigTypeError: ``loss_fn`` is not callable, or ``num_items`` not a number.
-            ConfigError: ``inputs`` requires grad (pass ``x.detach()``), or
-                ``num_items`` is not positive.
+            ConfigTypeError: ``loss_fn`` is not callable, ``num_items`` not a
+                number, or ``microbatches``/``targets`` not a list.
+            ConfigError: ``inputs`` requires grad (pass ``x.detach()``),
+                ``num_items`` is not positive, both or neither of ``inputs`` and
+                ``microbatches`` are given (or ``target`` with ``microbatches``,
+                ``targets`` with ``inputs``), or a micro-batch is empty or its
+                target has another row count.
         """
-        check_step(inputs, loss_fn, num_items)
+        check_loss(loss_fn, num_items)
+        batches = step_batches(inputs, target, microbatches, targets, chunks=self.chunks)
         if num_items is None:
-            return self._run_step(
-                inputs, target, loss_fn, summed=False, scale=1.0 / batch_size((inputs, target))
-            )
+            return self._run_step(batches, loss_fn, summed=False, scale=1.0 / batches.total_rows)
         count = _item_count(num_items)
         if not count > 0:
             raise ConfigError(
                 f"num_items must be > 0, got {num_items!r}; it is the number of items "
                 "(e.g. non-padding tokens) the summed loss is divided by"
             )
-        return self._run_step(inputs, target, loss_fn, summed=True, scale=1.0 / count)
+        return self._run_step(batches, loss_fn, summed=True, scale=1.0 / count)
 
     def accumulate(
         self,
-        inputs: Any,
+        inputs: Any = None,
         target: Any = None,
         *,
         loss_fn: Callable[..., torch.Tensor],
         num_items: int | float | torch.Tensor | None = None,
         scale: float = 1.0,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
     ) -> tuple[torch.Tensor, float]:
         """Like :meth:`step`, but adds the gradients of the batch's *summed* loss, not its mean.
 
@@ -317,7 +330,7 @@ class Pipeline(nn.Module):
         window's item count. Nothing is normalized here.
 
         Args:
-            inputs, target, loss_fn: as in :meth:`step`.
+            inputs, target, loss_fn, microbatches, targets: as in :meth:`step`.
             num_items: None when ``loss_fn`` returns a mean over samples (it is
                 then multiplied by the micro-batch's sample count); otherwise
                 ``loss_fn`` returns a sum over items and this is their count
@@ -330,17 +343,17 @@ class Pipeline(nn.Module):
         Raises:
             ConfigTypeError, ConfigError: as :meth:`step`.
         """
-        check_step(inputs, loss_fn, num_items)
-        items = float(batch_size((inputs, target))) if num_items is None else _item_count(num_items)
+        check_loss(loss_fn, num_items)
+        batches = step_batches(inputs, target, microbatches, targets, chunks=self.chunks)
+        items = float(batches.total_rows) if num_items is None else _item_count(num_items)
         if items < 0:
             raise ConfigError(f"num_items must be >= 0, got {num_items!r}")
-        total = self._run_step(inputs, target, loss_fn, summed=num_items is not None, scale=scale)
+        total = self._run_step(batches, loss_fn, summed=num_items is not None, scale=scale)
         return total / scale, items
 
     def _run_step(
         self,
-        inputs: Any,
-        target: Any,
+        batches: StepBatches,
         loss_fn: Callable[..., torch.Tensor],
         *,
         summed: bool,
@@ -348,24 +361,24 @@ class Pipeline(nn.Module):
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; micro-batch i's loss weighs
         ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
-        micro = scatter((inputs, target), self.chunks)
-        weights = [scale if summed else scale * _rows(x) for x, _ in micro]
+        m = len(batches.inputs)
+        weights = [scale if summed else scale * rows for rows in batches.rows]
 
         def make_step(seed: int | None) -> StepInputs:
             return StepInputs(
-                inputs=[x for x, _ in micro],
-                targets=None if target is None else [t for _, t in micro],
+                inputs=batches.inputs,
+                targets=batches.targets,
                 loss_fn=loss_fn,
                 loss_weights=weights,
-                checkpoint_stop=checkpoint_stop(self.checkpoint, len(micro)),
+                checkpoint_stop=checkpoint_stop(self.checkpoint, m),
                 seed=seed,
             )
 
         run = self._stepper.run(self.schedule, make_step, detach=True)
         self.last_timeline = run.timeline
         if self.mesh is None:
-            return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
-        return broadcast_loss(run.losses, len(micro), self.placement[-1], self.mesh)
+            return torch.stack([run.losses[i] for i in range(m)]).sum()
+        return broadcast_loss(run.losses, m, self.placement[-1], self.mesh)
 
     def _stage_done(self, stage: int) -> None:
         """A stage's gradients are final for this step: its replicas may start summing them."""
@@ -441,7 +454,3 @@ def _schedule(name: str, num_stages: int, num_microbatches: int) -> Schedule:
 
 def _item_count(num_items: int | float | torch.Tensor) -> float:
     return float(num_items.item() if isinstance(num_items, torch.Tensor) else num_items)
-
-
-def _rows(value: Any) -> int:
-    return next(t.shape[0] for t in tensors(value) if t.ndim > 0)
