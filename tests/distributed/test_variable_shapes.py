@@ -56,6 +56,9 @@ def test_each_replica_s_own_shapes_equal_the_plain_model_on_every_schedule(tmp_p
     for e in exits:
         assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-3000:]}"
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(w.PP * w.DP)]
+    for result in ranks:  # pp ranks given other row counts: all refuse, then step on
+        assert "micro-batches' losses otherwise than pp rank 0" in result["disagree"]["refused"]
+        assert result["disagree"]["then"] > 0
     for schedule in w.SCHEDULES:
         seen: set[str] = set()
         for window, summed in enumerate((True, False)):

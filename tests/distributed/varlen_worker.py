@@ -5,7 +5,8 @@ micro-batches (sequence lengths and row counts all different, and a
 different number of micro-batches per replica): one window of
 GradientAccumulator with ``num_items`` (token sums), one without (token
 means weighted by rows), then one plain ``pipe.step``. The gradients each
-optimizer was about to apply, and pipe.step's, are saved for the test.
+optimizer was about to apply, and pipe.step's, are saved for the test. Last,
+the ranks of a pipeline given lists of other row counts refuse the step.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline
 from pipesched.distributed import init_mesh
+from pipesched.errors import ConfigError
 
 SCHEDULES = {  # name: balance (4 layers)
     "gpipe": [2, 2],
@@ -109,10 +111,28 @@ def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
     return record
 
 
+def disagree(mesh: object) -> dict[str, object]:
+    """pp rank 1 is given micro-batches of other row counts: every rank refuses the step."""
+    pipe = Pipeline(model(), 2, balance=[2, 2], mesh=mesh, schedule="1f1b")
+    xs, ys, _ = batches("1f1b", 3, 0, pipe.mesh.dp_rank)
+    record: dict[str, object] = {}
+    if pipe.mesh.pp_rank == 1:
+        xs, ys = [x[:1] for x in xs], [y[:1] for y in ys]  # the same count, other rows
+    try:
+        pipe.step(microbatches=xs, targets=ys, loss_fn=token_mean)
+        record["refused"] = ""
+    except ConfigError as error:
+        record["refused"] = str(error)
+    xs, ys, _ = batches("1f1b", 3, 0, pipe.mesh.dp_rank)
+    record["then"] = float(pipe.step(microbatches=xs, targets=ys, loss_fn=token_mean))
+    return record
+
+
 def main() -> None:
     out = sys.argv[2]
     mesh = init_mesh(pp=PP, dp=DP, timeout=30)
     results = {schedule: run(mesh, schedule, balance) for schedule, balance in SCHEDULES.items()}
+    results["disagree"] = disagree(mesh)
     torch.save(results, os.path.join(out, f"rank{torch.distributed.get_rank()}.pt"))
     torch.distributed.destroy_process_group()
 
