@@ -71,7 +71,9 @@ class Transport:
     sent only for a message larger than that: micro-batches of varying shapes
     (sequence lengths 37, 512, 129, ...) pay a notice while a step grows the
     high-water mark, then none, and every receive stays posted ahead. The
-    price: a receive buffer as large as the channel's largest message. NCCL
+    price: a receive buffer as large as the channel's largest message (a
+    message using less than half of it is copied out, so the activations a
+    schedule holds do not pin oversized buffers). NCCL
     and gloo's other transports need exact sizes: there a notice precedes
     every layout change, sized as the receiver expects.
 
@@ -166,6 +168,9 @@ class Transport:
             self._expected[channel] = (layout, size)
         elif self._roomy:  # a message no larger than the buffer: its header says its layout
             layout = _trim(header[1:])
+            used = _HEADER_BYTES + _payload_bytes(layout)
+            if buffer.numel() > 2 * used:  # values a step keeps must not pin a buffer 2x+ too big
+                buffer = buffer[:used].clone()
         self._post_next(channel)
         return _unpack(layout, buffer)
 
