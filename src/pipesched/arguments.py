@@ -19,7 +19,15 @@ from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.microbatch import batch_size
 from pipesched.runtime.tree import tensors
 
-__all__ = ["check_module", "check_number", "check_pipeline", "check_positive_int", "check_step"]
+__all__ = [
+    "check_inputs",
+    "check_loss",
+    "check_module",
+    "check_number",
+    "check_pipeline",
+    "check_positive_int",
+    "check_step",
+]
 
 
 def check_positive_int(name: str, value: object, hint: str = "") -> int:
@@ -90,11 +98,24 @@ def check_pipeline(
 def check_step(inputs: Any, loss_fn: object, num_items: object) -> None:
     """The arguments of ``Pipeline.step`` and ``Pipeline.accumulate``.
 
+    :func:`check_loss`, then :func:`check_inputs` on ``inputs``.
+
     Raises:
         ConfigTypeError: ``loss_fn`` is not callable, or ``num_items`` not a number.
         ConfigError: ``inputs`` holds no tensor with a batch dimension, or a
             tensor of it requires grad; or grad mode is off (nothing would
             get a gradient).
+    """
+    check_loss(loss_fn, num_items)
+    check_inputs(inputs, "inputs")
+
+
+def check_loss(loss_fn: object, num_items: object) -> None:
+    """A training step's grad mode, ``loss_fn`` and ``num_items``.
+
+    Raises:
+        ConfigTypeError: ``loss_fn`` is not callable, or ``num_items`` not a number.
+        ConfigError: grad mode is off (nothing would get a gradient).
     """
     if not torch.is_grad_enabled() or torch.is_inference_mode_enabled():
         raise ConfigError(
@@ -115,16 +136,26 @@ def check_step(inputs: Any, loss_fn: object, num_items: object) -> None:
             f"num_items must be a number (or a one-element tensor) or None, got "
             f"{type(num_items).__name__} {num_items!r}"
         )
-    batch_size(inputs)  # stage 0 needs a tensor with a batch dimension to cut
+
+
+def check_inputs(inputs: Any, name: str) -> int:
+    """The batch size of stage 0's input ``inputs`` (called ``name`` in errors).
+
+    Raises:
+        ConfigError: ``inputs`` holds no tensor with a batch dimension, two
+            of them differ on dim 0, or one requires grad.
+    """
+    rows = batch_size(inputs, name)  # stage 0 needs a tensor with a batch dimension to cut
     if any(t.requires_grad for t in tensors(inputs)):
         # step's backward ends at stage 0's input: it fills the parameters' .grad,
         # never the input's; silently returning no x.grad would be worse than this.
         raise ConfigError(
-            "inputs requires grad, but step computes the parameters' gradients only: its "
+            f"{name} requires grad, but step computes the parameters' gradients only: its "
             "backward stops at the pipeline's input and never fills x.grad: pass "
             "x.detach() instead, or, to get x's gradient too, use pipe(x), which is "
             "autograd-transparent: loss_fn(pipe(x), y).backward()"
         )
+    return rows
 
 
 def _as_int(value: object) -> int | None:

@@ -64,12 +64,13 @@ def microbatch_sizes(batch_size: int, chunks: int) -> list[int]:
     return [q + 1] * r + [q] * (m - r)
 
 
-def batch_size(inputs: Any) -> int:
+def batch_size(inputs: Any, name: str = "inputs") -> int:
     """The dim-0 size shared by every batched tensor leaf of ``inputs``.
 
     Args:
         inputs: A nesting of tuples, lists and Mappings with tensor and
             non-tensor leaves.
+        name: What ``inputs`` is called in errors (the root of their paths).
 
     Returns:
         The size of dim 0 of every tensor leaf with ``ndim >= 1``.
@@ -79,7 +80,7 @@ def batch_size(inputs: Any) -> int:
             leaves differ on dim 0 (the message names both by their path).
     """
     first: tuple[str, int] | None = None
-    for path, leaf in _leaves(inputs, "inputs"):
+    for path, leaf in _leaves(inputs, name):
         if not (isinstance(leaf, Tensor) and leaf.ndim >= 1):
             continue
         if first is None:
@@ -93,7 +94,7 @@ def batch_size(inputs: Any) -> int:
             )
     if first is None:
         raise ConfigError(
-            f"no tensor with a batch dimension was found in inputs "
+            f"no tensor with a batch dimension was found in {name} "
             f"(a {type(inputs).__name__}); pass at least one tensor with ndim >= 1 "
             "whose dim 0 is the batch"
         )

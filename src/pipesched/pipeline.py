@@ -10,11 +10,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipesched.arguments import check_pipeline, check_step
+from pipesched.arguments import check_loss, check_pipeline
 from pipesched.assembly import Assemblies, Assembly, register_model
+from pipesched.batches import StepBatches, step_batches
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.batchnorm_warning import warn_micro_batch_norm
-from pipesched.call import Call, call_key, stage_input, with_cache_off
+from pipesched.call import Call, call_key, describe_change, stage_input, with_cache_off
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
@@ -26,7 +27,6 @@ from pipesched.partition import Partition
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.gradsync import LocalSync, Sync
 from pipesched.runtime.local import LocalRuntime, StepInputs
-from pipesched.runtime.tree import tensors
 from pipesched.schedule import Schedule, Timeline
 from pipesched.schedule.spec import check_spec, schedule_for, spec_name
 from pipesched.stepper import Stepper
@@ -250,7 +250,8 @@ class Pipeline(nn.Module):
         batch = self._batch(args, kwargs)
         micro = scatter(batch, self.chunks)
         assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro[0])
-        warn_micro_batch_norm(self, [batch_size(m) for m in micro])
+        rows = [batch_size(m) for m in micro]
+        warn_micro_batch_norm(self, rows)
         stop = checkpoint_stop(self.checkpoint, len(micro))
         run = assembly.stepper.run(
             self.schedule_for,
@@ -260,18 +261,20 @@ class Pipeline(nn.Module):
         self.last_timeline = run.timeline
         if self.mesh is not None and self.placement[-1] != self.mesh.pp_rank:
             return None
-        return join_outputs([run.outputs[i] for i in range(len(micro))], [_rows(x) for x in micro])
+        return join_outputs([run.outputs[i] for i in range(len(micro))], rows)
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return stage_input(self._model[0], args, kwargs)
 
     def step(
         self,
-        inputs: Any,
+        inputs: Any = None,
         target: Any = None,
         *,
         loss_fn: Callable[..., torch.Tensor],
         num_items: int | float | torch.Tensor | None = None,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch, in the schedule's order.
 
@@ -281,44 +284,55 @@ class Pipeline(nn.Module):
         model's loss on the whole batch.
 
         Args:
-            inputs: the model's input (one argument: a tensor, tuple or dict).
+            inputs: the model's input (one argument: a tensor, tuple or dict),
+                cut into ``chunks`` micro-batches.
             target: the loss target, cut into micro-batches like ``inputs``.
             loss_fn: returns a scalar: the mean over its micro-batch's
                 samples when ``num_items`` is None (pipesched weights it by
-                the micro-batch's share of the batch), or a sum over items
-                (e.g. tokens) when ``num_items`` is given.
+                the micro-batch's share of the batch's rows), or a sum over
+                items (e.g. tokens) when ``num_items`` is given.
             num_items: the batch's total item count; every micro-batch's sum
                 is divided by it.
+            microbatches: instead of ``inputs``, the micro-batches themselves,
+                each what one micro-batch of ``inputs`` would be, with shapes
+                of their own (rows, sequence lengths); the step runs
+                ``len(microbatches)`` of them, whatever ``chunks`` is.
+            targets: with ``microbatches``: None, or one target per micro-batch.
 
         Returns:
             The normalized loss of the batch, detached.
 
         Raises:
-            ConfigTypeError: ``loss_fn`` is not callable, or ``num_items`` not a number.
-            ConfigError: ``inputs`` requires grad (pass ``x.detach()``), or
-                ``num_items`` is not positive.
+            ConfigTypeError: ``loss_fn`` is not callable, ``num_items`` not a
+                number, or ``microbatches``/``targets`` not a list.
+            ConfigError: ``inputs`` requires grad (pass ``x.detach()``),
+                ``num_items`` is not positive, both or neither of ``inputs`` and
+                ``microbatches`` are given (or ``target`` with ``microbatches``,
+                ``targets`` with ``inputs``), or a micro-batch is empty or its
+                target has another row count.
         """
-        check_step(inputs, loss_fn, num_items)
+        check_loss(loss_fn, num_items)
+        batches = self._batches(inputs, target, microbatches, targets)
         if num_items is None:
-            return self._run_step(
-                inputs, target, loss_fn, summed=False, scale=1.0 / batch_size((inputs, target))
-            )
+            return self._run_step(batches, loss_fn, summed=False, scale=1.0 / batches.total_rows)
         count = _item_count(num_items)
         if not count > 0:
             raise ConfigError(
                 f"num_items must be > 0, got {num_items!r}; it is the number of items "
                 "(e.g. non-padding tokens) the summed loss is divided by"
             )
-        return self._run_step(inputs, target, loss_fn, summed=True, scale=1.0 / count)
+        return self._run_step(batches, loss_fn, summed=True, scale=1.0 / count)
 
     def accumulate(
         self,
-        inputs: Any,
+        inputs: Any = None,
         target: Any = None,
         *,
         loss_fn: Callable[..., torch.Tensor],
         num_items: int | float | torch.Tensor | None = None,
         scale: float = 1.0,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
     ) -> tuple[torch.Tensor, float]:
         """Like :meth:`step`, but adds the gradients of the batch's *summed* loss, not its mean.
 
@@ -328,7 +342,7 @@ class Pipeline(nn.Module):
         window's item count. Nothing is normalized here.
 
         Args:
-            inputs, target, loss_fn: as in :meth:`step`.
+            inputs, target, loss_fn, microbatches, targets: as in :meth:`step`.
             num_items: None when ``loss_fn`` returns a mean over samples (it is
                 then multiplied by the micro-batch's sample count); otherwise
                 ``loss_fn`` returns a sum over items and this is their count
@@ -341,17 +355,25 @@ class Pipeline(nn.Module):
         Raises:
             ConfigTypeError, ConfigError: as :meth:`step`.
         """
-        check_step(inputs, loss_fn, num_items)
-        items = float(batch_size((inputs, target))) if num_items is None else _item_count(num_items)
+        check_loss(loss_fn, num_items)
+        batches = self._batches(inputs, target, microbatches, targets)
+        items = float(batches.total_rows) if num_items is None else _item_count(num_items)
         if items < 0:
             raise ConfigError(f"num_items must be >= 0, got {num_items!r}")
-        total = self._run_step(inputs, target, loss_fn, summed=num_items is not None, scale=scale)
+        total = self._run_step(batches, loss_fn, summed=num_items is not None, scale=scale)
         return total / scale, items
+
+    def _batches(self, inputs: Any, target: Any, microbatches: Any, targets: Any) -> StepBatches:
+        """The step's micro-batches, each as stage 0 takes it (a Call for a traced model)."""
+        if inputs is not None:
+            inputs = self._batch((inputs,), {})
+        if isinstance(microbatches, list | tuple):
+            microbatches = [self._batch((x,), {}) for x in microbatches]
+        return step_batches(inputs, target, microbatches, targets, chunks=self.chunks)
 
     def _run_step(
         self,
-        inputs: Any,
-        target: Any,
+        batches: StepBatches,
         loss_fn: Callable[..., torch.Tensor],
         *,
         summed: bool,
@@ -359,27 +381,26 @@ class Pipeline(nn.Module):
     ) -> torch.Tensor:
         """Forward and backward of every micro-batch; micro-batch i's loss weighs
         ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
-        batch = self._batch((inputs,), {})
-        micro = scatter((batch, target), self.chunks)
-        assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro[0][0])
-        warn_micro_batch_norm(self, [batch_size(m) for m in micro])
-        weights = [scale if summed else scale * _rows(x) for x, _ in micro]
+        m = len(batches.inputs)
+        assembly = self._assembly_for(_one_call(batches.inputs), batches.inputs[0])
+        warn_micro_batch_norm(self, batches.rows)
+        weights = [scale if summed else scale * rows for rows in batches.rows]
 
         def make_step(seed: int | None) -> StepInputs:
             return StepInputs(
-                inputs=[x for x, _ in micro],
-                targets=None if target is None else [t for _, t in micro],
+                inputs=batches.inputs,
+                targets=batches.targets,
                 loss_fn=loss_fn,
                 loss_weights=weights,
-                checkpoint_stop=checkpoint_stop(self.checkpoint, len(micro)),
+                checkpoint_stop=checkpoint_stop(self.checkpoint, m),
                 seed=seed,
             )
 
         run = assembly.stepper.run(self.schedule_for, make_step, detach=True)
         self.last_timeline = run.timeline
         if self.mesh is None:
-            return torch.stack([run.losses[i] for i in range(len(micro))]).sum()
-        return broadcast_loss(run.losses, len(micro), self.placement[-1], self.mesh)
+            return torch.stack([run.losses[i] for i in range(m)]).sum()
+        return broadcast_loss(run.losses, m, self.placement[-1], self.mesh)
 
     def _stage_done(self, stage: int) -> None:
         """A stage's gradients are final for this step: its replicas may start summing them."""
@@ -428,9 +449,25 @@ def _deny_move(call: str) -> NoReturn:
     )
 
 
+def _one_call(inputs: list[Any]) -> Call | None:
+    """The call all micro-batches of a step make (None: an nn.Sequential's inputs).
+
+    Raises:
+        ConfigError: given micro-batches that are different kinds of call.
+    """
+    first = inputs[0]
+    if not isinstance(first, Call):
+        return None
+    key = call_key(first)
+    for i, x in enumerate(inputs[1:], start=1):
+        if isinstance(x, Call) and (other := call_key(x)) != key:
+            raise ConfigError(
+                f"microbatches[{i}] is another kind of call than microbatches[0]: "
+                f"{describe_change(key, other)}; give every micro-batch of a step the same "
+                "keywords, nesting, dtypes and number of dimensions (sizes may differ)"
+            )
+    return first
+
+
 def _item_count(num_items: int | float | torch.Tensor) -> float:
     return float(num_items.item() if isinstance(num_items, torch.Tensor) else num_items)
-
-
-def _rows(value: Any) -> int:
-    return next(t.shape[0] for t in tensors(value) if t.ndim > 0)

@@ -10,14 +10,14 @@ from pipesched.runtime.failures import Failure, is_timeout
 from pipesched.schedule import get_schedule
 
 
-def _shape(name="1f1b", stages=2, m=4, *, training=True, target=True, seed=0):
+def _shape(name="1f1b", stages=2, m=4, *, training=True, target=True, seed=0, weights=()):
     schedule = get_schedule(name, stages, m)
-    return StepShape.of(schedule, training=training, has_target=target, seed=seed)
+    return StepShape.of(schedule, training=training, has_target=target, seed=seed, weights=weights)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**62 - 1, -(2**63), 2**63 - 1])
 def test_a_shape_round_trips_through_its_tensor(seed) -> None:
-    shape = _shape("interleaved-1f1b", 4, 8, target=False, seed=seed)
+    shape = _shape("interleaved-1f1b", 4, 8, target=False, seed=seed, weights=[0.25] * 8)
     encoded = shape.encode()
     assert encoded.numel() == StepShape.size()
     assert StepShape.decode(encoded.tolist()) == shape
@@ -31,11 +31,16 @@ def test_a_shape_round_trips_through_its_tensor(seed) -> None:
         (_shape("gpipe"), "pp rank 0 runs schedule '1f1b' with 2 stages, pp rank 1 runs 'gpipe'"),
         (_shape(stages=4), "pp rank 1 runs '1f1b' with 4 stages"),
         (_shape(target=False), "pp rank 0 passes a target, pp rank 1 passes no target"),
+        (
+            _shape(weights=[0.1, 0.2, 0.3, 0.4]),
+            "pp rank 1 weighs its 4 micro-batches' losses otherwise than pp rank 0 (their row "
+            "counts, or num_items, differ)",
+        ),
     ],
-    ids=["micro-batches", "call", "schedule", "stages", "target"],
+    ids=["micro-batches", "call", "schedule", "stages", "target", "weights"],
 )
 def test_each_mismatch_is_named_with_its_fix(other, named) -> None:
-    problem = mismatch([_shape(), other])
+    problem = mismatch([_shape(weights=[0.4, 0.3, 0.2, 0.1]), other])
     assert problem is not None and named in problem
 
 

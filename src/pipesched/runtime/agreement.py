@@ -14,7 +14,9 @@ between ranks.
 
 from __future__ import annotations
 
+import struct
 import zlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +43,9 @@ class StepShape:
         fingerprint: a checksum of the schedule's whole action table.
         has_target: whether a loss target was given.
         seed: the seed this rank drew for random layers (0: none drawn).
+        weights: a checksum of the micro-batches' loss weights (their rows
+            or ``num_items``; 0 for forward only): a rank given micro-batches
+            of other sizes would weigh the loss otherwise, silently.
     """
 
     training: bool
@@ -50,10 +55,19 @@ class StepShape:
     fingerprint: int
     has_target: bool
     seed: int
+    weights: int = 0
 
     @classmethod
-    def of(cls, schedule: Schedule, *, training: bool, has_target: bool, seed: int) -> StepShape:
-        """The shape of a step running ``schedule``."""
+    def of(
+        cls,
+        schedule: Schedule,
+        *,
+        training: bool,
+        has_target: bool,
+        seed: int,
+        weights: Sequence[float] = (),
+    ) -> StepShape:
+        """The shape of a step running ``schedule`` with these micro-batch loss ``weights``."""
         return cls(
             training=training,
             num_microbatches=schedule.num_microbatches,
@@ -62,6 +76,7 @@ class StepShape:
             fingerprint=_fingerprint(schedule),
             has_target=has_target,
             seed=seed,
+            weights=zlib.crc32(struct.pack(f"<{len(weights)}d", *weights)) if weights else 0,
         )
 
     def encode(self) -> torch.Tensor:
@@ -78,6 +93,7 @@ class StepShape:
             self.fingerprint,
             int(self.has_target),
             self.seed,
+            self.weights,
             *words,
         ]
         return torch.tensor(values, dtype=torch.int64)
@@ -85,7 +101,7 @@ class StepShape:
     @classmethod
     def decode(cls, values: list[int]) -> StepShape:
         """The shape :meth:`encode` wrote."""
-        magic, training, count, stages, fingerprint, target, seed, *words = values
+        magic, training, count, stages, fingerprint, target, seed, weights, *words = values
         if magic != _MAGIC:
             raise ConfigError(
                 "a rank of this pipeline sent something other than a step's shape at the "
@@ -100,12 +116,13 @@ class StepShape:
             fingerprint=fingerprint,
             has_target=bool(target),
             seed=seed,
+            weights=weights,
         )
 
     @staticmethod
     def size() -> int:
         """Integers in an encoded shape."""
-        return 7 + _NAME_WORDS
+        return 8 + _NAME_WORDS
 
 
 def mismatch(shapes: list[StepShape]) -> str | None:
@@ -143,7 +160,8 @@ def mismatch(shapes: list[StepShape]) -> str | None:
             return (
                 f"pp rank 0 has {first.num_microbatches} micro-batches, pp rank {r} has "
                 f"{shape.num_microbatches}: give every rank of a pipeline a batch of the same "
-                "size (a batch of n rows gives min(chunks, n) micro-batches); each replica "
+                "size (a batch of n rows gives min(chunks, n) micro-batches), or the same "
+                "microbatches=[...] list; each replica "
                 "(dp rank) may have its own size"
             )
         if shape.has_target != first.has_target:
@@ -152,6 +170,13 @@ def mismatch(shapes: list[StepShape]) -> str | None:
                 f"pp rank 0 {has[first.has_target]}, pp rank {r} {has[shape.has_target]}: "
                 "pass the target on every rank or on none (only the last stage's rank uses it, "
                 "but every rank cuts it into micro-batches)"
+            )
+        if shape.weights != first.weights:
+            return (
+                f"pp rank {r} weighs its {shape.num_microbatches} micro-batches' losses "
+                "otherwise than pp rank 0 (their row counts, or num_items, differ): pass every "
+                "rank of a pipeline the same batch, or the same microbatches=[...] list, and "
+                "the same num_items (the last stage's rank weighs the loss by them)"
             )
     return None
 

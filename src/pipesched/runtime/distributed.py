@@ -136,6 +136,7 @@ class DistributedRuntime(LocalRuntime):
             training=step.loss_fn is not None,
             has_target=step.targets is not None,
             seed=step.seed or 0,  # 0: this rank drew none
+            weights=step.loss_weights,
         )
         shapes = self._exchange(shape)
         problem = mismatch(shapes)

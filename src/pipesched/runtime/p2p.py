@@ -17,7 +17,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import struct
+import sys
 import time
 from collections import deque
 from collections.abc import Hashable, Iterator
@@ -62,6 +64,19 @@ class Transport:
     increasing order; the runtime checks it), so their views of the layout
     agree.
 
+    On gloo over TCP (Linux's default) a receive may take any message up to
+    its buffer's size (gloo checks ``length <= nbytes``), and every message's
+    header carries its layout anyway. There each channel's receive buffer is
+    the largest message seen on it so far, and a notice (a header only) is
+    sent only for a message larger than that: micro-batches of varying shapes
+    (sequence lengths 37, 512, 129, ...) pay a notice while a step grows the
+    high-water mark, then none, and every receive stays posted ahead. The
+    price: a receive buffer as large as the channel's largest message (a
+    message using less than half of it is copied out, so the activations a
+    schedule holds do not pin oversized buffers). NCCL
+    and gloo's other transports need exact sizes: there a notice precedes
+    every layout change, sized as the receiver expects.
+
     Args:
         ranks: the global rank of each pp index.
         device: this rank's device (where received tensors land).
@@ -85,12 +100,15 @@ class Transport:
         self._expected: dict[Hashable, tuple[list[int], int]] = {}
         self._planned: dict[Hashable, deque[tuple[int, int]]] = {}  # channel -> (src, tag)s
         self._posted: dict[tuple[Hashable, int], tuple[Any, torch.Tensor]] = {}
-        self.notices = 0  # layout changes sent so far (tests count them)
+        self.notices = 0  # notices sent so far (tests and benchmarks count them)
         self.unplanned = 0  # receives that plan() did not announce (tests count them)
         # NCCL ignores tags and runs a pair's sends and receives on one stream in issue
         # order: a receive posted ahead of this rank's own sends to that peer would wait
         # for a message that waits behind it. Only gloo, which matches by tag, posts ahead.
         self._post_ahead = dist.is_initialized() and dist.get_backend(group) == "gloo"
+        # gloo's TCP transport (not uv, Windows' and macOS's) reads a message into any
+        # larger posted buffer: see the class docstring.
+        self._roomy = self._post_ahead and _tcp_transport()
 
     def send(self, value: Any, dst: int, channel: Hashable, tag: int, what: str = "") -> None:
         """Starts sending ``value`` to pp rank ``dst`` on ``channel`` under ``tag``.
@@ -101,13 +119,19 @@ class Transport:
         message = _pack(layout, tensors, self.device)
         last_layout, expected_size = self._sent.get(channel, ([], _HEADER_BYTES))
         doing = f"sending {what or 'a stage'}'s value to it"
-        if layout != last_layout:
-            notice = torch.zeros(expected_size, dtype=torch.uint8, device=self.device)
-            notice[:_HEADER_BYTES] = _header_bytes([_NOTICE, *layout], self.device)
+        size = message.numel()
+        if self._roomy and size <= expected_size:
+            size = expected_size  # the receiver's buffer: large enough, layout in the header
+        elif layout != last_layout or self._roomy:
+            if self._roomy:
+                notice = _header_bytes([_NOTICE, *layout], self.device)
+            else:
+                notice = torch.zeros(expected_size, dtype=torch.uint8, device=self.device)
+                notice[:_HEADER_BYTES] = _header_bytes([_NOTICE, *layout], self.device)
             self._isend(notice, dst, tag, doing)
             self.notices += 1
         self._isend(message, dst, tag, doing)
-        self._sent[channel] = (layout, message.numel())
+        self._sent[channel] = (layout, size)
 
     def plan(self, receives: dict[Hashable, list[tuple[int, int]]]) -> None:
         """Announces a step's receives, per channel in order, and posts each channel's first.
@@ -142,6 +166,11 @@ class Transport:
             size = _HEADER_BYTES + _payload_bytes(layout)
             buffer = self._irecv(size, src, tag, what)
             self._expected[channel] = (layout, size)
+        elif self._roomy:  # a message no larger than the buffer: its header says its layout
+            layout = _trim(header[1:])
+            used = _HEADER_BYTES + _payload_bytes(layout)
+            if buffer.numel() > 2 * used:  # values a step keeps must not pin a buffer 2x+ too big
+                buffer = buffer[:used].clone()
         self._post_next(channel)
         return _unpack(layout, buffer)
 
@@ -304,6 +333,12 @@ def _specs(layout: list[int]) -> tuple[int, list[Spec], int]:
 def _trim(header: list[int]) -> list[int]:
     """The layout at the start of a zero-padded header."""
     return header[: _specs(header)[2]]
+
+
+def _tcp_transport() -> bool:
+    """Whether gloo uses its TCP transport (Linux's default; uv elsewhere)."""
+    transport = os.environ.get("GLOO_DEVICE_TRANSPORT", "TCP").upper()
+    return sys.platform.startswith("linux") and transport == "TCP"
 
 
 def _aligned(nbytes: int) -> int:

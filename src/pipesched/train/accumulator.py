@@ -124,6 +124,7 @@ class GradientAccumulator:
         self.loss_scale = LossScale(scaler, list(pipe.devices))
         self.steps = 0
         self.windows = 0
+        self._given: int | None = None  # micro-batches the last step was given as a list
         self._lock = threading.Lock()  # steps and flushes from several threads: one at a time
         self._reset_window()
 
@@ -136,20 +137,26 @@ class GradientAccumulator:
 
     def step(
         self,
-        inputs: Any,
+        inputs: Any = None,
         target: Any = None,
         *,
         loss_fn: Callable[..., torch.Tensor],
         num_items: int | float | torch.Tensor | None = None,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
     ) -> StepResult:
         """Runs one pipeline step into the window; on the window's last step, finishes it.
 
         Args:
             inputs, target, loss_fn: as in :meth:`Pipeline.step`.
-            num_items: None when ``loss_fn`` returns a mean over samples;
-                otherwise ``loss_fn`` returns a sum over items (e.g. tokens)
-                and this counts them. The window is normalized by the sum of
-                its steps' counts.
+            num_items: None when ``loss_fn`` returns a mean over samples (the
+                step counts its rows); otherwise ``loss_fn`` returns a sum over
+                items (e.g. tokens) and this counts them, over all of the
+                step's micro-batches on this replica. The window is normalized
+                by the sum of its steps' counts over every replica.
+            microbatches, targets: instead of ``inputs`` and ``target``, the
+                step's micro-batches with their own shapes (see
+                :meth:`Pipeline.step`); their rows count in ``effective_batch``.
 
         Calls from several threads run one at a time. If the pipeline step
         raises, the window is as before the call (gradients included): the
@@ -157,7 +164,7 @@ class GradientAccumulator:
         """
         self._check_outside_step("step")
         with self._lock:
-            return self._step(inputs, target, loss_fn, num_items)
+            return self._step(inputs, target, loss_fn, num_items, microbatches, targets)
 
     def _check_outside_step(self, call: str) -> None:
         """Refuses a call from inside the pipeline's own step (it would wait for itself)."""
@@ -174,6 +181,8 @@ class GradientAccumulator:
         target: Any,
         loss_fn: Callable[..., torch.Tensor],
         num_items: int | float | torch.Tensor | None,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
     ) -> StepResult:
         if self.position == 0:
             self.pipe.zero_grad(set_to_none=True)
@@ -183,7 +192,13 @@ class GradientAccumulator:
             self.pipe.sync.window_ends()  # replicas may start summing as stages finish
         try:
             loss_sum, items = self.pipe.accumulate(
-                inputs, target, loss_fn=loss_fn, num_items=num_items, scale=self._scale
+                inputs,
+                target,
+                loss_fn=loss_fn,
+                num_items=num_items,
+                scale=self._scale,
+                microbatches=microbatches,
+                targets=targets,
             )
         except BaseException:
             if last:
@@ -192,7 +207,10 @@ class GradientAccumulator:
         loss = float(loss_sum)
         self._loss_sum += loss
         self._items += items
-        self._samples += batch_size(inputs)
+        self._samples += (
+            batch_size(inputs) if microbatches is None else sum(batch_size(x) for x in microbatches)
+        )
+        self._given = None if microbatches is None else len(microbatches)
         self.position += 1
         self.steps += 1
         step_loss = loss / items if items > 0 else math.nan
@@ -273,7 +291,9 @@ class GradientAccumulator:
     def log_line(self, result: StepResult) -> str:
         """``step 12 | loss 1.23 | lr 1e-3 | eff. batch 256 (16 x 4 chunks x 4 steps)``.
 
-        With data parallelism the breakdown ends with ``x R replicas``.
+        With data parallelism the breakdown ends with ``x R replicas``; after
+        a step given ``microbatches=``, it reads ``(variable micro-batches (3
+        in the last step) x 4 steps)``.
         """
         loss = result.window_loss if result.window_loss is not None else result.loss
         steps = self.accumulation_steps if result.window_loss is not None else self.position
@@ -281,6 +301,8 @@ class GradientAccumulator:
         replicas = self.pipe.mesh.dp_size if self.pipe.mesh is not None else 1
         micro = result.effective_batch / max(1, chunks * max(1, steps) * replicas)
         breakdown = f"{micro:g} x {chunks} chunks x {steps} steps"
+        if self._given is not None:  # micro-batches of their own sizes: no product to show
+            breakdown = f"variable micro-batches ({self._given} in the last step) x {steps} steps"
         if replicas > 1:
             breakdown += f" x {replicas} replicas"
         state = " | skipped (inf/NaN)" if result.skipped else ""
