@@ -9,7 +9,19 @@ the same for ``torch.nn.functional.linear`` calls, and ``addmm(bias, x,
 weight)`` (GPT-2's ``Conv1D``), eager or in traced stages, inside its own
 forward and backward of a step.
 
-Why not always: the fused backward writes ``.grad`` itself instead of returning
+Only where it pays: the fused path is a Python ``autograd.Function`` whose
+forward and backward cost about 60 us more per call than autograd's C++
+``linear`` (measured on a 2-core EPYC, ``benchmarks/fusion.py --sweep``),
+while the add it saves costs about 60 us per MiB of weight gradient. So only
+2-D weights of at least :data:`MIN_FUSED_BYTES` (2 MiB: ``Linear(768, 768)``
+in fp32 and up; ``Linear(512, 512)`` does not gain) are fused, decided once
+per parameter by :func:`worth_fusing`, independent of the micro-batch's rows
+(the saved add does not depend on them, nor does the overhead). A stage
+holding no such weight runs without the mode at all, so a model of small
+layers runs exactly as with ``fuse_weight_grads=False``; in a stage that holds
+one, every other torch call pays one set lookup in the mode.
+
+Why not everywhere else: the fused backward writes ``.grad`` itself instead of returning
 the weight's gradient to autograd, so it is used only where pipesched runs the
 backward (``Pipeline.step``/``accumulate``; not ``pipe(x)``, whose backward the
 caller runs), for parameters that no other stage shares (two stages in two
@@ -36,12 +48,24 @@ from torch.overrides import TorchFunctionMode
 
 from pipesched.distributed.placement import stage_parameters
 
-__all__ = ["FusedLinearMode", "unshared_parameters", "weight_pass"]
+__all__ = [
+    "MIN_FUSED_BYTES",
+    "FusedLinearMode",
+    "unshared_parameters",
+    "weight_pass",
+    "worth_fusing",
+]
+
+MIN_FUSED_BYTES = 2 << 20
+"""The smallest weight (in bytes) whose gradient is accumulated in the GEMM (see above)."""
 
 _LINEARS = (F.linear, torch.ops.aten.linear.default)
 """``F.linear`` (eager modules) and the ATen operation a torch.export-traced stage calls."""
 _ADDMMS = (torch.addmm, torch.ops.aten.addmm.default)
 """``bias + x @ weight`` with a ``(in, out)`` weight: GPT-2's ``Conv1D``, eager and traced."""
+
+_INTERCEPTED = frozenset(_LINEARS + _ADDMMS)
+"""What the mode looks at; everything else returns after one set lookup."""
 
 _will_engine_execute_node: Callable[[Any], bool] | None = getattr(
     torch._C, "_will_engine_execute_node", None
@@ -55,6 +79,33 @@ def unshared_parameters(stages: Sequence[nn.Module | None]) -> list[frozenset[in
         for p in _parameters(stage):
             owners[id(p)] = owners.get(id(p), 0) + 1
     return [frozenset(id(p) for p in _parameters(stage) if owners[id(p)] == 1) for stage in stages]
+
+
+def worth_fusing(
+    stages: Sequence[nn.Module | None], allowed: Sequence[frozenset[int]]
+) -> list[frozenset[int]]:
+    """Per stage, those of ``allowed`` that are worth fusing: empty where none is.
+
+    A 2-D parameter (a weight) is worth it from :data:`MIN_FUSED_BYTES` on
+    (read at each call); 1-D ones (biases) go with their weight. A stage with no
+    such weight gets the empty set, so it never enters :class:`FusedLinearMode`.
+
+    Args:
+        stages: the stage modules (None: a stage of another rank).
+        allowed: per stage, the ids its fused backward may write (see
+            :func:`unshared_parameters`).
+    """
+    worth = []
+    for stage, ids in zip(stages, allowed, strict=True):
+        params = [p for p in _parameters(stage) if id(p) in ids]
+        weights = {id(p) for p in params if p.dim() == 2 and _bytes(p) >= MIN_FUSED_BYTES}
+        biases = {id(p) for p in params if p.dim() == 1}
+        worth.append(frozenset(weights | biases) if weights else frozenset())
+    return worth
+
+
+def _bytes(p: Tensor) -> int:
+    return p.numel() * p.element_size()
 
 
 def _parameters(stage: nn.Module | None) -> Iterable[nn.Parameter]:
@@ -88,7 +139,7 @@ class FusedLinearMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if _will_engine_execute_node is not None:
+        if func in _INTERCEPTED and _will_engine_execute_node is not None:
             if func in _LINEARS:
                 x, weight, bias = _linear_args(*args, **kwargs)
                 if self._eligible(x, weight, bias, _rows(weight)):
