@@ -12,14 +12,16 @@ forward and backward of a step.
 Only where it pays: the fused path is a Python ``autograd.Function`` whose
 forward and backward cost about 60 us more per call than autograd's C++
 ``linear`` (measured on a 2-core EPYC, ``benchmarks/fusion.py --sweep``),
-while the add it saves costs about 60 us per MiB of weight gradient. So only
-2-D weights of at least :data:`MIN_FUSED_BYTES` (2 MiB: ``Linear(768, 768)``
-in fp32 and up; ``Linear(512, 512)`` does not gain) are fused, decided once
-per parameter by :func:`worth_fusing`, independent of the micro-batch's rows
-(the saved add does not depend on them, nor does the overhead). A stage
-holding no such weight runs without the mode at all, so a model of small
-layers runs exactly as with ``fuse_weight_grads=False``; in a stage that holds
-one, every other torch call pays one set lookup in the mode.
+while the add it saves costs about 60 us per MiB of weight gradient: a
+``Linear(256, 256)`` ran 1.1-1.7x slower fused, ``Linear(512, 512)`` broke
+even, ``Linear(1024, 1024)`` gained. So only 2-D weights of at least
+:data:`MIN_FUSED_BYTES` (2 MiB, twice the break-even: ``Linear(768, 768)``
+in fp32 and up) are fused, decided once per parameter when the runtime is
+built (:func:`worth_fusing`), from the weight's size alone: neither the
+saved add nor the overhead depends on the micro-batch's rows. A stage holding
+no such weight never enters the mode, so a model of small layers runs
+exactly as with ``fuse_weight_grads=False``; in a stage that holds one, every
+other torch call pays a Python call and one set lookup (about 1.3 us).
 
 Why not everywhere else: the fused backward writes ``.grad`` itself instead of returning
 the weight's gradient to autograd, so it is used only where pipesched runs the
