@@ -14,9 +14,6 @@ from pipesched.distributed import init_mesh
 from pipesched.errors import ConfigError
 from pipesched.runtime import fused_linear
 
-# Every weight is fused, however small: the distributed runtime's fused path stays covered.
-fused_linear.MIN_FUSED_BYTES = 0
-
 # name: (pp, dp, schedule, balance)
 SCENARIOS = {
     "pp2": (2, 1, "1f1b", [3, 4]),
@@ -120,6 +117,8 @@ class Die(nn.Module):
 
 
 def main() -> None:
+    # Every weight fused, however small: the distributed runtime's fused path stays covered.
+    fused_linear.MIN_FUSED_BYTES = 0
     scenario, out = sys.argv[1], sys.argv[2]
     pp, dp, schedule, balance = SCENARIOS[scenario]
     mesh = init_mesh(pp=pp, dp=dp, timeout=30)
