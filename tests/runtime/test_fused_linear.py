@@ -452,7 +452,9 @@ def test_pipeline_fuses_the_big_layers_only_and_equals_the_plain_model(fp64, sch
     _assert_same(_grads(model), _grads(reference))
 
 
-def test_a_stage_of_small_layers_runs_without_the_mode_bitwise_as_unfused(monkeypatch) -> None:
+def test_a_stage_of_small_layers_runs_without_the_mode_bitwise_as_unfused(
+    fp64, monkeypatch
+) -> None:
     entered = []
     original = FusedLinearMode.__enter__
 
@@ -462,12 +464,15 @@ def test_a_stage_of_small_layers_runs_without_the_mode_bitwise_as_unfused(monkey
 
     monkeypatch.setattr(FusedLinearMode, "__enter__", counting)
     x, y = torch.randn(12, 6), torch.randn(12, 5)
+    reference = _model()
+    nn.functional.mse_loss(reference(x), y).backward()
     grads = []
     for fuse in (True, False):
-        model = _model().float()
+        model = _model()
         pipe = Pipeline(model, 4, balance=[2, 2], devices=["cpu", "cpu"], fuse_weight_grads=fuse)
         pipe.step(x, y, loss_fn=nn.functional.mse_loss)
         grads.append(_grads(model))
     assert entered == []  # not even the per-operation interception
     for fused, unfused in zip(*grads, strict=True):
         assert torch.equal(fused, unfused)
+    _assert_same(grads[0], _grads(reference))

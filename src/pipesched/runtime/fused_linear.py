@@ -12,24 +12,27 @@ forward and backward of a step.
 Only where it pays: the fused path is a Python ``autograd.Function`` whose
 forward and backward cost about 60 us more per call than autograd's C++
 ``linear`` (measured on a 2-core EPYC, ``benchmarks/fusion.py --sweep``),
-while the add it saves costs about 60 us per MiB of weight gradient: a
-``Linear(256, 256)`` ran 1.1-1.7x slower fused, ``Linear(512, 512)`` broke
-even, ``Linear(1024, 1024)`` gained. So only 2-D weights of at least
-:data:`MIN_FUSED_BYTES` (2 MiB, twice the break-even: ``Linear(768, 768)``
-in fp32 and up) are fused, decided once per parameter when the runtime is
+while the add it saves costs about 60 us per MiB of weight gradient. Steps
+of 8 x ``Linear(w, w)`` in 2 stages (32-row micro-batches) ran 8% slower fused
+at w = 384 (0.56 MiB of fp32 weight), 6% faster at 512 (1 MiB), 11% faster at
+1024. So only 2-D weights of at least :data:`MIN_FUSED_BYTES` (2 MiB, twice the
+smallest that gained, for other machines' margin: ``Linear(768, 768)`` in fp32
+and up) are fused, decided once per parameter when the runtime is
 built (:func:`worth_fusing`), from the weight's size alone: neither the
 saved add nor the overhead depends on the micro-batch's rows. A stage holding
 no such weight never enters the mode, so a model of small layers runs
 exactly as with ``fuse_weight_grads=False``; in a stage that holds one, every
 other torch call pays a Python call and one set lookup (about 1.3 us).
 
-Why not everywhere else: the fused backward writes ``.grad`` itself instead of returning
-the weight's gradient to autograd, so it is used only where pipesched runs the
-backward (``Pipeline.step``/``accumulate``; not ``pipe(x)``, whose backward the
-caller runs), for parameters that no other stage shares (two stages in two
-threads would race on ``.grad``; autograd's ``AccumulateGrad`` locks, this does
-not), without gradient hooks, without autocast, in plain strided tensors of the
-weight's dtype. Everything else runs the ordinary ``linear``.
+Why not everywhere else: the fused backward writes ``.grad`` itself instead of
+returning the weight's gradient to autograd, so it is used only where pipesched
+runs the backward (``Pipeline.step``/``accumulate``; not ``pipe(x)``, whose
+backward the caller runs), for parameters that no other stage shares (two
+stages in two threads would race on ``.grad``; autograd's ``AccumulateGrad``
+locks, this does not), without gradient hooks, without autocast, in plain
+strided tensors of the weight's dtype. Everything else runs the ordinary
+``linear``, and so do ``nn.MultiheadAttention``'s projections: the mode sees
+``F.multi_head_attention_forward`` as one call and runs it without the mode.
 
 Which gradients a call computes follows the autograd engine: the input's
 gradient when the engine will use it, the weight's when the engine would
