@@ -84,9 +84,10 @@ class Pipeline(nn.Module):
         fuse_weight_grads: in :meth:`step` and :meth:`accumulate`, accumulate
             the weight gradients of ``linear`` layers into ``.grad`` inside
             the GEMM, as Megatron-LM does: the same sums, 30-40% less backward
-            time for small micro-batches on CPU. Parameters shared between
-            stages, with hooks, or under autocast always take the ordinary
-            path (:mod:`pipesched.runtime.fused_linear`).
+            time for small micro-batches on CPU. Weights under 2 MiB (where
+            it would lose), parameters shared between stages, with hooks, or
+            under autocast always take the ordinary path
+            (:mod:`pipesched.runtime.fused_linear`).
 
     Attributes:
         stage_graph: the model as a ``networkx.DiGraph`` of layers or traced

@@ -13,8 +13,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from pipesched import Pipeline
+from pipesched.runtime import fused_linear
 from pipesched.runtime.backward import backward_full, backward_input
-from pipesched.runtime.fused_linear import FusedLinearMode, _FusedLinear, unshared_parameters
+from pipesched.runtime.fused_linear import (
+    MIN_FUSED_BYTES,
+    FusedLinearMode,
+    _FusedLinear,
+    unshared_parameters,
+    worth_fusing,
+)
 
 EXACT = {"rtol": 1e-12, "atol": 1e-12}
 
@@ -171,12 +178,20 @@ def test_unshared_parameters_leave_out_what_two_stages_hold() -> None:
 # ---------------------------------------------------------------- in a Pipeline
 
 
+@pytest.fixture
+def fuse_every_size(monkeypatch):
+    """The fusion's mechanics on small models: every weight is worth fusing."""
+    monkeypatch.setattr(fused_linear, "MIN_FUSED_BYTES", 0)
+
+
 @pytest.mark.parametrize(
     ("schedule", "balance"),
     [("gpipe", [2, 2]), ("1f1b", [2, 2]), ("zb-h1", [2, 2]), ("zb-v", [1, 1, 1, 1])],
 )
 @pytest.mark.parametrize("checkpoint_mode", ["never", "except_last"])
-def test_pipeline_step_fused_equals_unfused(fp64, schedule, balance, checkpoint_mode) -> None:
+def test_pipeline_step_fused_equals_unfused(
+    fp64, fuse_every_size, schedule, balance, checkpoint_mode
+) -> None:
     x, y = torch.randn(10, 6), torch.randn(10, 5)
     grads = []
     for fuse in (False, True):
@@ -198,13 +213,13 @@ def test_pipeline_step_fused_equals_unfused(fp64, schedule, balance, checkpoint_
     _assert_same(grads[1], grads[0])
 
 
-def test_pipeline_forward_for_the_callers_backward_is_not_fused(fp64) -> None:
+def test_pipeline_forward_for_the_callers_backward_is_not_fused(fp64, fuse_every_size) -> None:
     model = nn.Sequential(nn.Linear(6, 8), nn.ReLU(), nn.Linear(8, 5))
     pipe = Pipeline(model, 2, balance=[2, 1], devices=["cpu", "cpu"])
     assert _linear_calls(lambda: pipe(torch.randn(4, 6))) == 0
 
 
-def test_weight_tied_across_stages_is_accumulated_by_autograd(fp64) -> None:
+def test_weight_tied_across_stages_is_accumulated_by_autograd(fp64, fuse_every_size) -> None:
     """Two worker threads would race on a fused ``.grad``: a tied weight stays plain."""
     torch.manual_seed(0)
     first, last = nn.Linear(5, 5), nn.Linear(5, 5)
@@ -255,7 +270,7 @@ class _Residual(nn.Module):
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_traced_stages_fuse_their_aten_linears(fp64, schedule) -> None:
+def test_traced_stages_fuse_their_aten_linears(fp64, fuse_every_size, schedule) -> None:
     x, y = torch.randn(8, 6), torch.randn(8, 5)
     grads, calls = [], []
     for fuse in (False, True):
@@ -383,3 +398,81 @@ def test_w_of_a_fused_linear_skips_the_engine_unless_checkpointed(
     w.run()
     assert (len(calls) > 0) == checkpointed
     _assert_same(_grads(split), _grads(plain))
+
+
+# ---------------------------------------------------------------- which weights are fused
+
+
+def test_weights_from_min_fused_bytes_on_are_worth_fusing_with_their_biases() -> None:
+    elements = MIN_FUSED_BYTES // 8  # fp64
+    big = nn.Linear(elements // 4, 4).double()  # exactly MIN_FUSED_BYTES
+    small = nn.Linear(elements // 4 - 1, 4).double()  # 32 bytes fewer
+    half = nn.Linear(elements // 4, 4)  # the same shape in fp32: half the bytes
+    both = nn.Sequential(small, big)
+    stages = [both, nn.Sequential(small), nn.Sequential(half), None]
+    worth = worth_fusing(stages, unshared_parameters(stages))
+    # small is held by two stages: never allowed; big and its bias are worth it.
+    assert worth == [{id(big.weight), id(big.bias)}, set(), set(), set()]
+    assert worth == worth_fusing(stages, unshared_parameters(stages))  # shapes decide, alone
+    lone = [nn.Sequential(small, big)]
+    assert worth_fusing(lone, unshared_parameters(lone)) == [
+        {id(big.weight), id(big.bias), id(small.bias)}  # small's weight: not worth it
+    ]
+
+
+def _one_small_one_big() -> nn.Sequential:
+    """Linear(6, 8), Linear(8, n) of exactly MIN_FUSED_BYTES in fp64, Linear(n, 3) under it."""
+    torch.manual_seed(0)
+    wide = MIN_FUSED_BYTES // 8 // 8
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, wide), nn.Linear(wide, 3))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_pipeline_fuses_the_big_layers_only_and_equals_the_plain_model(fp64, schedule) -> None:
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    reference = _one_small_one_big()
+    nn.functional.mse_loss(reference(x), y).backward()
+    model = _one_small_one_big()
+    pipe = Pipeline(
+        model, 4, balance=[2, 2], devices=["cpu", "cpu"], schedule=schedule, checkpoint="never"
+    )
+    fused: list[Tensor] = []
+    original = _FusedLinear.forward
+
+    def recording(ctx: Any, x: Tensor, weight: Tensor, *args: Any) -> Tensor:
+        fused.append(weight)
+        return original(ctx, x, weight, *args)
+
+    _FusedLinear.forward = staticmethod(recording)  # type: ignore[method-assign]
+    try:
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    finally:
+        _FusedLinear.forward = staticmethod(original)  # type: ignore[method-assign]
+    assert [w is model[2].weight for w in fused] == [True] * 4  # once per micro-batch
+    _assert_same(_grads(model), _grads(reference))
+
+
+def test_a_stage_of_small_layers_runs_without_the_mode_bitwise_as_unfused(
+    fp64, monkeypatch
+) -> None:
+    entered = []
+    original = FusedLinearMode.__enter__
+
+    def counting(self: FusedLinearMode) -> FusedLinearMode:
+        entered.append(1)
+        return original(self)
+
+    monkeypatch.setattr(FusedLinearMode, "__enter__", counting)
+    x, y = torch.randn(12, 6), torch.randn(12, 5)
+    reference = _model()
+    nn.functional.mse_loss(reference(x), y).backward()
+    grads = []
+    for fuse in (True, False):
+        model = _model()
+        pipe = Pipeline(model, 4, balance=[2, 2], devices=["cpu", "cpu"], fuse_weight_grads=fuse)
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        grads.append(_grads(model))
+    assert entered == []  # not even the per-operation interception
+    for fused, unfused in zip(*grads, strict=True):
+        assert torch.equal(fused, unfused)
+    _assert_same(grads[0], _grads(reference))

@@ -9,13 +9,30 @@ the same for ``torch.nn.functional.linear`` calls, and ``addmm(bias, x,
 weight)`` (GPT-2's ``Conv1D``), eager or in traced stages, inside its own
 forward and backward of a step.
 
-Why not always: the fused backward writes ``.grad`` itself instead of returning
-the weight's gradient to autograd, so it is used only where pipesched runs the
-backward (``Pipeline.step``/``accumulate``; not ``pipe(x)``, whose backward the
-caller runs), for parameters that no other stage shares (two stages in two
-threads would race on ``.grad``; autograd's ``AccumulateGrad`` locks, this does
-not), without gradient hooks, without autocast, in plain strided tensors of the
-weight's dtype. Everything else runs the ordinary ``linear``.
+Only where it pays: the fused path is a Python ``autograd.Function`` whose
+forward and backward cost about 60 us more per call than autograd's C++
+``linear`` (measured on a 2-core EPYC, ``benchmarks/fusion.py --sweep``),
+while the add it saves costs about 60 us per MiB of weight gradient. Steps
+of 8 x ``Linear(w, w)`` in 2 stages (32-row micro-batches) ran 8% slower fused
+at w = 384 (0.56 MiB of fp32 weight), 6% faster at 512 (1 MiB), 11% faster at
+1024. So only 2-D weights of at least :data:`MIN_FUSED_BYTES` (2 MiB, twice the
+smallest that gained, for other machines' margin: ``Linear(768, 768)`` in fp32
+and up) are fused, decided once per parameter when the runtime is
+built (:func:`worth_fusing`), from the weight's size alone: neither the
+saved add nor the overhead depends on the micro-batch's rows. A stage holding
+no such weight never enters the mode, so a model of small layers runs
+exactly as with ``fuse_weight_grads=False``; in a stage that holds one, every
+other torch call pays a Python call and one set lookup (about 1.3 us).
+
+Why not everywhere else: the fused backward writes ``.grad`` itself instead of
+returning the weight's gradient to autograd, so it is used only where pipesched
+runs the backward (``Pipeline.step``/``accumulate``; not ``pipe(x)``, whose
+backward the caller runs), for parameters that no other stage shares (two
+stages in two threads would race on ``.grad``; autograd's ``AccumulateGrad``
+locks, this does not), without gradient hooks, without autocast, in plain
+strided tensors of the weight's dtype. Everything else runs the ordinary
+``linear``, and so do ``nn.MultiheadAttention``'s projections: the mode sees
+``F.multi_head_attention_forward`` as one call and runs it without the mode.
 
 Which gradients a call computes follows the autograd engine: the input's
 gradient when the engine will use it, the weight's when the engine would
@@ -36,12 +53,24 @@ from torch.overrides import TorchFunctionMode
 
 from pipesched.distributed.placement import stage_parameters
 
-__all__ = ["FusedLinearMode", "unshared_parameters", "weight_pass"]
+__all__ = [
+    "MIN_FUSED_BYTES",
+    "FusedLinearMode",
+    "unshared_parameters",
+    "weight_pass",
+    "worth_fusing",
+]
+
+MIN_FUSED_BYTES = 2 << 20
+"""The smallest weight (in bytes) whose gradient is accumulated in the GEMM (see above)."""
 
 _LINEARS = (F.linear, torch.ops.aten.linear.default)
 """``F.linear`` (eager modules) and the ATen operation a torch.export-traced stage calls."""
 _ADDMMS = (torch.addmm, torch.ops.aten.addmm.default)
 """``bias + x @ weight`` with a ``(in, out)`` weight: GPT-2's ``Conv1D``, eager and traced."""
+
+_INTERCEPTED = frozenset(_LINEARS + _ADDMMS)
+"""What the mode looks at; everything else returns after one set lookup."""
 
 _will_engine_execute_node: Callable[[Any], bool] | None = getattr(
     torch._C, "_will_engine_execute_node", None
@@ -55,6 +84,33 @@ def unshared_parameters(stages: Sequence[nn.Module | None]) -> list[frozenset[in
         for p in _parameters(stage):
             owners[id(p)] = owners.get(id(p), 0) + 1
     return [frozenset(id(p) for p in _parameters(stage) if owners[id(p)] == 1) for stage in stages]
+
+
+def worth_fusing(
+    stages: Sequence[nn.Module | None], allowed: Sequence[frozenset[int]]
+) -> list[frozenset[int]]:
+    """Per stage, those of ``allowed`` that are worth fusing: empty where none is.
+
+    A 2-D parameter (a weight) is worth it from :data:`MIN_FUSED_BYTES` on
+    (read at each call); 1-D ones (biases) go with their weight. A stage with no
+    such weight gets the empty set, so it never enters :class:`FusedLinearMode`.
+
+    Args:
+        stages: the stage modules (None: a stage of another rank).
+        allowed: per stage, the ids its fused backward may write (see
+            :func:`unshared_parameters`).
+    """
+    worth = []
+    for stage, ids in zip(stages, allowed, strict=True):
+        params = [p for p in _parameters(stage) if id(p) in ids]
+        weights = {id(p) for p in params if p.dim() == 2 and _bytes(p) >= MIN_FUSED_BYTES}
+        biases = {id(p) for p in params if p.dim() == 1}
+        worth.append(frozenset(weights | biases) if weights else frozenset())
+    return worth
+
+
+def _bytes(p: Tensor) -> int:
+    return p.numel() * p.element_size()
 
 
 def _parameters(stage: nn.Module | None) -> Iterable[nn.Parameter]:
@@ -88,7 +144,7 @@ class FusedLinearMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if _will_engine_execute_node is not None:
+        if func in _INTERCEPTED and _will_engine_execute_node is not None:
             if func in _LINEARS:
                 x, weight, bias = _linear_args(*args, **kwargs)
                 if self._eligible(x, weight, bias, _rows(weight)):

@@ -29,7 +29,7 @@ from pipesched.checkpoint import checkpoint
 from pipesched.errors import ConfigError
 from pipesched.rng import StepSeed
 from pipesched.runtime.backward import backward_full, backward_input
-from pipesched.runtime.fused_linear import FusedLinearMode
+from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
 from pipesched.runtime.mailbox import Aborted, Mailbox
 from pipesched.runtime.streams import (
     Stream,
@@ -98,8 +98,9 @@ class LocalRuntime:
         devices: the device of each schedule worker.
         num_threads: intra-op threads each worker may use.
         fused: per stage, the ids of the parameters whose ``linear`` weight
-            gradients a step may accumulate in the GEMM
-            (:mod:`pipesched.runtime.fused_linear`); None: never.
+            gradients a step may accumulate in the GEMM; of them, only weights
+            large enough to gain are fused
+            (:func:`~pipesched.runtime.fused_linear.worth_fusing`); None: never.
     """
 
     def __init__(
@@ -112,7 +113,7 @@ class LocalRuntime:
         self.stages = list(stages)
         self.devices = list(devices)
         self.num_threads = num_threads
-        self.fused = None if fused is None else list(fused)
+        self.fused = None if fused is None else worth_fusing(self.stages, fused)
         self._streams: list[Stream] = [new_stream(d) for d in self.devices]
         self.seeding = [StageSeeding({}, s, torch.device("cpu"), adaptive=False) for s in stages]
         """How each stage seeds its random draws (:mod:`pipesched.seeding`)."""
