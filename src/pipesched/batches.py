@@ -17,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from pipesched.arguments import check_inputs
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.microbatch import scatter
@@ -43,6 +45,29 @@ class StepBatches:
     def total_rows(self) -> int:
         """Samples in the step: the sum of :attr:`rows`."""
         return sum(self.rows)
+
+    def items(self, num_items: int | float | torch.Tensor | None, *, positive: bool) -> float:
+        """The step's item count: ``num_items``, or its rows when None.
+
+        Args:
+            num_items: the user's count (a number or a one-element tensor).
+            positive: the count divides a loss (``step``): it must be > 0;
+                else (``accumulate``, a window's share) 0 is allowed.
+
+        Raises:
+            ConfigError: a count below what ``positive`` allows.
+        """
+        if num_items is None:
+            return float(self.total_rows)
+        count = float(num_items.item() if isinstance(num_items, torch.Tensor) else num_items)
+        if positive and not count > 0:
+            raise ConfigError(
+                f"num_items must be > 0, got {num_items!r}; it is the number of items "
+                "(e.g. non-padding tokens) the summed loss is divided by"
+            )
+        if not count >= 0:
+            raise ConfigError(f"num_items must be >= 0, got {num_items!r}")
+        return count
 
 
 def step_batches(

@@ -17,13 +17,14 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from pipesched.errors import ConfigTypeError
+from pipesched.errors import ConfigError, ConfigTypeError
 
 __all__ = [
     "Call",
     "as_call",
     "call_key",
     "describe_change",
+    "one_call",
     "stage_input",
     "with_cache_off",
 ]
@@ -100,6 +101,26 @@ def stage_input(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
         return args[0]
     call = as_call(model, args[0]) if len(args) == 1 and not kwargs else Call(args, kwargs)
     return with_cache_off(model, call)
+
+
+def one_call(inputs: list[Any]) -> Call | None:
+    """The call every micro-batch of a step makes (None: an nn.Sequential's inputs).
+
+    Raises:
+        ConfigError: given micro-batches that are different kinds of call.
+    """
+    first = inputs[0]
+    if not isinstance(first, Call):
+        return None
+    key = call_key(first)
+    for i, x in enumerate(inputs[1:], start=1):
+        if isinstance(x, Call) and (other := call_key(x)) != key:
+            raise ConfigError(
+                f"microbatches[{i}] is another kind of call than microbatches[0]: "
+                f"{describe_change(key, other)}; give every micro-batch of a step the same "
+                "keywords, nesting, dtypes and number of dimensions (sizes may differ)"
+            )
+    return first
 
 
 def with_cache_off(model: nn.Module, call: Call) -> Call:

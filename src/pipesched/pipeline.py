@@ -15,7 +15,7 @@ from pipesched.assembly import Assemblies, Assembly, register_model
 from pipesched.batches import StepBatches, step_batches
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.batchnorm_warning import warn_micro_batch_norm
-from pipesched.call import Call, call_key, describe_change, stage_input, with_cache_off
+from pipesched.call import Call, call_key, one_call, stage_input, with_cache_off
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
@@ -314,15 +314,8 @@ class Pipeline(nn.Module):
         """
         check_loss(loss_fn, num_items)
         batches = self._batches(inputs, target, microbatches, targets)
-        if num_items is None:
-            return self._run_step(batches, loss_fn, summed=False, scale=1.0 / batches.total_rows)
-        count = _item_count(num_items)
-        if not count > 0:
-            raise ConfigError(
-                f"num_items must be > 0, got {num_items!r}; it is the number of items "
-                "(e.g. non-padding tokens) the summed loss is divided by"
-            )
-        return self._run_step(batches, loss_fn, summed=True, scale=1.0 / count)
+        count = batches.items(num_items, positive=True)
+        return self._run_step(batches, loss_fn, summed=num_items is not None, scale=1.0 / count)
 
     def accumulate(
         self,
@@ -358,9 +351,7 @@ class Pipeline(nn.Module):
         """
         check_loss(loss_fn, num_items)
         batches = self._batches(inputs, target, microbatches, targets)
-        items = float(batches.total_rows) if num_items is None else _item_count(num_items)
-        if items < 0:
-            raise ConfigError(f"num_items must be >= 0, got {num_items!r}")
+        items = batches.items(num_items, positive=False)
         total = self._run_step(batches, loss_fn, summed=num_items is not None, scale=scale)
         return total / scale, items
 
@@ -383,7 +374,7 @@ class Pipeline(nn.Module):
         """Forward and backward of every micro-batch; micro-batch i's loss weighs
         ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
         m = len(batches.inputs)
-        assembly = self._assembly_for(_one_call(batches.inputs), batches.inputs[0])
+        assembly = self._assembly_for(one_call(batches.inputs), batches.inputs[0])
         warn_micro_batch_norm(self, batches.rows)
         weights = [scale if summed else scale * rows for rows in batches.rows]
 
@@ -448,27 +439,3 @@ def _deny_move(call: str) -> NoReturn:
         f"Pipeline.{call} would move every stage to one device; a Pipeline keeps stage s on "
         "devices[placement[s]]. Move the model before wrapping it, or pass devices="
     )
-
-
-def _one_call(inputs: list[Any]) -> Call | None:
-    """The call all micro-batches of a step make (None: an nn.Sequential's inputs).
-
-    Raises:
-        ConfigError: given micro-batches that are different kinds of call.
-    """
-    first = inputs[0]
-    if not isinstance(first, Call):
-        return None
-    key = call_key(first)
-    for i, x in enumerate(inputs[1:], start=1):
-        if isinstance(x, Call) and (other := call_key(x)) != key:
-            raise ConfigError(
-                f"microbatches[{i}] is another kind of call than microbatches[0]: "
-                f"{describe_change(key, other)}; give every micro-batch of a step the same "
-                "keywords, nesting, dtypes and number of dimensions (sizes may differ)"
-            )
-    return first
-
-
-def _item_count(num_items: int | float | torch.Tensor) -> float:
-    return float(num_items.item() if isinstance(num_items, torch.Tensor) else num_items)
