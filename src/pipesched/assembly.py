@@ -29,13 +29,16 @@ from pipesched.runtime.distributed import DistributedRuntime
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync
 from pipesched.runtime.local import LocalRuntime
-from pipesched.runtime.tree import map_tensors
+from pipesched.runtime.tree import map_tensors, tensors
 from pipesched.stepper import Stepper
 
 if TYPE_CHECKING:
     from pipesched.pipeline import Pipeline
 
-__all__ = ["Assemblies", "Assembly", "assemble", "check_free", "register_model"]
+__all__ = ["MAX_CUTS", "Assemblies", "Assembly", "assemble", "check_free", "register_model"]
+
+MAX_CUTS = 8
+"""Traces one pipeline keeps at most (kinds of call x training modes): more is a ConfigError."""
 
 
 @dataclass(frozen=True, eq=False)
@@ -44,7 +47,9 @@ class Assembly:
 
     Args:
         key: the :func:`~pipesched.call.call_key` of the call it was traced
-            from (None: an ``nn.Sequential``, or traced ahead of time).
+            from (None: an ``nn.Sequential``).
+        modes: every module's training mode when it was traced (empty: an
+            ``nn.Sequential``, run eagerly).
         plan: the cut (counts, stage graph, partition table).
         stages: every stage module (other ranks' ones freed, on a mesh).
         own: the indices of this process's stages.
@@ -55,6 +60,7 @@ class Assembly:
     """
 
     key: tuple[Any, ...] | None
+    modes: tuple[bool, ...]
     plan: Plan
     stages: list[nn.Module]
     own: list[int]
@@ -67,11 +73,38 @@ class Assembly:
         """The per-stage table of the cut."""
         return self.plan.partition
 
-    def fits(self, key: tuple[Any, ...]) -> bool:
-        """Whether this cut runs calls of ``key`` in the modules' present training modes."""
+    def fits(
+        self, key: tuple[Any, ...], inputs: Sequence[Any], model: nn.Module, *, every_mode: bool
+    ) -> bool:
+        """Whether this cut runs ``inputs`` (calls of ``key``) in the present training modes.
+
+        Args:
+            key: the calls' key.
+            inputs: every micro-batch's call: their sizes must be within what
+                the trace fixed (:meth:`~pipesched.partition.trace.TracedModel.refuses`).
+            model: the model, whose modules' modes are read now.
+            every_mode: the trace fits only the training mode of every module
+                it saw (locally: code may branch on ``self.training`` anywhere);
+                else only the modes its code visibly fixed (on a mesh, which
+                cannot trace again: dropout probabilities and BatchNorm).
+        """
         if self.key is not None and self.key != key:
             return False
+        if every_mode and self.modes and self.modes != _modes(model):
+            return False
+        if self.refuses(inputs) is not None:
+            return False
         return all(s.modes_hold() for s in self.stages if isinstance(s, TracedStage))
+
+    def refuses(self, inputs: Sequence[Any]) -> str | None:
+        """Why a micro-batch's sizes fall outside what the trace fixed, or None."""
+        traced = self.plan.traced
+        if traced is None:
+            return None
+        for i, x in enumerate(inputs):
+            if (reason := traced.refuses(traced.input_leaves(x))) is not None:
+                return f"micro-batch {i}: {reason}"
+        return None
 
 
 def assemble(
@@ -132,6 +165,9 @@ def assemble(
             plan = plan_with(agreed, None)
     if cut.deferred_batch_norm and not sequential:
         DeferredBatchNorm.convert(module)  # after tracing: the stages call the new layers
+        for name, child in module.named_children():  # a replaced top-level BatchNorm
+            if pipe._modules.get(name) is not child:
+                pipe._modules[name] = child
     stages = plan.build(module, stage_devices)
     runtime: LocalRuntime
     tied: dict[int, tuple[int, ...]] = {}
@@ -156,7 +192,18 @@ def assemble(
         adaptive=info is None,  # on a mesh a rerun would need every rank
         finish=finish,
     )
-    return Assembly(key, plan, stages, own, runtime, tied, stepper)
+    modes = () if sequential else _modes(module)
+    return Assembly(key, modes, plan, stages, own, runtime, tied, stepper)
+
+
+def _example_rank(x: Any) -> tuple[int, int]:
+    """Which micro-batch to trace from: fewest dimensions of size 1, then most elements."""
+    leaves = [t for t in tensors(x) if t.ndim > 0]
+    return (-sum(d == 1 for t in leaves for d in t.shape[1:]), sum(t.numel() for t in leaves))
+
+
+def _modes(model: nn.Module) -> tuple[bool, ...]:
+    return tuple(m.training for m in model.modules())
 
 
 class Assemblies:
@@ -223,22 +270,44 @@ class Assemblies:
         self._current = assembly
         return assembly
 
-    def for_call(self, call: Call | None, first: Any) -> Assembly:
-        """The cut that runs ``call`` (``first``: its first micro-batch), cut now if none fits.
+    def for_call(self, call: Call | None, inputs: Sequence[Any]) -> Assembly:
+        """The cut that runs ``inputs`` (micro-batches of ``call``), cut now if none fits.
+
+        A new cut is traced from the micro-batch with the fewest dimensions of
+        size 1 (export fixes those), the largest among them.
 
         Raises:
-            ConfigError: on a mesh, a call that the first cut does not fit.
+            ConfigError: on a mesh, a call that the first cut does not fit; or
+                micro-batches of one step that no one trace can run.
         """
         if call is None:  # an nn.Sequential: cut once, at construction
             return self.current
         key = call_key(call)
+        local = self._layout.mesh is None
         for assembly in self._all:
-            if assembly.fits(key):
+            if assembly.fits(key, inputs, self._model, every_mode=local):
                 self._current = assembly
                 return assembly
         if self._all:
-            self._explain_retrace(key)
-        return self.add(first, key)
+            self._explain_retrace(key, inputs)
+        if len(self._all) >= MAX_CUTS:
+            change = describe_change(self.current.key or (), key)
+            raise ConfigError(
+                f"{type(self._model).__name__} was traced {len(self._all)} times for as many "
+                f"kinds of call, and this call needs another: {change}. "
+                "A value that changes every call (e.g. num_items_in_batch=<the token count>) "
+                "fixes a trace each time: pass it as a constant (num_items_in_batch=1 with "
+                "num_items=<count> in step), or as a tensor argument"
+            )
+        assembly = self.add(max(inputs, key=_example_rank), key)
+        if (reason := assembly.refuses(inputs)) is not None:
+            raise ConfigError(
+                f"the micro-batches of this step cannot run on one trace of "
+                f"{type(self._model).__name__}: {reason}. The model's code fixes that size "
+                "(a branch on it, or a size of 1): give one step micro-batches on the same "
+                "side of it"
+            )
+        return assembly
 
     def _register_layers(self, stages: Sequence[nn.Module], own: list[int]) -> None:
         """An nn.Sequential's layers of this process, under the model's names."""
@@ -252,12 +321,21 @@ class Assemblies:
         """Whether the calling thread is one of the workers, inside a step."""
         return any(a.runtime.running_here() for a in self._all)
 
-    def _explain_retrace(self, key: tuple[Any, ...]) -> None:
+    def _explain_retrace(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> None:
+        """Warns of a new trace for a new kind of call; raises on a mesh (it cannot trace again).
+
+        A mode change (``train()``/``eval()``) traces again without a warning:
+        it is routine, and each mode's cut is kept.
+        """
         old = self.current.key
         change = "a module's training mode changed what the trace fixed (a dropout "
         change += "probability of 0 in eval mode)"
         if old is not None and old != key:
             change = describe_change(old, key)
+        elif (reason := self.current.refuses(inputs)) is not None:
+            change = f"the call's sizes are outside the trace's: {reason}"
+        elif self._layout.mesh is None:
+            return
         if self._layout.mesh is not None:
             raise ConfigError(
                 f"the model was traced for other arguments and cannot be traced again on a "

@@ -173,20 +173,22 @@ def gather(outputs: Sequence[Any]) -> Any:
     return _gather(list(outputs), "")
 
 
-def join_outputs(outputs: Sequence[Any], rows: Sequence[int]) -> Any:
+def join_outputs(outputs: Sequence[Any], rows: Sequence[int], scalars: str = "mean") -> Any:
     """The batch's output from its micro-batches', as the plain model would return it.
 
     Like :func:`gather`, except that a 0-dim floating-point tensor (a loss the
-    model computes as a mean over its samples) becomes the mean of the
-    micro-batches' values weighted by their ``rows``, not a stack of them.
+    model computes) becomes the mean of the micro-batches' values weighted by
+    their ``rows`` (a mean over samples), or their sum (``scalars="sum"``: a
+    sum over items divided by the whole batch's count), not a stack of them.
     Containers keep their type (a ``ModelOutput`` stays one).
 
     Args:
         outputs: the output of each micro-batch, in order.
         rows: each micro-batch's sample count.
+        scalars: ``"mean"`` or ``"sum"``.
     """
     total = sum(rows)
-    weights = [r / total for r in rows]
+    weights = [r / total for r in rows] if scalars == "mean" else [1.0] * len(rows)
 
     def scalar_mean(values: list[Any], path: str) -> Any:
         if all(isinstance(v, Tensor) and v.ndim == 0 and v.is_floating_point() for v in values):

@@ -156,9 +156,9 @@ class Pipeline(nn.Module):
                 call = with_cache_off(module, Call.of(example_inputs))
                 self._assemblies.add(call, call_key(call))
 
-    def _assembly_for(self, call: Call | None, first: Any) -> Assembly:
-        """The cut that runs ``call`` (``first``: its first micro-batch), cut now if none fits."""
-        return self._assemblies.for_call(call, first)
+    def _assembly_for(self, call: Call | None, inputs: list[Any]) -> Assembly:
+        """The cut that runs ``inputs`` (micro-batches of ``call``), cut now if none fits."""
+        return self._assemblies.for_call(call, inputs)
 
     def _built(self) -> Assembly:
         return self._assemblies.current
@@ -250,7 +250,7 @@ class Pipeline(nn.Module):
             )
         batch = self._batch(args, kwargs)
         micro = scatter(batch, self.chunks)
-        assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro[0])
+        assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro)
         rows = [batch_size(m) for m in micro]
         warn_micro_batch_norm(self, rows)
         stop = checkpoint_stop(self.checkpoint, len(micro))
@@ -262,7 +262,11 @@ class Pipeline(nn.Module):
         self.last_timeline = run.timeline
         if self.mesh is not None and self.placement[-1] != self.mesh.pp_rank:
             return None
-        return join_outputs([run.outputs[i] for i in range(len(micro))], rows)
+        # Hugging Face's contract: given num_items_in_batch, a model's loss is its sum over
+        # the micro-batch's items divided by that count, a share of the batch's: they add up.
+        summed = isinstance(batch, Call) and batch.kwargs.get("num_items_in_batch") is not None
+        outputs = [run.outputs[i] for i in range(len(micro))]
+        return join_outputs(outputs, rows, scalars="sum" if summed else "mean")
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return stage_input(self._model[0], args, kwargs)
@@ -374,7 +378,7 @@ class Pipeline(nn.Module):
         """Forward and backward of every micro-batch; micro-batch i's loss weighs
         ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
         m = len(batches.inputs)
-        assembly = self._assembly_for(one_call(batches.inputs), batches.inputs[0])
+        assembly = self._assembly_for(one_call(batches.inputs), batches.inputs)
         warn_micro_batch_norm(self, batches.rows)
         weights = [scale if summed else scale * rows for rows in batches.rows]
 
