@@ -20,8 +20,9 @@ micro-batches hold different numbers of tokens; for a token-weighted loss
 GPT-2 is asked for the *sum* over tokens (``num_items_in_batch=1``) and
 pipesched divides by the batch's token count (``num_items=``). The sequences
 follow a fixed rule (next token = 3 x token + 1 mod 64, with 5% noise).
-``pipe.eval()`` turns dropout off for the accuracy on a fresh batch, and
-``pipe(input_ids=...)`` returns GPT-2's own output type, logits and all.
+``pipe.eval()`` turns dropout off for the accuracy on a fresh batch (eval mode
+gets a cut of its own), and ``pipe(**batch)`` returns GPT-2's own output
+type, logits and all.
 """
 
 from __future__ import annotations
@@ -86,8 +87,8 @@ def main() -> None:
                 print(f"step {step:3d}  loss {result.loss:.3f}  ({timeline.summary()})")
     data = batch(generator)
     pipe.eval()  # dropout off, attention dropout included
-    with torch.no_grad():
-        out = pipe(input_ids=data["input_ids"])  # under torchrun: on the last stage's rank
+    with torch.no_grad():  # called as in training (another kind of call would trace again)
+        out = pipe(**data, num_items_in_batch=1)  # under torchrun: on the last stage's rank
     if out is not None:
         predicted = out.logits[:, :-1].argmax(-1)
         accuracy = (predicted == data["input_ids"][:, 1:]).float().mean().item()
