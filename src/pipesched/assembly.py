@@ -296,8 +296,8 @@ class Assemblies:
                 f"{type(self._model).__name__} was traced {len(self._all)} times for as many "
                 f"kinds of call, and this call needs another: {change}. "
                 "A value that changes every call (e.g. num_items_in_batch=<the token count>) "
-                "fixes a trace each time: pass it as a constant (num_items_in_batch=1 with "
-                "num_items=<count> in step), or as a tensor argument"
+                "fixes a trace each time: pass a constant instead (for a Hugging Face loss, "
+                "num_items_in_batch=1 in the batch and num_items=<count> in step)"
             )
         assembly = self.add(max(inputs, key=_example_rank), key)
         if (reason := assembly.refuses(inputs)) is not None:
@@ -345,7 +345,8 @@ class Assemblies:
         warn_user(
             f"pipesched: tracing {type(self._model).__name__} again and cutting it anew "
             f"because {change}; each kind of call keeps its own cut (a trace depends on the "
-            "arguments' names and structure, non-tensor values, dtypes and ranks)",
+            "arguments' names and structure, non-tensor values, dtypes, ranks and the sizes "
+            "its code fixed)",
             RetraceWarning,
         )
 

@@ -26,7 +26,19 @@ def _reference(scenario: str) -> tuple[nn.Module, list[float], list[float]]:
             for step in range(worker.STEPS)
             for replica in range(dp)
         ]
-        if tokens:  # sequence lengths differ: sum per batch, divide once
+        if scenario == "lazy":  # micro-batches of their own lengths
+            pieces = [
+                worker.token_pieces(window, step, replica)
+                for step in range(worker.STEPS)
+                for replica in range(dp)
+            ]
+            total = sum(
+                worker.token_sum(model(x), y)
+                for xs, ys, _ in pieces
+                for x, y in zip(xs, ys, strict=True)
+            )
+            loss = total / sum(n for _, _, n in pieces)
+        elif tokens:  # sequence lengths differ: sum per batch, divide once
             total = sum(worker.token_sum(model(x), y) for x, y, _ in batches)
             loss = total / sum(n for _, _, n in batches)
         else:
