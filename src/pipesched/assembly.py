@@ -101,7 +101,12 @@ class Assembly:
         traced = self.plan.traced
         if traced is None:
             return None
+        seen: set[tuple[tuple[int, ...], ...]] = set()
         for i, x in enumerate(inputs):
+            shapes = tuple(tuple(t.shape) for t in tensors(x))
+            if shapes in seen:  # cut from one batch, micro-batches share one or two shapes
+                continue
+            seen.add(shapes)
             if (reason := traced.refuses(traced.input_leaves(x))) is not None:
                 return f"micro-batch {i}: {reason}"
         return None
