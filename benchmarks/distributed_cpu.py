@@ -23,13 +23,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from _torchrun import under_torchrun
 from mlp_bench import BATCH, CHUNKS, LAYERS, WIDTH, loss_fn, mlp, print_table
 
 SCHEDULES = ("gpipe", "1f1b", "zb-h1", "zb-v")
@@ -141,19 +141,7 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args.rounds)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        __file__,
-        "--rounds",
-        str(args.rounds),
-    ]
-    sys.exit(subprocess.run(command, env=env, check=False).returncode)
+    sys.exit(under_torchrun(__file__, ["--rounds", str(args.rounds)]))
 
 
 if __name__ == "__main__":

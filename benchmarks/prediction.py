@@ -3,7 +3,8 @@
 Run: .venv/bin/python benchmarks/prediction.py [--steps 10] [--rounds 3] [--detail] [--variants]
 
 For each example's model (examples/vit_pipeline.py, gpt2_pipeline.py,
-demo.py), built as the example builds it: the step time ``print(pipe.partition)``
+demo.py), built and called as the example does (the Hugging Face ones cut at
+their first step): the step time ``print(pipe.partition)``
 predicts (``pipe.partition.simulated.makespan``) and the measured one,
 ``pipe.last_timeline.makespan`` after ``pipe.step``: the best and the median
 step of all rounds (after one warm-up step; the rounds alternate between the
@@ -45,18 +46,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 class Case:
     name: str
     pipe: Pipeline
-    batch: Callable[[], tuple[Any, Any]]
+    batch: Callable[[], tuple[Any, Any, int | None]]
+    """Returns a step's inputs, target and num_items."""
     loss_fn: Callable[..., torch.Tensor]
-    num_items: Callable[[Any], int | None] = lambda y: None
     makespans: list[float] = field(default_factory=list)
     walls: list[float] = field(default_factory=list)
     bubbles: list[float] = field(default_factory=list)
     durations: dict[tuple[str, int], list[float]] = field(default_factory=lambda: defaultdict(list))
 
     def step(self) -> None:
-        x, y = self.batch()
+        x, y, num_items = self.batch()
         start = time.perf_counter()
-        self.pipe.step(x, y, loss_fn=self.loss_fn, num_items=self.num_items(y))
+        self.pipe.step(x, y, loss_fn=self.loss_fn, num_items=num_items)
         wall = time.perf_counter() - start
         self.pipe.zero_grad()
         timeline = self.pipe.last_timeline
@@ -70,32 +71,12 @@ class Case:
 
 def vit(**options: Any) -> Case:
     import vit_pipeline as ex
-    from transformers import ViTConfig, ViTForImageClassification
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
     patterns = torch.randn(ex.CLASSES, 3, 32, 32, generator=generator)
-    config = ViTConfig(
-        image_size=32,
-        patch_size=8,
-        hidden_size=64,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        intermediate_size=128,
-        num_labels=ex.CLASSES,
-    )
-    images, _ = ex.batch(patterns, generator)
-    pipe = Pipeline(
-        ViTForImageClassification(config),
-        chunks=ex.CHUNKS,
-        example_inputs=(images[: ex.BATCH // ex.CHUNKS],),
-        num_stages=2,
-        devices=["cpu", "cpu"],
-        schedule="1f1b",
-        balance="schedule",
-        **options,
-    )
-    return Case("vit", pipe, lambda: ex.batch(patterns, generator), ex.loss_fn)
+    pipe = Pipeline(ex.new_model(), chunks=ex.CHUNKS, devices=["cpu", "cpu"], **options)
+    return Case("vit", pipe, lambda: (ex.batch(patterns, generator), None, None), _own_loss)
 
 
 def gpt2(**options: Any) -> Case:
@@ -103,17 +84,20 @@ def gpt2(**options: Any) -> Case:
 
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
-    example, _ = ex.batch(generator)
     pipe = Pipeline(
-        ex.GPT2Logits(),
-        chunks=ex.CHUNKS,
-        example_inputs=(example[: ex.BATCH // ex.CHUNKS],),
-        num_stages=2,
-        schedule="1f1b",
-        devices=["cpu", "cpu"],
-        **options,
+        ex.new_model(), chunks=ex.CHUNKS, devices=["cpu", "cpu"], schedule="1f1b", **options
     )
-    return Case("gpt2", pipe, lambda: ex.batch(generator), ex.token_sum, lambda y: y.numel())
+
+    def batch() -> tuple[dict[str, Any], None, int]:
+        data = ex.batch(generator)
+        return {**data, "num_items_in_batch": 1}, None, ex.tokens_of(data)
+
+    return Case("gpt2", pipe, batch, _own_loss)
+
+
+def _own_loss(out: Any) -> torch.Tensor:
+    """A Hugging Face model's own loss (it was given the labels)."""
+    return out.loss
 
 
 def demo(**options: Any) -> Case:
@@ -131,8 +115,8 @@ def demo(**options: Any) -> Case:
         **options,
     )
 
-    def batch() -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.randn(ex.BATCH, 64), torch.randint(0, ex.CLASSES, (ex.BATCH,))
+    def batch() -> tuple[torch.Tensor, torch.Tensor, None]:
+        return torch.randn(ex.BATCH, 64), torch.randint(0, ex.CLASSES, (ex.BATCH,)), None
 
     return Case("demo (mlp)", pipe, batch, nn.functional.cross_entropy)
 

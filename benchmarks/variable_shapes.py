@@ -52,7 +52,6 @@ import argparse
 import contextlib
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -60,6 +59,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _torchrun import under_torchrun
 from torch import nn
 
 VOCAB, WIDTH, LAYERS, ROWS = 1024, 256, 8, 2
@@ -243,19 +243,7 @@ def main() -> None:
     if "RANK" in os.environ:
         worker(args.rounds)
         return
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc_per_node",
-        "2",
-        __file__,
-        "--rounds",
-        str(args.rounds),
-    ]
-    sys.exit(subprocess.run(command, env=env, check=False).returncode)
+    sys.exit(under_torchrun(__file__, ["--rounds", str(args.rounds)]))
 
 
 if __name__ == "__main__":

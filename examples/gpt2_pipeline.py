@@ -54,13 +54,22 @@ def batch(generator: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": labels}
 
 
+def tokens_of(data: dict[str, torch.Tensor]) -> int:
+    """The batch's predicted tokens: GPT-2 predicts token t + 1 from t, padding excluded."""
+    return int((data["labels"][:, 1:] != -100).sum())
+
+
+def new_model() -> GPT2LMHeadModel:
+    """A 4-block GPT-2 with tied embeddings and its default dropout."""
+    config = GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=4, n_head=4)
+    return GPT2LMHeadModel(config)
+
+
 def main() -> None:
     logging.set_verbosity_error()
     torch.manual_seed(0)
     generator = torch.Generator().manual_seed(0)
-    model = GPT2LMHeadModel(
-        GPT2Config(vocab_size=VOCAB, n_positions=LENGTH, n_embd=64, n_layer=4, n_head=4)
-    )
+    model = new_model()
     if "RANK" in os.environ:  # under torchrun: one stage per rank
         pipe = Pipeline(model, chunks=CHUNKS, mesh=init_mesh(pp=2), schedule="1f1b")
     else:
@@ -71,11 +80,10 @@ def main() -> None:
     acc = GradientAccumulator(pipe, optimizer, accumulation_steps=1)
     for step in range(1, STEPS + 1):
         data = batch(generator)
-        tokens = int((data["labels"][:, 1:] != -100).sum())  # GPT-2 predicts t + 1 from t
         result = acc.step(
             {**data, "num_items_in_batch": 1},  # GPT-2 returns its summed token loss
             loss_fn=lambda out: out.loss,
-            num_items=tokens,  # pipesched divides the batch's sum by its token count
+            num_items=tokens_of(data),  # pipesched divides the batch's sum by its token count
         )
         if step == 1:
             say(pipe.partition, end="\n\n")  # cut at the first step

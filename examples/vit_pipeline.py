@@ -32,11 +32,8 @@ def batch(patterns: torch.Tensor, generator: torch.Generator) -> dict[str, torch
     return {"pixel_values": patterns[labels] + noise, "labels": labels}
 
 
-def main() -> None:
-    logging.set_verbosity_error()
-    torch.manual_seed(0)
-    generator = torch.Generator().manual_seed(0)
-    patterns = torch.randn(CLASSES, 3, 32, 32, generator=generator)
+def new_model() -> ViTForImageClassification:
+    """A small ViT: 32x32 images, 8x8 patches, 4 encoder layers."""
     config = ViTConfig(
         image_size=32,
         patch_size=8,
@@ -46,8 +43,15 @@ def main() -> None:
         intermediate_size=128,
         num_labels=CLASSES,
     )
-    model = ViTForImageClassification(config)
-    pipe = Pipeline(model, chunks=CHUNKS, devices=["cpu", "cpu"])
+    return ViTForImageClassification(config)
+
+
+def main() -> None:
+    logging.set_verbosity_error()
+    torch.manual_seed(0)
+    generator = torch.Generator().manual_seed(0)
+    patterns = torch.randn(CLASSES, 3, 32, 32, generator=generator)
+    pipe = Pipeline(new_model(), chunks=CHUNKS, devices=["cpu", "cpu"])
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=2e-3)
     for step in range(1, STEPS + 1):
         loss = pipe.step(batch(patterns, generator), loss_fn=lambda out: out.loss)

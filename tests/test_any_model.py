@@ -328,3 +328,11 @@ def test_gpt2_runs_micro_batches_of_their_own_sequence_lengths(schedule, fp64):
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=RTOL, atol=ATOL)
     _assert_grads_equal(model, plain)
+
+
+def test_a_call_the_forward_does_not_take_names_its_signature():
+    pipe = Pipeline(TimmStyleViT(), chunks=2, devices=["cpu", "cpu"])
+    with pytest.raises(
+        TypeError, match=r"TimmStyleViT.forward\(x: .*unexpected keyword argument 'colour'"
+    ):
+        pipe(torch.randn(4, 3, 16, 16), colour=1)

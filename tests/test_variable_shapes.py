@@ -12,6 +12,7 @@ from torch import nn
 from pipesched import GradientAccumulator, Pipeline, is_recomputing
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.schedule import SCHEDULES, stages_per_worker
+from tests.distributed.varlen_worker import micro_batches, token_mean, token_sum
 
 pytestmark = pytest.mark.usefixtures("fp64")
 
@@ -54,25 +55,8 @@ def mlp() -> nn.Sequential:
 
 def token_batches(seed: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
     """Micro-batches of token ids and labels (some -100: padding), and the non-padding count."""
-    g = torch.Generator().manual_seed(seed)
-    xs, ys = [], []
-    for rows, length in zip(ROWS, LENGTHS, strict=True):
-        x = torch.randint(0, VOCAB, (rows, length), generator=g)
-        y = torch.randint(0, VOCAB, (rows, length), generator=g)
-        y[:, (length + 1) // 2 :] = -100
-        xs.append(x)
-        ys.append(y)
-    return xs, ys, int(sum((y != -100).sum() for y in ys))
-
-
-def token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(
-        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
-    )
-
-
-def token_mean(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=-100)
+    shapes = list(zip(ROWS, LENGTHS, strict=True))
+    return micro_batches(shapes, VOCAB, torch.Generator().manual_seed(seed))
 
 
 def reference(model, xs, ys, loss_fn, num_items=None) -> dict[str, torch.Tensor]:

@@ -55,11 +55,17 @@ def batches(
     g = torch.Generator().manual_seed(
         hash((list(SCHEDULES).index(schedule), window, step, replica)) % 2**31
     )
+    return micro_batches([(rows, length + step) for rows, length in SHAPES[replica]], VOCAB, g)
+
+
+def micro_batches(
+    shapes: list[tuple[int, int]], vocab: int, g: torch.Generator
+) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+    """Token ids below ``vocab`` and labels of these (rows, length) shapes, second halves -100."""
     xs, ys = [], []
-    for rows, length in SHAPES[replica]:
-        length += step
-        x = torch.randint(0, VOCAB, (rows, length), generator=g)
-        y = torch.randint(0, VOCAB, (rows, length), generator=g)
+    for rows, length in shapes:
+        x = torch.randint(0, vocab, (rows, length), generator=g)
+        y = torch.randint(0, vocab, (rows, length), generator=g)
         y[:, (length + 1) // 2 :] = -100
         xs.append(x)
         ys.append(y)

@@ -17,6 +17,10 @@ and buffers, looked up by name at every call (see
 - export's own runtime checks (``_assert_tensor_metadata``, ``_assert_scalar``)
   are dropped: they pin the device and dtype of the trace and a batch of at
   least 2, while stages run on other devices and on micro-batches of one row.
+- ``torch.no_grad()`` regions (Llama's rotary embedding) are copied inline
+  with detached outputs (:mod:`pipesched.partition.grad_regions`), and each
+  input's sizes the trace holds for are kept to check calls against
+  (:mod:`pipesched.partition.sizes`).
 - A failed trace becomes a :class:`~pipesched.errors.PartitionError` naming
   the line of the model that could not be traced and the ways around it.
 """
@@ -39,6 +43,8 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from pipesched.call import Call
 from pipesched.errors import ConfigTypeError, PartitionError
+from pipesched.partition.grad_regions import inline_grad_regions
+from pipesched.partition.sizes import Dims, input_dims, refusal
 
 __all__ = ["StateRef", "TracedModel", "trace_model"]
 
@@ -119,7 +125,7 @@ class TracedModel:
     keywords: tuple[str, ...] = ()
     positions: tuple[int, ...] | None = None
     fixed: tuple[str, ...] = ()
-    dims: tuple[tuple[int | tuple[int, int | None], ...] | None, ...] = ()  # see Dims
+    dims: tuple[Dims | None, ...] = ()
 
     def constant(self, name: str) -> torch.Tensor:
         """A tensor constant the export lifted out of the model's code."""
@@ -157,30 +163,13 @@ class TracedModel:
         return leaves if self.positions is None else [leaves[i] for i in self.positions]
 
     def refuses(self, leaves: list[Any]) -> str | None:
-        """Why these input values fall outside what the trace fixed, or None when they fit.
+        """Why these input values fall outside the sizes the trace holds for, or None.
 
-        Why check: export turns a Python branch on a size into a guard and a
-        size of 1 into a constant; a call of other sizes would run the traced
-        branch, or broadcast, silently. The batch dimension may hold a single
-        row (micro-batches do) even where export's guard says two.
+        See :mod:`pipesched.partition.sizes`.
         """
-        for i, (leaf, dims) in enumerate(zip(leaves, self.dims, strict=False)):
-            if dims is None or not isinstance(leaf, torch.Tensor):
-                continue
-            where = f"input {self.inputs[i].name}"
-            if leaf.ndim != len(dims):
-                return f"{where} has {leaf.ndim} dimensions, the trace {len(dims)}"
-            for k, (size, allowed) in enumerate(zip(leaf.shape, dims, strict=True)):
-                if isinstance(allowed, int):
-                    if k > 0 and size != allowed:
-                        return (
-                            f"dimension {k} of {where} is {size}; the trace fixed it at {allowed}"
-                        )
-                    continue
-                low, high = (1 if k == 0 else allowed[0]), allowed[1]
-                if size < low or (high is not None and size > high):
-                    span = f"{low} to {high}" if high is not None else f"{low} or more"
-                    return f"dimension {k} of {where} is {size}; the trace holds for {span}"
+        for node, leaf, dims in zip(self.inputs, leaves, self.dims, strict=False):
+            if (reason := refusal(f"input {node.name}", leaf, dims)) is not None:
+                return reason
         return None
 
 
@@ -272,63 +261,23 @@ def _fix_extra_keywords(model: nn.Module, call: Call) -> tuple[Call, dict[str, A
 
 
 def _bound(model: nn.Module, call: Call) -> dict[str, Any] | tuple[Any, ...]:
-    """The call's arguments by parameter name, as export's ``dynamic_shapes`` wants them."""
-    try:
-        return dict(inspect.signature(model.forward).bind(*call.args, **call.kwargs).arguments)
-    except (TypeError, ValueError):
-        if call.kwargs:
-            raise
-        return tuple(call.args)
+    """The call's arguments by parameter name, as export's ``dynamic_shapes`` wants them.
 
-
-_SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
-"""export's node for a region run under ``torch.no_grad()`` (Llama's rotary embedding)."""
-
-
-def _inline_grad_regions(program: ExportedProgram) -> None:
-    """Copies each ``torch.no_grad()`` region's operations into the graph, outputs detached.
-
-    Why: export keeps such a region as a sub-graph behind one higher-order
-    operation, which a cut could not split nor the profiler time. Inlined, its
-    operations are ordinary ones and its outputs are detached, so no gradient
-    crosses it, as under ``no_grad``; the values are the same.
+    Raises:
+        ConfigTypeError: the forward does not take these arguments.
     """
-    gm, graph = program.graph_module, program.graph_module.graph
-    while regions := [n for n in graph.nodes if n.op == "call_function" and n.target is _SET_GRAD]:
-        node = regions[0]
-        enabled, holder, *operands = node.args
-        sub = getattr(gm, holder.target)
-        env: dict[fx.Node, Any] = {}
-        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        env.update(zip(placeholders, operands, strict=True))
-        results: list[Any] = []
-        with graph.inserting_before(node):
-            for n in sub.graph.nodes:
-                if n.op == "placeholder":
-                    continue
-                if n.op == "output":
-                    results = list(pytree.tree_leaves(n.args[0]))
-                    continue
-                if n.op == "get_attr":  # a nested region's sub-graph: held by the top module
-                    name = f"{holder.target}_{n.target}".replace(".", "_")
-                    setattr(gm, name, getattr(sub, n.target))
-                    env[n] = graph.get_attr(name)
-                    continue
-                env[n] = graph.node_copy(n, env.__getitem__)
-            for i, out in enumerate(results):
-                value = env[out] if isinstance(out, fx.Node) else out
-                if not enabled and isinstance(value, fx.Node):
-                    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
-                    detached.meta = dict(value.meta)
-                    value = detached
-                results[i] = value
-        for user in list(node.users):  # operator.getitem(node, i)
-            user.replace_all_uses_with(results[user.args[1]])
-            graph.erase_node(user)
-        graph.erase_node(node)
-        if not holder.users:
-            graph.erase_node(holder)
-    gm.recompile()
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to read: positional arguments only
+        return tuple(call.args)
+    try:
+        return dict(signature.bind(*call.args, **call.kwargs).arguments)
+    except TypeError as error:
+        raise ConfigTypeError(
+            f"{type(model).__name__}.forward{signature} does not take the pipeline's call "
+            f"({len(call.args)} positional, keywords {sorted(call.kwargs)}): {error}; call "
+            "the pipeline with the model's own arguments"
+        ) from error
 
 
 def _read(
@@ -338,8 +287,7 @@ def _read(
     keywords: tuple[str, ...],
     fixed: tuple[str, ...],
 ) -> TracedModel:
-    if _SET_GRAD is not None:
-        _inline_grad_regions(program)
+    inline_grad_regions(program)
     signature = program.graph_signature
     placeholders = {n.name: n for n in program.graph.nodes if n.op == "placeholder"}
     inputs, state, positions = [], {}, []
@@ -397,35 +345,8 @@ def _read(
         keywords=keywords,
         positions=tuple(positions),
         fixed=fixed,
-        dims=tuple(_dims(node, program) for node in inputs),
+        dims=tuple(input_dims(node, program) for node in inputs),
     )
-
-
-def _dims(
-    node: fx.Node, program: ExportedProgram
-) -> tuple[int | tuple[int, int | None], ...] | None:
-    """An input's dimensions as the trace holds them (see :attr:`TracedModel.dims`)."""
-    value = node.meta.get("val")
-    if not isinstance(value, torch.Tensor):
-        return None
-    dims: list[int | tuple[int, int | None]] = []
-    for size in value.shape:
-        if not isinstance(size, torch.SymInt):
-            dims.append(int(size))
-            continue
-        bounds = program.range_constraints.get(size.node.expr)
-        if bounds is None:  # an expression of other sizes: checked through them
-            dims.append((0, None))
-            continue
-        dims.append((_size(bounds.lower) or 0, _size(bounds.upper)))
-    return tuple(dims)
-
-
-def _size(value: Any) -> int | None:
-    try:
-        return int(value)
-    except (TypeError, AttributeError, OverflowError, ValueError):
-        return None
 
 
 def _static_batch(inputs: list[fx.Node]) -> int | None:

@@ -1,0 +1,63 @@
+"""``torch.no_grad()`` regions of an exported graph, copied inline as ordinary operations."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+from torch.export import ExportedProgram
+
+__all__ = ["inline_grad_regions"]
+
+_SET_GRAD = getattr(torch.ops.higher_order, "wrap_with_set_grad_enabled", None)
+"""export's node for a region run under ``torch.no_grad()`` (Llama's rotary embedding)."""
+
+
+def inline_grad_regions(program: ExportedProgram) -> None:
+    """Copies each ``torch.no_grad()`` region's operations into the graph, outputs detached.
+
+    Why: export keeps such a region as a sub-graph behind one higher-order
+    operation, which a cut could not split nor the profiler time. Inlined, its
+    operations are ordinary ones and its outputs are detached, so no gradient
+    crosses it, as under ``no_grad``; the values are the same.
+    """
+    if _SET_GRAD is None:
+        return
+    gm, graph = program.graph_module, program.graph_module.graph
+    while regions := [n for n in graph.nodes if n.op == "call_function" and n.target is _SET_GRAD]:
+        node = regions[0]
+        enabled, holder, *operands = node.args
+        sub = getattr(gm, holder.target)
+        env: dict[fx.Node, Any] = {}
+        placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+        env.update(zip(placeholders, operands, strict=True))
+        results: list[Any] = []
+        with graph.inserting_before(node):
+            for n in sub.graph.nodes:
+                if n.op == "placeholder":
+                    continue
+                if n.op == "output":
+                    results = list(pytree.tree_leaves(n.args[0]))
+                    continue
+                if n.op == "get_attr":  # a nested region's sub-graph: held by the top module
+                    name = f"{holder.target}_{n.target}".replace(".", "_")
+                    setattr(gm, name, getattr(sub, n.target))
+                    env[n] = graph.get_attr(name)
+                    continue
+                env[n] = graph.node_copy(n, env.__getitem__)
+            for i, out in enumerate(results):
+                value = env[out] if isinstance(out, fx.Node) else out
+                if not enabled and isinstance(value, fx.Node):
+                    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
+                    detached.meta = dict(value.meta)
+                    value = detached
+                results[i] = value
+        for user in list(node.users):  # operator.getitem(node, i)
+            user.replace_all_uses_with(results[user.args[1]])
+            graph.erase_node(user)
+        graph.erase_node(node)
+        if not holder.users:
+            graph.erase_node(holder)
+    gm.recompile()
