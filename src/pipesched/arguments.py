@@ -17,7 +17,7 @@ from torch import nn
 
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.microbatch import batch_size
-from pipesched.runtime.tree import tensors
+from pipesched.tree import tensors
 
 __all__ = [
     "check_inputs",

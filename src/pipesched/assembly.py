@@ -28,9 +28,10 @@ from pipesched.partition.sequential import sequential_layers
 from pipesched.runtime.distributed import DistributedRuntime
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync
+from pipesched.runtime.interpreter import Runtime
 from pipesched.runtime.local import LocalRuntime
-from pipesched.runtime.tree import map_tensors, tensors
 from pipesched.stepper import Stepper
+from pipesched.tree import map_tensors, tensors
 
 if TYPE_CHECKING:
     from pipesched.pipeline import Pipeline
@@ -64,7 +65,7 @@ class Assembly:
     plan: Plan
     stages: list[nn.Module]
     own: list[int]
-    runtime: LocalRuntime
+    runtime: Runtime
     tied: dict[int, tuple[int, ...]]
     stepper: Stepper
 
@@ -174,14 +175,16 @@ def assemble(
             if pipe._modules.get(name) is not child:
                 pipe._modules[name] = child
     stages = plan.build(module, stage_devices)
-    runtime: LocalRuntime
+    runtime: Runtime
     tied: dict[int, tuple[int, ...]] = {}
     if info is None:
         own = list(range(num_stages))
         for s, stage in enumerate(stages):
             stage.to(stage_devices[s])
         fused = unshared_parameters(stages) if cut.fuse_weight_grads else None
-        runtime = LocalRuntime(stages, list(layout.devices), layout.cpu_threads, fused)
+        runtime = LocalRuntime(
+            stages, list(layout.devices), layout.placement, layout.cpu_threads, fused
+        )
     else:
         runtime, own, tied = DistributedRuntime.on_rank(
             stages, layout.placement, info, fuse=cut.fuse_weight_grads, on_stage_done=on_stage_done
@@ -324,7 +327,7 @@ class Assemblies:
 
     def running_here(self) -> bool:
         """Whether the calling thread is one of the workers, inside a step."""
-        return any(a.runtime.running_here() for a in self._all)
+        return any(a.runtime.interpreter.running_here() for a in self._all)
 
     def _explain_retrace(self, key: tuple[Any, ...], inputs: Sequence[Any]) -> None:
         """Warns of a new trace for a new kind of call; raises on a mesh (it cannot trace again).

@@ -22,7 +22,7 @@ import torch
 from pipesched.arguments import check_inputs
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.microbatch import scatter
-from pipesched.runtime.tree import tensors
+from pipesched.tree import tensors
 
 __all__ = ["StepBatches", "step_batches"]
 

@@ -26,7 +26,8 @@ from pipesched.microbatch import batch_size, join_outputs, scatter
 from pipesched.partition import Partition
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.gradsync import LocalSync, Sync
-from pipesched.runtime.local import LocalRuntime, StepInputs
+from pipesched.runtime.interpreter import Runtime
+from pipesched.runtime.passes import StepInputs
 from pipesched.schedule import Schedule, Timeline
 from pipesched.schedule.spec import check_spec, schedule_for, spec_name
 from pipesched.stepper import Stepper
@@ -214,7 +215,7 @@ class Pipeline(nn.Module):
         return tuple(self._built().stages)
 
     @property
-    def _runtime(self) -> LocalRuntime:
+    def _runtime(self) -> Runtime:
         return self._built().runtime
 
     @property

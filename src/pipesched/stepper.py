@@ -19,7 +19,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.errors import ConfigError
 from pipesched.rng import StepSeed, draw_seed, module_names
-from pipesched.runtime.local import LocalRuntime, StepInputs, _Run
+from pipesched.runtime.interpreter import Runtime
+from pipesched.runtime.passes import StepInputs, StepState
 from pipesched.schedule import Schedule
 from pipesched.seeding import StageSeeding, UnseededDraws
 from pipesched.transaction import Snapshot, deferred_interrupts
@@ -45,7 +46,7 @@ class Stepper:
 
     def __init__(
         self,
-        runtime: LocalRuntime,
+        runtime: Runtime,
         model: nn.Module,
         stages: Sequence[nn.Module],
         devices: Sequence[torch.device],
@@ -55,13 +56,14 @@ class Stepper:
         finish: Callable[[], None],
     ) -> None:
         names = module_names(model, stages, extra_names)
-        runtime.seeding = [
+        passes = runtime.passes
+        passes.seeding = [
             StageSeeding(names[s], stage, devices[s], adaptive=adaptive)
             for s, stage in enumerate(stages)
         ]
-        runtime.loss_seeding = StageSeeding({}, stages[-1], devices[-1], adaptive=adaptive)
+        passes.loss_seeding = StageSeeding({}, stages[-1], devices[-1], adaptive=adaptive)
         self.runtime = runtime
-        self.seedings = [*runtime.seeding, runtime.loss_seeding]
+        self.seedings = [*passes.seeding, passes.loss_seeding]
         self.model = model
         self.adaptive = adaptive
         self.finish = finish
@@ -73,20 +75,20 @@ class Stepper:
         make_step: Callable[[int | None], StepInputs],
         *,
         detach: bool,
-    ) -> _Run:
+    ) -> StepState:
         """Runs the step ``make_step(seed)`` builds, as a transaction (see the module).
 
         Raises:
             ConfigError: called from inside one of this pipeline's steps.
             BaseException: what the step raised; nothing it changed remains.
         """
-        if self.runtime.running_here():
+        if self.runtime.interpreter.running_here():
             raise ConfigError(
                 "this Pipeline was called from inside one of its own steps (a stage's "
                 "forward or the loss_fn); a step cannot run another of the same pipeline: "
                 "call it after the step returns"
             )
-        with self.runtime.lock:
+        with self.runtime.interpreter.lock:
             try:
                 return self._attempt(schedule_of, make_step, detach)
             except UnseededDraws:
@@ -117,7 +119,7 @@ class Stepper:
         schedule_of: Callable[[int], Schedule],
         make_step: Callable[[int | None], StepInputs],
         detach: bool,
-    ) -> _Run:
+    ) -> StepState:
         """One run of the step: committed if it returns, put back if it raises."""
         # Read each time: parameters replaced since (load_state_dict(assign=True)) count too.
         parameters = list(self.model.parameters())

@@ -89,8 +89,10 @@ def grads(pipe: Pipeline) -> dict[str, torch.Tensor]:
 def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
     """Two windows (num_items, then row-weighted means) and one pipe.step on ``schedule``."""
     pipe = Pipeline(model(), 2, balance=balance, mesh=mesh, schedule=schedule)
-    transport = pipe._runtime.transport
-    transport._roomy = transport._roomy and schedule not in EXACT
+    transport, stats = pipe._runtime.transport, pipe._runtime.stats
+    roomy = getattr(transport, "_roomy", False) and schedule not in EXACT  # ordered: never
+    if hasattr(transport, "_roomy"):
+        transport._roomy = roomy
     replica = pipe.mesh.dp_rank
     acc = GradientAccumulator(
         pipe, torch.optim.SGD(pipe.parameters(), lr=0.0), accumulation_steps=STEPS
@@ -111,13 +113,13 @@ def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
     record["grads"] = seen
     pipe.zero_grad(set_to_none=True)
     xs, ys, n = batches(schedule, 2, 0, replica)  # no longer than before: no notice if roomy
-    before = transport.notices
+    before = stats.notices
     record["step_loss"] = float(
         pipe.step(microbatches=xs, targets=ys, loss_fn=token_sum, num_items=n)
     )
     record["step_grads"] = grads(pipe)
-    record["notices"] = (transport.notices, transport.notices - before, transport._roomy)
-    record["receives"] = (transport.unplanned, len(transport._posted))
+    record["notices"] = (stats.notices, stats.notices - before, roomy)
+    record["receives"] = (stats.unplanned, stats.unread)
     return record
 
 

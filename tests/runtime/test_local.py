@@ -101,13 +101,13 @@ def test_measured_timeline_has_every_action_in_order():
 
 def test_mailbox_hands_over_and_aborts():
     box = Mailbox()
-    box.put("a", 1)
-    assert box.take("a") == 1
+    box.set("a", 1)
+    assert box.get("a") == 1
     errors = []
 
     def wait():
         try:
-            box.take("never")
+            box.get("never")
         except Aborted:
             errors.append("aborted")
 
@@ -119,7 +119,7 @@ def test_mailbox_hands_over_and_aborts():
     assert not thread.is_alive()
     assert errors == ["aborted"]
     with pytest.raises(Aborted):
-        box.take("later")
+        box.get("later")
 
 
 def test_measured_actions_exclude_the_wait_for_their_inputs():

@@ -51,9 +51,9 @@ from pipesched.partition.report import Partition, StagePlan
 from pipesched.partition.sequential import split_sequential
 from pipesched.partition.split import split_traced
 from pipesched.partition.trace import TracedModel, trace_model
-from pipesched.runtime.tree import tensors
 from pipesched.schedule import Schedule, Timeline
 from pipesched.schedule.spec import ScheduleSpec, schedule_for
+from pipesched.tree import tensors
 
 __all__ = ["BALANCE_MODES", "Plan", "plan_partition", "simulate_partition"]
 

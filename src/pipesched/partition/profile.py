@@ -36,7 +36,7 @@ from torch import fx, nn
 
 from pipesched.call import Call
 from pipesched.partition.trace import TracedModel
-from pipesched.runtime.tree import map_tensors, tensors
+from pipesched.tree import map_tensors, tensors
 
 __all__ = ["NodeCost", "device_kind", "measure_sequential", "measure_traced"]
 

@@ -30,7 +30,7 @@ from torch import fx, nn
 
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.partition.trace import TracedModel
-from pipesched.runtime.tree import tensors
+from pipesched.tree import tensors
 
 __all__ = ["ModeCheck", "RandomOp", "Switch", "TracedStage"]
 

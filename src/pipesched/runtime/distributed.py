@@ -1,12 +1,13 @@
 """The runtime across processes: each rank runs its own worker's actions; values cross by p2p.
 
-It is the local runtime with a few hooks changed: a step starts with the
-pipeline's ranks agreeing on its shape and seed (:mod:`pipesched.runtime.agreement`);
-only this rank's schedule worker runs here; a value for a stage on another
-rank travels by point-to-point (:mod:`pipesched.runtime.p2p`), one for a
-stage on this rank (interleaved and V schedules) stays in memory; and a
-failure is reported to every rank before this one stops
-(:mod:`pipesched.runtime.failures`).
+It runs the interpreter every runtime shares (:mod:`pipesched.runtime.interpreter`)
+with a p2p transport: a step starts with the pipeline's ranks agreeing on its
+shape and seed (:mod:`pipesched.runtime.agreement`); only this rank's schedule
+worker runs here; a value for a stage on another rank travels by
+point-to-point (tagged on gloo, :mod:`pipesched.runtime.p2p`; in one agreed
+order under NCCL's rules, :mod:`pipesched.runtime.ordered`), one for a stage
+on this rank (V schedules) stays in memory; and a failure is reported to
+every rank before this one stops (:mod:`pipesched.runtime.failures`).
 
 The transfers and the agreement use a process group of the pipeline's own
 (its pp ranks, with the mesh's timeout). After a failure that group alone is
@@ -21,7 +22,7 @@ import contextlib
 import gc
 import itertools
 import time
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -35,17 +36,23 @@ from pipesched.errors import ConfigError, RemoteError
 from pipesched.runtime.agreement import StepShape, agreed_seed, mismatch
 from pipesched.runtime.failures import Failure, FailureChannel
 from pipesched.runtime.fused_linear import unshared_parameters
-from pipesched.runtime.local import LocalRuntime, StepInputs, _Run
-from pipesched.runtime.p2p import Transport
+from pipesched.runtime.interpreter import Interpreter
+from pipesched.runtime.link import Link
+from pipesched.runtime.ordered import OrderedTransport
+from pipesched.runtime.p2p import TaggedTransport
+from pipesched.runtime.passes import StagePasses, StepInputs, StepState
 from pipesched.runtime.streams import Stream
-from pipesched.schedule import BACKWARD, FORWARD, Action, Event, Schedule, Timeline
+from pipesched.runtime.transport import Transport, p2p_mode
+from pipesched.schedule import FORWARD, Action, Event, Schedule, Timeline
+from pipesched.schedule.dataflow import Message
+from pipesched.schedule.transfers import Item
 
 __all__ = ["DistributedRuntime", "broadcast_loss"]
 
 _serials = itertools.count()  # every rank builds its pipelines in the same order
 
 
-class DistributedRuntime(LocalRuntime):
+class DistributedRuntime:
     """Runs pp rank ``info.pp_rank``'s actions of each schedule.
 
     Args:
@@ -53,10 +60,12 @@ class DistributedRuntime(LocalRuntime):
         placement: the worker (pp rank) of each stage.
         info: this rank's place in the mesh.
         num_threads: intra-op threads for this rank's worker.
-        fused: as in :class:`~pipesched.runtime.local.LocalRuntime`.
+        fused: as in :class:`~pipesched.runtime.passes.StagePasses`.
         keys: per stage, the keys of the dict it receives (a traced model's
             stages), which crosses ranks as a tuple in this order; None: the
             value travels as it is.
+        on_stage_done: called with a stage's index once it has run its last
+            backward action of a step.
     """
 
     def __init__(
@@ -69,8 +78,10 @@ class DistributedRuntime(LocalRuntime):
         keys: Sequence[tuple[str, ...] | None] | None = None,
         on_stage_done: Callable[[int], None] | None = None,
     ) -> None:
-        devices = [info.device] * info.pp_size
-        super().__init__(stages, devices, num_threads, fused)  # type: ignore[arg-type]
+        self.passes = StagePasses(stages, [info.device] * info.pp_size, placement, fused)
+        self.interpreter = Interpreter(
+            self.passes, num_threads, on_failure=self._on_failure, on_stage_done=on_stage_done
+        )
         self.placement = placement
         self.info = info
         self.failures = FailureChannel(next(_serials), info.pp_rank, info.dp_rank, info.timeout)
@@ -78,13 +89,18 @@ class DistributedRuntime(LocalRuntime):
         """This pipeline's own process group (its pp ranks); None once closed after a failure."""
         self.stopped: Failure | None = None
         """Why this pipeline stopped, once a step failed (it cannot run again)."""
-        self.transport = Transport(info.pp_ranks, info.device, self.failures, self.group)
-        self._num_stages = len(placement)
+        link = Link(info.pp_ranks, info.device, self.failures, self.group)
+        self.mode = p2p_mode(dist.get_backend(self.group))
+        """The p2p transport: ``"tagged"`` (gloo) or ``"ordered"`` (NCCL's rules)."""
+        p2p: Transport = (
+            OrderedTransport(link)
+            if self.mode == "ordered"
+            else TaggedTransport(link, len(placement))
+        )
+        self.transport: Transport = _Keyed(p2p, keys) if keys and any(keys) else p2p
+        self.stats = p2p.stats
+        """What this pipeline's transfers did (:class:`~pipesched.runtime.link.TransferStats`)."""
         self.last_origin_wall = 0.0
-        self.on_stage_done = on_stage_done
-        """Called with a stage's index once it has run its last backward action of a step."""
-        self._last_backward: dict[int, Action] = {}
-        self._keys = list(keys) if keys is not None else [None] * len(placement)
 
     @classmethod
     def on_rank(
@@ -112,7 +128,7 @@ class DistributedRuntime(LocalRuntime):
         runtime = cls(kept, placement, info, torch.get_num_threads(), fused, keys, on_stage_done)
         return runtime, own, tied
 
-    def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> _Run:
+    def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> StepState:
         """Agrees on the step with the pipeline's other ranks, then runs this rank's actions.
 
         Sets ``step.seed`` to the agreed seed
@@ -143,7 +159,16 @@ class DistributedRuntime(LocalRuntime):
         if problem is not None:
             raise ConfigError(f"the ranks of this pipeline disagree on the step: {problem}")
         step.seed = agreed_seed(shapes) or None
-        return super().run(schedule, step, detach=detach)
+        try:
+            state = self.interpreter.run(
+                schedule, step, self.transport, [self.info.pp_rank], detach=detach
+            )
+        except RemoteError as error:  # a transfer failed outside any action (posting, finishing)
+            if self.stopped is None:
+                self._stop(Failure.of(error), report=False)
+            raise
+        self.last_origin_wall = state.origin_wall
+        return state
 
     def _exchange(self, shape: StepShape) -> list[StepShape]:
         """Every pp rank's shape of this step: one all-gather over the pipeline's group."""
@@ -164,85 +189,7 @@ class DistributedRuntime(LocalRuntime):
             raise failure.error() from error
         return [StepShape.decode(t.tolist()) for t in gathered]
 
-    def workers(self, schedule: Schedule) -> list[int]:
-        _check_channel_order(schedule)
-        return [self.info.pp_rank]
-
-    def _local(self, stage: int) -> bool:
-        return self.placement[stage] == self.info.pp_rank
-
-    def _tag(self, kind: str, stage: int, microbatch: int) -> int:
-        return (microbatch * self._num_stages + stage) * 2 + (kind == BACKWARD)
-
-    def start_step(self, schedule: Schedule, rows: dict[int, list[Action]]) -> None:
-        """Posts the first receive of each channel; each receive posts the next.
-
-        The data of a transfer then moves while this rank computes, instead of
-        after it asks for it.
-        """
-        receives: dict[Hashable, list[tuple[int, int]]] = {}
-        self._last_backward = {a.stage: a for a in rows[self.info.pp_rank] if a.kind != FORWARD}
-        for a in rows[self.info.pp_rank]:
-            if a.kind == FORWARD and a.stage > 0:
-                source = a.stage - 1
-            elif a.kind == BACKWARD and a.stage < self._num_stages - 1:
-                source = a.stage + 1
-            else:
-                continue
-            if not self._local(source):
-                tag = self._tag(a.kind, a.stage, a.microbatch)
-                receives.setdefault((a.kind, a.stage), []).append((self.placement[source], tag))
-        try:
-            self.transport.plan(receives)
-        except RemoteError as error:
-            self._stop(Failure.of(error), report=False)
-            raise
-
-    def _backward(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
-        start = super()._backward(action, w, schedule, run)
-        self._after_backward(action)
-        return start
-
-    def _weight(self, action: Action, w: int, schedule: Schedule, run: _Run) -> float:
-        start = super()._weight(action, w, schedule, run)
-        self._after_backward(action)
-        return start
-
-    def _after_backward(self, action: Action) -> None:
-        if self.on_stage_done is not None and self._last_backward.get(action.stage) == action:
-            self.on_stage_done(action.stage)  # its gradients are final for this step
-
-    def take(self, run: _Run, kind: str, stage: int, microbatch: int, stream: Stream) -> Any:
-        source = stage - 1 if kind == FORWARD else stage + 1
-        if self._local(source):
-            return super().take(run, kind, stage, microbatch, stream)
-        what = (
-            f"the activation of micro-batch {microbatch} for stage {stage}"
-            if kind == FORWARD
-            else f"the gradient of micro-batch {microbatch} for stage {stage}"
-        )
-        value = self.transport.recv(
-            self.placement[source], (kind, stage), self._tag(kind, stage, microbatch), what
-        )
-        keys = self._keys[stage]
-        return dict(zip(keys, value, strict=True)) if kind == FORWARD and keys else value
-
-    def put(
-        self, run: _Run, kind: str, stage: int, microbatch: int, value: Any, stream: Stream
-    ) -> None:
-        if self._local(stage):
-            super().put(run, kind, stage, microbatch, value, stream)
-            return
-        keys = self._keys[stage]
-        if kind == FORWARD and keys and isinstance(value, dict):
-            value = tuple(value[k] for k in keys)
-        source = stage - 1 if kind == FORWARD else stage + 1
-        what = f"stage {source}" if kind == FORWARD else f"the backward of stage {source}"
-        self.transport.send(
-            value, self.placement[stage], (kind, stage), self._tag(kind, stage, microbatch), what
-        )
-
-    def on_failure(self, error: BaseException, action: Action) -> None:
+    def _on_failure(self, error: BaseException, action: Action) -> None:
         if isinstance(error, RemoteError):  # reported by whoever saw it first
             self._stop(Failure.of(error), report=False)
             return
@@ -274,21 +221,12 @@ class DistributedRuntime(LocalRuntime):
             self.failures.report(failure)
         self.stopped = failure
         group, self.group = self.group, None
-        self.transport.drop()
+        self.transport.abort()
         if group is not None:
             with contextlib.suppress(Exception):  # never hide the error being reported
                 dist.destroy_process_group(group)
             del group
             gc.collect()  # the connections close when the last reference goes
-
-    def finish_step(self, run: _Run) -> None:
-        self.last_origin_wall = run.origin_wall
-        if run.error is None:
-            try:
-                self.transport.finish()
-            except RemoteError as error:
-                self._stop(Failure.of(error), report=False)
-                raise
 
     def gather_timeline(self, timeline: Timeline) -> Timeline | None:
         """Every pp rank's events of ``timeline``'s step, on pp rank 0 (None on the others).
@@ -312,6 +250,47 @@ class DistributedRuntime(LocalRuntime):
         return Timeline(tuple(events), self.placement)
 
 
+class _Keyed:
+    """A p2p transport for traced stages, whose inputs are dicts: they cross as tuples.
+
+    Args:
+        transport: the transport that carries the tuples.
+        keys: per stage, the keys of the dict it receives, in the sender's order.
+    """
+
+    def __init__(self, transport: Transport, keys: Sequence[tuple[str, ...] | None]) -> None:
+        self._transport = transport
+        self._keys = list(keys)
+        self.stats = transport.stats
+
+    def start(self, rows: Mapping[int, Sequence[Item]], inputs: Sequence[Any]) -> None:
+        self._transport.start(rows, inputs)
+
+    def before(self, action: Action) -> None:
+        self._transport.before(action)
+
+    def finish(self) -> None:
+        self._transport.finish()
+
+    def abort(self) -> None:
+        self._transport.abort()
+
+    @property
+    def aborted(self) -> bool:
+        return self._transport.aborted
+
+    def take(self, message: Message, peer: int, stream: Stream) -> Any:
+        value = self._transport.take(message, peer, stream)
+        keys = self._keys[message.stage]
+        return dict(zip(keys, value, strict=True)) if message.kind == FORWARD and keys else value
+
+    def put(self, message: Message, peer: int, value: Any, stream: Stream) -> None:
+        keys = self._keys[message.stage]
+        if message.kind == FORWARD and keys and isinstance(value, dict):
+            value = tuple(value[k] for k in keys)
+        self._transport.put(message, peer, value, stream)
+
+
 def _pipeline_group(info: MeshInfo) -> Any:
     """A new process group of this rank's pipeline, with the mesh's timeout.
 
@@ -326,26 +305,6 @@ def _pipeline_group(info: MeshInfo) -> Any:
         if d == info.dp_rank:
             mine = group
     return mine
-
-
-def _check_channel_order(schedule: Schedule) -> None:
-    """Every stage must run its F, and its B, in increasing micro-batch order.
-
-    Both ends of a stage boundary then walk its transfers in the same order,
-    which the layout tracking of :class:`~pipesched.runtime.p2p.Transport`
-    relies on. Every built-in schedule does; a custom one may not.
-    """
-    last: dict[tuple[int, str], int] = {}
-    for row in schedule.actions:
-        for a in row:
-            key = (a.stage, a.kind)
-            if a.kind != "W" and last.get(key, -1) > a.microbatch:
-                raise ConfigError(
-                    f"schedule {schedule.name!r} runs {a} after micro-batch {last[key]} of the "
-                    f"same stage and pass; across ranks each stage must run its micro-batches' "
-                    "F, and its B, in increasing order: reorder them"
-                )
-            last[key] = a.microbatch
 
 
 def broadcast_loss(

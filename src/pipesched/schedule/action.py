@@ -3,25 +3,47 @@
 from __future__ import annotations
 
 import re
+from enum import StrEnum
 from typing import Final, NamedTuple
 
 from pipesched.errors import ScheduleError
 from pipesched.schedule.limits import MAX_ACTIONS, limit_text
 
-__all__ = ["BACKWARD", "FORWARD", "KINDS", "WEIGHT", "Action"]
+__all__ = ["BACKWARD", "FORWARD", "KINDS", "WEIGHT", "Action", "Kind"]
 
-FORWARD: Final = "F"
-"""Forward pass of a stage on a micro-batch."""
-BACKWARD: Final = "B"
-"""Backward pass. In schedules that also have W it computes only the input gradient."""
-WEIGHT: Final = "W"
-"""Weight-gradient pass (zero-bubble schedules): the half of backward no stage waits for."""
+
+class Kind(StrEnum):
+    """The passes an action can run: a closed set, so an unknown kind cannot be built.
+
+    Each member is its one-letter string (``Kind.F == "F"``, same hash), so
+    tables keyed by ``"F"`` find it and the short form stays ``"2F0"``.
+    """
+
+    F = "F"
+    """Forward pass of a stage on a micro-batch."""
+    B = "B"
+    """Backward pass. In schedules that also have W it computes only the input gradient."""
+    W = "W"
+    """Weight-gradient pass (zero-bubble schedules): the half of backward no stage waits for."""
+
+
+FORWARD: Final = Kind.F
+BACKWARD: Final = Kind.B
+WEIGHT: Final = Kind.W
 KINDS: Final = (FORWARD, BACKWARD, WEIGHT)
+_KIND_OF: Final[dict[object, str]] = {k.value: k.value for k in Kind}
+"""A kind, given as a Kind or its letter, to the plain letter an Action stores."""
 
 _SHORT_FORM = re.compile(r"\s*(\d+)\s*([FBW])\s*(\d+)\s*")
 
 
-class Action(NamedTuple):
+class _Fields(NamedTuple):
+    stage: int
+    kind: str  # one of Kind's letters: Action.__new__ refuses anything else
+    microbatch: int
+
+
+class Action(_Fields):
     """Stage ``stage`` runs pass ``kind`` (F, B or W) on micro-batch ``microbatch``.
 
     The short form ``"2F0"`` (stage, kind, micro-batch) round-trips through
@@ -31,17 +53,30 @@ class Action(NamedTuple):
     schedule graph and are hashed hundreds of thousands of times when a large
     schedule is validated or simulated; a tuple hashes and compares in C.
 
+    ``kind`` is one of :class:`Kind` (given as a member or its letter);
+    anything else is refused when the action is made. It is stored as the
+    plain letter, equal to the member, so actions pickle, print and load
+    (``torch.load(weights_only=True)``) as tuples of builtins.
+
     Example:
-        >>> a = Action(2, "F", 0)
-        >>> str(a)
-        '2F0'
+        >>> a = Action(2, Kind.F, 0)
+        >>> str(a), a.kind == "F"
+        ('2F0', True)
         >>> Action.parse("2F0") == a
         True
     """
 
-    stage: int
-    kind: str
-    microbatch: int
+    __slots__ = ()
+
+    def __new__(cls, stage: int, kind: Kind | str, microbatch: int) -> Action:
+        closed = _KIND_OF.get(kind)
+        if closed is None:
+            raise ScheduleError(
+                f"action kind {kind!r} (stage {stage}, micro-batch {microbatch}) is not one of "
+                f"{', '.join(map(repr, _KIND_OF))}: F forward, B backward (input gradient "
+                "where W appears), W weight gradient"
+            )
+        return tuple.__new__(cls, (stage, closed, microbatch))
 
     def __str__(self) -> str:
         return f"{self.stage}{self.kind}{self.microbatch}"

@@ -10,6 +10,7 @@ import networkx as nx
 
 from pipesched.errors import ScheduleError
 from pipesched.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action
+from pipesched.schedule.dataflow import data_predecessor
 
 if TYPE_CHECKING:
     from pipesched.schedule.schedule import Schedule
@@ -17,21 +18,6 @@ if TYPE_CHECKING:
 __all__ = ["build_graph", "check_complete", "data_predecessor", "topological_order"]
 
 _SHOWN = 12  # actions listed in an error before "... and N more"
-
-
-def data_predecessor(action: Action, num_stages: int) -> tuple[int, str, int] | None:
-    """The action whose result ``action`` consumes, or None for the first forward.
-
-    F(s,i) needs F(s-1,i); B(last,i) needs F(last,i); B(s,i) needs B(s+1,i);
-    W(s,i) needs B(s,i). Returned as a plain tuple, which is equal to (and
-    hashes like) the Action, and is several times cheaper to make.
-    """
-    s, kind, i = action
-    if kind == FORWARD:
-        return (s - 1, FORWARD, i) if s > 0 else None
-    if kind == BACKWARD:
-        return (s + 1, BACKWARD, i) if s < num_stages - 1 else (s, FORWARD, i)
-    return (s, BACKWARD, i)
 
 
 def build_graph(schedule: Schedule) -> nx.DiGraph:

@@ -96,7 +96,9 @@ def _zb_v_row(w: int, p: int, m: int) -> list[Action]:
     """Worker ``w``'s ZB-V order for ``m >= 2p - 1`` micro-batches."""
     down, up = w, 2 * p - 1 - w  # the stage on the way down the V, and on the way up
     row: list[Action] = []
-    count = {(s, k): 0 for s in (down, up) for k in (FORWARD, BACKWARD, WEIGHT)}
+    count: dict[tuple[int, str], int] = {
+        (s, k): 0 for s in (down, up) for k in (FORWARD, BACKWARD, WEIGHT)
+    }
 
     def run(stage: int, kind: str) -> None:
         row.append(Action(stage, kind, count[stage, kind]))

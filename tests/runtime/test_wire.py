@@ -1,4 +1,4 @@
-"""The p2p message format: layouts and payloads round-trip, without a process group."""
+"""The message format between ranks: layouts, identities and payloads round-trip."""
 
 from __future__ import annotations
 
@@ -6,26 +6,36 @@ import pytest
 import torch
 
 from pipesched.errors import ConfigError
-from pipesched.runtime.p2p import (
-    _HEADER_BYTES,
+from pipesched.runtime.wire import (
     CROSSES,
-    _layout,
-    _pack,
-    _payload_bytes,
-    _trim,
-    _unpack,
+    DATA,
+    NOTICE,
+    layout_of,
+    message_bytes,
+    pack,
+    read_header,
+    unpack,
 )
+from pipesched.schedule import Message
 
 CPU = torch.device("cpu")
 
 
 def _round_trip(value):
-    layout, tensors = _layout(value)
-    message = _pack(layout, tensors, CPU)
-    assert message.numel() == _HEADER_BYTES + _payload_bytes(layout)
-    header = message[:_HEADER_BYTES].view(torch.int64).tolist()
-    assert _trim(header[1:]) == layout  # the receiver finds the layout in a padded header
-    return _unpack(layout, message)
+    layout, tensors = layout_of(value)
+    name = Message("B", 3, 7)
+    message = pack(DATA, name, layout, tensors, CPU)
+    assert message.numel() == message_bytes(layout)
+    # The receiver finds the code, the value's identity and the layout in the header.
+    assert read_header(message) == (DATA, name, layout)
+    return unpack(layout, message)
+
+
+def test_a_notice_is_a_header_padded_to_the_size_the_receiver_expects() -> None:
+    layout, _ = layout_of(torch.ones(5, 3))
+    notice = pack(NOTICE, Message("F", 1, 0), layout, [], CPU, size=1000)
+    assert notice.numel() == 1000
+    assert read_header(notice) == (NOTICE, Message("F", 1, 0), layout)
 
 
 @pytest.mark.parametrize(
@@ -50,9 +60,9 @@ def test_values_round_trip_exactly(value) -> None:
             assert type(b) is type(a) and b == a
 
 
-def test_a_new_scalar_is_a_new_layout() -> None:
+def test_a_new_scalar_is_a_newlayout_of() -> None:
     """A changed size between stages must be announced like a changed shape."""
-    assert _layout((torch.ones(2), 3))[0] != _layout((torch.ones(2), 4))[0]
+    assert layout_of((torch.ones(2), 3))[0] != layout_of((torch.ones(2), 4))[0]
 
 
 @pytest.mark.parametrize(
@@ -66,7 +76,7 @@ def test_a_new_scalar_is_a_new_layout() -> None:
 )
 def test_other_values_are_refused_with_what_was_seen(value, seen) -> None:
     with pytest.raises(ConfigError) as raised:
-        _layout(value, "stage 0")
+        layout_of(value, "stage 0")
     message = str(raised.value)
     assert message.startswith(seen + ", which cannot cross to another rank"), message
     # One rule, said the same way for every refusal: never "None is allowed" then a refusal.

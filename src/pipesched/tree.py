@@ -1,4 +1,8 @@
-"""The tensors inside nested tuples, lists and dicts: flatten them, rebuild with new leaves."""
+"""The tensors inside nested tuples, lists and dicts: flatten them, rebuild with new leaves.
+
+A leaf of the package (it imports only torch): partition/, the runtimes and the
+pipeline all walk values with it.
+"""
 
 from __future__ import annotations
 

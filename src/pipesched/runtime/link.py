@@ -1,0 +1,117 @@
+"""The process-group side of point-to-point transfers: post, wait, and name who failed.
+
+Both p2p transports (:mod:`pipesched.runtime.p2p`, :mod:`pipesched.runtime.ordered`)
+send and receive through a :class:`Link`. Sends never block here: their work
+and buffer are kept until :meth:`Link.finish`. A failed post or wait raises
+:class:`~pipesched.errors.RemoteError` naming the peer and why: the failure it
+reported, or how the wait ended (connection closed: it died; ran out of time:
+it is alive but hung); see :mod:`pipesched.runtime.failures`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pipesched.runtime.failures import FailureChannel
+
+__all__ = ["Link", "TransferStats"]
+
+
+@dataclass
+class TransferStats:
+    """What a step's transfers did, counted for tests and benchmarks.
+
+    Attributes:
+        notices: notices sent (a layout the receiver did not expect).
+        unplanned: receives the step's plan did not post ahead.
+        unread: receives posted but never read (left after the last step).
+        stalls: receives whose size was unknown, so the posting waited for them.
+    """
+
+    notices: int = 0
+    unplanned: int = 0
+    unread: int = 0
+    stalls: int = 0
+
+
+class Link:
+    """Posts sends and receives to the ranks of one pipeline over ``group``.
+
+    Args:
+        ranks: the global rank of each pp index.
+        device: this rank's device (where received tensors land).
+        failures: where failures are reported and read.
+        group: the process group (None: the default one).
+    """
+
+    def __init__(
+        self, ranks: tuple[int, ...], device: torch.device, failures: FailureChannel, group: Any
+    ) -> None:
+        self.ranks = ranks
+        self.device = device
+        self.failures = failures
+        self.group = group
+        self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, buffer, peer)
+
+    def send(self, buffer: torch.Tensor, peer: int, tag: int, what: str) -> None:
+        """Starts sending ``buffer`` to pp rank ``peer``; ``what`` it carries, for errors."""
+        with self.peer(peer, f"sending {what} to it"):
+            work = dist.isend(buffer, dst=self.ranks[peer], group=self.group, tag=tag)
+        self._pending.append((work, buffer, peer))
+
+    def post(self, size: int, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
+        """Posts a receive of ``size`` bytes from pp rank ``peer``: ``(work, buffer)``."""
+        buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        with self.peer(peer, "posting a receive from it"):
+            work = dist.irecv(buffer, src=self.ranks[peer], group=self.group, tag=tag)
+        return work, buffer
+
+    def wait(self, work: Any, peer: int, what: str) -> None:
+        """Waits for a posted receive from ``peer`` of ``what``."""
+        with self.peer(peer, f"waiting for {what}"):
+            if work is not None:
+                work.wait()
+
+    def receive(self, size: int, peer: int, tag: int, what: str) -> torch.Tensor:
+        """Posts a receive and waits for it."""
+        work, buffer = self.post(size, peer, tag)
+        self.wait(work, peer, what)
+        return buffer
+
+    def finish(self) -> None:
+        """Waits for every send started so far."""
+        pending, self._pending = self._pending, []
+        for work, _, peer in pending:
+            with self.peer(peer, "finishing this step's sends to it"):
+                work.wait()
+
+    def drop(self) -> None:
+        """Forgets every pending send and the group (after a failure, before it closes)."""
+        self._pending.clear()
+        self.group = None
+
+    @contextlib.contextmanager
+    def peer(self, peer: int, doing: str) -> Iterator[None]:
+        """Turns a failed transfer with pp rank ``peer`` into the RemoteError that explains it.
+
+        ``doing``: what this rank was doing, in words ("waiting for ...").
+        The error reported first by any rank wins; with none, the peer is named
+        from how the wait ended (see :meth:`FailureChannel.lost`).
+        """
+        start = time.monotonic()
+        try:
+            yield
+        except Exception as error:
+            failure = self.failures.first()
+            if failure is None:  # nobody reported: name the peer from how the wait ended
+                waited = time.monotonic() - start
+                failure = self.failures.lost(error, waited, doing, peer, self.ranks[peer])
+                self.failures.report(failure)
+            raise failure.error() from error

@@ -1,0 +1,197 @@
+"""Point-to-point transfers under NCCL's rules: tags ignored, messages matched in posting order.
+
+NCCL matches the k-th send from one rank to another with the k-th receive
+posted there, and runs a pair's sends and receives on one stream in the
+order they were posted. This transport therefore posts every send and
+receive of a step in the order of the schedule's transfer plan
+(:func:`~pipesched.schedule.transfers.transfer_plan`), which both ends of
+every pair agree on: before each action, the receives the plan puts before
+it; right after an action, its send. Every message is sent under tag 0, and
+its header names it, so a message read in the wrong slot is an error that
+says so, never a swapped tensor.
+
+Sizes: a receive posted ahead must have the message's exact size. Both
+ends keep, per pair and direction, the layouts seen so far, keyed by the
+message's channel and the micro-batch's input shapes (which every rank of a
+pipeline has, and agrees on at the step's start). A known key is posted ahead
+at its size; an unknown one (a new shape) is preceded by a header-only
+notice, which the receiver waits for before posting anything after it in the
+plan. Each wait is for something earlier in the one global order, so this
+never deadlocks; it only posts less far ahead on steps with new shapes.
+A stage whose output layout changes while its input shapes do not (data-
+dependent shapes) is refused with a ConfigError.
+
+On gloo, ``PIPESCHED_P2P=ordered`` selects this transport so that CPU tests
+follow NCCL's matching rules (gloo matches a pair's messages of one tag in
+order, and every message here has tag 0).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Hashable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from pipesched.errors import ConfigError, RemoteError
+from pipesched.runtime.link import Link, TransferStats
+from pipesched.runtime.streams import Stream
+from pipesched.runtime.wire import (
+    DATA,
+    HEADER_BYTES,
+    NOTICE,
+    layout_of,
+    message_bytes,
+    pack,
+    read_header,
+    unpack,
+)
+from pipesched.schedule import Action
+from pipesched.schedule.dataflow import Message
+from pipesched.schedule.transfers import Item, Recv
+
+__all__ = ["OrderedTransport", "signature"]
+
+_TAG = 0
+_KNOWN_LIMIT = 1024
+"""Layouts kept per pair and direction; both ends forget them all at once past it."""
+
+
+class OrderedTransport:
+    """Sends and receives in the transfer plan's order, one tag for all (NCCL's rules).
+
+    Args:
+        link: the pipeline's process group and ranks.
+    """
+
+    def __init__(self, link: Link) -> None:
+        self.link = link
+        self.stats = TransferStats()
+        self._known: dict[tuple[int, bool], dict[Hashable, list[int]]] = {}
+        self._queue: deque[Item] = deque()
+        self._posted: dict[Message, tuple[Recv, Any, torch.Tensor, list[int]]] = {}
+        self._signatures: list[Hashable] = []
+        self._aborted = False
+
+    def start(self, rows: Mapping[int, Sequence[Item]], inputs: Sequence[Any]) -> None:
+        """Takes this rank's plan (one worker) and the micro-batches' input shapes."""
+        (row,) = rows.values()
+        self._queue = deque(row)
+        self._posted.clear()
+        self._signatures = [signature(x) for x in inputs]
+
+    def before(self, action: Action) -> None:
+        """Posts every receive the plan puts before ``action``."""
+        queue = self._queue
+        while queue:
+            item = queue.popleft()
+            if item == action:
+                return
+            if type(item) is Recv:
+                self._post(item)
+
+    def take(self, message: Message, peer: int, stream: Stream) -> Any:
+        """Waits for ``message``, posted by :meth:`before`, and returns its value."""
+        posted = self._posted.pop(message, None)
+        if posted is None:
+            raise RemoteError(
+                f"pipesched: {message} was taken before its receive was posted: the runtime "
+                "left the transfer plan's order (a bug: please report it)"
+            )
+        recv, work, buffer, layout = posted
+        self.link.wait(work, recv.peer, str(message))
+        code, got, _ = read_header(buffer)
+        self._check(recv, got)
+        if code == NOTICE:
+            raise ConfigError(
+                f"{message} changed layout although the micro-batch's input shapes did not: "
+                "under NCCL (or PIPESCHED_P2P=ordered) a stage's output shapes must follow "
+                "from its micro-batch's input shapes, since receives are posted ahead at "
+                "their size; avoid data-dependent shapes at the cut, or use gloo"
+            )
+        return unpack(layout, buffer)
+
+    def put(self, message: Message, peer: int, value: Any, stream: Stream) -> None:
+        """Sends ``value`` to pp rank ``peer``: in the plan's order, right after its action."""
+        what = f"stage {message.source}'s value"
+        layout, tensors = layout_of(value, f"stage {message.source}")
+        known = self._known_for(peer, sending=True)
+        key = self._key(message)
+        expected = known.get(key)
+        if expected != layout:  # the receiver waits for a notice of the new layout
+            size = 0 if expected is None else message_bytes(expected)
+            notice = pack(NOTICE, message, layout, [], self.link.device, size)
+            self.link.send(notice, peer, _TAG, what)
+            self.stats.notices += 1
+            _remember(known, key, layout)
+        self.link.send(pack(DATA, message, layout, tensors, self.link.device), peer, _TAG, what)
+
+    def finish(self) -> None:
+        """Waits for every send of this step to complete."""
+        self.stats.unread += len(self._posted)
+        self.link.finish()
+
+    def abort(self) -> None:
+        """Forgets the step's pending transfers."""
+        self._aborted = True
+        self._posted.clear()
+        self._queue.clear()
+        self.link.drop()
+
+    @property
+    def aborted(self) -> bool:
+        """Whether :meth:`abort` was called."""
+        return self._aborted
+
+    def _post(self, recv: Recv) -> None:
+        message, peer = recv.message, recv.peer
+        known = self._known_for(peer, sending=False)
+        key = self._key(message)
+        layout = known.get(key)
+        if layout is None:  # a new shape: its notice comes first, and must be read now
+            self.stats.stalls += 1
+            buffer = self.link.receive(HEADER_BYTES, peer, _TAG, f"the layout of {message}")
+            code, got, layout = read_header(buffer)
+            self._check(recv, got)
+            if code != NOTICE:
+                raise RemoteError(
+                    f"pipesched: pp rank {peer} sent {message} without the notice of its "
+                    "layout: the ranks disagree on the shapes they have seen"
+                )
+            _remember(known, key, layout)
+        work, buffer = self.link.post(message_bytes(layout), peer, _TAG)
+        self._posted[message] = (recv, work, buffer, layout)
+
+    def _check(self, recv: Recv, got: Message) -> None:
+        if got != recv.message:
+            raise RemoteError(
+                f"pipesched: received {got} where {recv.message} was expected from pp rank "
+                f"{recv.peer}: the two ranks posted their transfers in different orders, which "
+                "NCCL's matching (by order, not tag) turns into swapped tensors"
+            )
+
+    def _known_for(self, peer: int, *, sending: bool) -> dict[Hashable, list[int]]:
+        return self._known.setdefault((peer, sending), {})
+
+    def _key(self, message: Message) -> Hashable:
+        return (message.kind, message.stage, self._signatures[message.microbatch])
+
+
+def _remember(known: dict[Hashable, list[int]], key: Hashable, layout: list[int]) -> None:
+    if key not in known and len(known) >= _KNOWN_LIMIT:
+        known.clear()  # both ends clear at the same message: they see the same sequence
+    known[key] = layout
+
+
+def signature(value: Any) -> Hashable:
+    """The shapes, dtypes and plain values of a micro-batch's input, as a hashable key."""
+    if isinstance(value, torch.Tensor):
+        return (str(value.dtype), tuple(value.shape))
+    if isinstance(value, tuple | list):
+        return (type(value).__name__, tuple(signature(v) for v in value))
+    if isinstance(value, Mapping):
+        return ("dict", tuple((str(k), signature(v)) for k, v in value.items()))
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return type(value).__name__

@@ -1,0 +1,254 @@
+"""What F, B and W compute on one stage and micro-batch, whichever runtime runs them.
+
+The interpreter (:mod:`pipesched.runtime.interpreter`) hands each pass its
+input, already taken from the transport, and sends on what the pass returns.
+Between stages the autograd graph is cut (each stage's input is a fresh leaf)
+so that each backward runs on its own stage's worker, when the schedule says;
+the forward-only path keeps the graph whole instead, for autograd-transparent
+``pipe(x)``.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipesched.checkpoint import checkpoint
+from pipesched.errors import ConfigError
+from pipesched.rng import StepSeed
+from pipesched.runtime.backward import backward_full, backward_input
+from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
+from pipesched.runtime.streams import Stream, copy_to, new_stream
+from pipesched.schedule import Event, Timeline
+from pipesched.seeding import StageSeeding
+from pipesched.tree import map_tensors, tensors
+
+__all__ = ["LossFn", "StagePasses", "StepInputs", "StepState"]
+
+LossFn = Callable[..., torch.Tensor]
+
+
+@dataclass
+class StepInputs:
+    """One call's micro-batches and what to do with them.
+
+    Args:
+        inputs: stage 0's input of each micro-batch.
+        targets: the loss target of each micro-batch, or None.
+        loss_fn: applied to the last stage's output (and target); None runs forward only.
+        loss_weights: each micro-batch's loss is multiplied by its weight.
+        checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed.
+        seed: this call's seed for random operations (see :mod:`pipesched.rng`);
+            None: drawn from torch's default CPU generator when first needed.
+    """
+
+    inputs: list[Any]
+    targets: list[Any] | None = None
+    loss_fn: LossFn | None = None
+    loss_weights: list[float] = field(default_factory=list)
+    checkpoint_stop: int = 0
+    seed: int | None = None
+
+
+@dataclass
+class StepState:
+    """One step's results and the values its passes keep between actions.
+
+    Attributes:
+        outputs: per micro-batch, the last stage's output (forward only).
+        losses: per micro-batch, the weighted loss (training).
+        events: every action's measured start and end (seconds from the step's start).
+        timeline: the events as a Timeline, once the step has run.
+        seed: the step's seed for random operations.
+        origin_wall: the step's start on the wall clock (to align processes).
+    """
+
+    step: StepInputs
+    detach: bool
+    split_backward: bool = False
+    seed: StepSeed = field(default_factory=StepSeed)
+    outputs: dict[int, Any] = field(default_factory=dict)
+    losses: dict[int, torch.Tensor] = field(default_factory=dict)
+    events: list[Event] = field(default_factory=list)
+    timeline: Timeline | None = None
+    origin_wall: float = 0.0
+    saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
+    pending_weights: dict[tuple[int, int], Any] = field(default_factory=dict)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class StagePasses:
+    """The stages of one process, and the three passes over them.
+
+    Args:
+        stages: the stage modules (None: a stage of another rank); ``stages[s]``
+            is already on the device of its worker.
+        devices: the device of each schedule worker.
+        placement: the worker of each stage.
+        fused: per stage, the ids of the parameters whose ``linear`` weight
+            gradients a step may accumulate in the GEMM; of them, only weights
+            large enough to gain are fused
+            (:func:`~pipesched.runtime.fused_linear.worth_fusing`); None: never.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module | None],
+        devices: Sequence[torch.device],
+        placement: Sequence[int],
+        fused: Sequence[frozenset[int]] | None = None,
+    ) -> None:
+        self.stages = list(stages)
+        self.devices = [devices[w] for w in placement]
+        """The device of each stage."""
+        self.fused = None if fused is None else worth_fusing(self.stages, fused)
+        self.streams: list[Stream] = [new_stream(d) for d in devices]
+        """The compute stream of each worker (None on CPU)."""
+        self.placement = tuple(placement)
+        cpu = torch.device("cpu")
+        self.seeding = [StageSeeding({}, s, cpu, adaptive=False) for s in _modules(self.stages)]
+        """How each stage seeds its random draws (:mod:`pipesched.seeding`)."""
+        self.loss_seeding = StageSeeding({}, _modules(self.stages)[-1], cpu, adaptive=False)
+        """How the loss function's random draws are seeded."""
+        self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
+        """Optional: a context manager entered around each forward of stage ``s``
+        (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
+
+    def forward(self, s: int, i: int, x: Any, state: StepState) -> Any:
+        """F: stage ``s`` on micro-batch ``i``'s input ``x``; returns what the next stage takes.
+
+        The last stage keeps the output (forward only) or the weighted loss
+        (training) in ``state`` and returns None.
+        """
+        device, stream = self.devices[s], self.streams[self.placement[s]]
+        step = state.step
+        x = map_tensors(x, lambda t: copy_to(t, device, stream))
+        if state.detach and s > 0:
+            x = map_tensors(x, _fresh_leaf)
+        # Fused weight-gradient accumulation only where pipesched runs the backward.
+        fused = self.fused[s] if self.fused is not None and state.detach else None
+        stage = _Seeded(self.stages[s], self.seeding[s], state.seed, i, fused)  # type: ignore[arg-type]
+        with self.forward_context(s) if self.forward_context else nullcontext():
+            if i < step.checkpoint_stop and torch.is_grad_enabled():
+                # No RNG replay: _Seeded reseeds random operations itself, and torch's
+                # replay sets the process-wide generator unlocked (racing other stages).
+                y = checkpoint(stage, x, preserve_rng_state=False)
+            else:
+                y = stage(x)
+        if not state.detach and self.seeding[s].recomputes and torch.is_grad_enabled():
+            raise ConfigError(
+                f"stage {s} checkpoints itself (torch.utils.checkpoint) around random "
+                "operations: the backward you run after pipe(x) would recompute them with "
+                "other random numbers than the forward drew, giving wrong gradients; train "
+                "with pipe.step or GradientAccumulator.step, or turn the model's own "
+                "checkpointing off (Pipeline's checkpoint= recomputes stages itself)"
+            )
+        if s < len(self.stages) - 1:
+            if step.loss_fn is not None:
+                state.saved[s, i] = (x, y)
+            return y
+        if step.loss_fn is None:
+            state.outputs[i] = y
+            return None
+        target = () if step.targets is None else (step.targets[i],)
+        target = map_tensors(target, lambda t: copy_to(t, device, stream))
+        with self.loss_seeding.forward(state.seed, i, "loss"):
+            loss = step.loss_fn(y, *target)
+        _check_loss(loss)
+        weighted = loss.reshape(()) * step.loss_weights[i]
+        state.losses[i] = weighted.detach()
+        state.saved[s, i] = (x, weighted)
+        return None
+
+    def backward(self, s: int, i: int, grads: Any, state: StepState) -> list[torch.Tensor | None]:
+        """B: stage ``s``'s backward for micro-batch ``i`` from its output gradients ``grads``.
+
+        ``grads`` is None for the last stage (its output is the loss). Where the
+        schedule splits backward only the input gradients are computed; W runs the rest.
+        Returns the gradients of the stage's inputs.
+        """
+        device, stream = self.devices[s], self.streams[self.placement[s]]
+        x, y = state.saved.pop((s, i))
+        if grads is None:
+            outputs, given = [y], None
+        else:
+            pairs = [
+                (t, copy_to(g, device, stream))
+                for t, g in zip(tensors(y), grads, strict=True)
+                if g is not None and t.requires_grad
+            ]
+            outputs, given = [t for t, _ in pairs], [g for _, g in pairs]
+        inputs = list(tensors(x))
+        with self.seeding[s].backward(state.seed, i):  # the model's own checkpoints recompute
+            if state.split_backward:
+                input_grads, pending = backward_input(outputs, given, inputs)
+                state.pending_weights[s, i] = pending
+            else:
+                input_grads = backward_full(outputs, given, inputs)
+        return list(input_grads)
+
+    def weight(self, s: int, i: int, state: StepState) -> None:
+        """W: the weight gradients B of stage ``s``, micro-batch ``i`` left pending."""
+        with self.seeding[s].backward(state.seed, i):
+            state.pending_weights.pop((s, i)).run()
+
+
+def _modules(stages: list[nn.Module | None]) -> list[nn.Module]:
+    """The stages, an empty module standing in for another rank's (until seeding is set up)."""
+    return [nn.Module() if s is None else s for s in stages]
+
+
+def _check_loss(loss: Any) -> None:
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
+        raise ConfigError(
+            f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}; "
+            "reduce it with .mean() or .sum() (use num_items= with a sum)"
+        )
+    if not loss.requires_grad:
+        why = "an integer tensor" if not loss.is_floating_point() else "detached from the model"
+        raise ConfigError(
+            f"loss_fn returned a loss that cannot be differentiated ({why}, "
+            f"dtype {loss.dtype}); return a floating-point loss computed from the output "
+            "without .detach(), .item() or torch.no_grad(), as loss.backward() would need"
+        )
+
+
+class _Seeded(nn.Module):
+    """A stage run for one micro-batch, with its random operations seeded for it.
+
+    Checkpointing recomputes this module, so recomputation (in whichever
+    thread runs it) reseeds exactly as the forward did.
+    """
+
+    def __init__(
+        self,
+        stage: nn.Module,
+        seeding: StageSeeding,
+        seed: StepSeed,
+        microbatch: int,
+        fused: frozenset[int] | None,
+    ) -> None:
+        super().__init__()
+        self.stage = stage
+        self.seeding, self.seed, self.microbatch = seeding, seed, microbatch
+        self.fused = fused
+
+    def forward(self, x: Any) -> Any:
+        fusing = FusedLinearMode(self.fused) if self.fused else nullcontext()
+        with self.seeding.forward(self.seed, self.microbatch), fusing:
+            return self.stage(x)
+
+
+def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
+    """A new autograd leaf sharing ``t``'s data; it requires grad if it can carry one."""
+    leaf = t.detach()
+    if torch.is_grad_enabled() and (leaf.is_floating_point() or leaf.is_complex()):
+        leaf.requires_grad_(True)
+    return leaf
