@@ -156,7 +156,7 @@ def test_cuda_devices_on_a_cpu_build_name_the_device_and_the_fix():
     assert "CUDA" in message and torch.__version__ in message
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build with a device")
+@pytest.mark.cuda
 def test_a_cuda_index_past_the_device_count_names_the_visible_devices():
     missing = f"cuda:{torch.cuda.device_count()}"
     with pytest.raises(ConfigError, match=re.escape(repr(missing))):
