@@ -12,7 +12,7 @@ TORCH_SPEC ?= torch==$(TORCH_VERSION)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench gpu-check clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -38,6 +38,12 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/schedule_build.py
 	$(BIN)/python benchmarks/local_cpu.py
 	$(BIN)/python benchmarks/distributed_cpu.py
+
+# Every CUDA test, the local runtime on the GPUs (vs torchgpipe) and NCCL pp=2, as one
+# table; without CUDA one line saying so, exit 0. On a GPU machine install the CUDA build:
+#   make gpu-check TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu130"
+gpu-check: $(STAMP)
+	$(BIN)/python benchmarks/gpu_check.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +25,7 @@ from pipesched import (
     get_schedule,
 )
 from pipesched.checkpoint import checkpoint
+from pipesched.torch_floor import TORCH_FLOOR, check_torch_version, installed_torch_version
 
 mse = nn.functional.mse_loss
 
@@ -152,7 +156,7 @@ def test_cuda_devices_on_a_cpu_build_name_the_device_and_the_fix():
     assert "CUDA" in message and torch.__version__ in message
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA build with a device")
+@pytest.mark.cuda
 def test_a_cuda_index_past_the_device_count_names_the_visible_devices():
     missing = f"cuda:{torch.cuda.device_count()}"
     with pytest.raises(ConfigError, match=re.escape(repr(missing))):
@@ -176,3 +180,38 @@ def test_torch_floor_is_not_above_the_installed_torch():
     # torch.nn.utils.get_total_norm and clip_grads_with_norm_ are new in 2.6.
     assert floor >= Version("2.6"), spec
     assert Version(torch.__version__).release >= floor.release
+    # The floor is the oldest torch tested, and the import-time check knows the same one.
+    assert floor.release[:2] == TORCH_FLOOR, (spec, TORCH_FLOOR)
+    assert installed_torch_version() == torch.__version__
+
+
+def test_importing_pipesched_with_a_torch_below_the_floor_names_the_fix(tmp_path):
+    # A stand-in torch package whose version.py says 2.6.0, first on the path.
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise SystemExit('torch was imported')\n")
+    (tmp_path / "torch" / "version.py").write_text("__version__ = '2.6.0'\n")
+    src = Path(pipesched.__file__).parents[1]
+    result = subprocess.run(
+        [sys.executable, "-c", "import pipesched"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(src)])},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    floor = ".".join(map(str, TORCH_FLOOR))
+    assert "ImportError: pipesched needs torch " + floor in result.stderr, result.stderr
+    assert "torch 2.6.0 is installed" in result.stderr
+    assert f"pip install 'torch>={floor}'" in result.stderr
+
+
+@pytest.mark.parametrize("version", ["2.13.0", "2.13.0a0+git1234", "2.14.1+cu130", "3.0.0"])
+def test_torch_at_or_above_the_floor_passes(version):
+    check_torch_version(version)
+    check_torch_version(None)  # unknown: torch's own import decides
+
+
+@pytest.mark.parametrize("version", ["2.12.1+cpu", "2.6.0", "1.13.1"])
+def test_torch_below_the_floor_is_an_import_error(version):
+    with pytest.raises(ImportError, match=re.escape(f"torch {version} is installed")):
+        check_torch_version(version)

@@ -19,6 +19,9 @@ from pipesched.errors import (
     ScheduleError,
 )
 from pipesched.schedule import Action, Costs, Schedule, Timeline, get_schedule
+from pipesched.torch_floor import check_torch_version, installed_torch_version
+
+check_torch_version(installed_torch_version())  # without importing torch
 
 if TYPE_CHECKING:
     from pipesched.batchnorm import DeferredBatchNorm

@@ -42,6 +42,8 @@ def launch(
             "LOCAL_RANK": str(rank),
             "LOCAL_WORLD_SIZE": str(world),
             "OMP_NUM_THREADS": "1",
+            # gloo on CPU even on a GPU machine (init_mesh would choose NCCL there).
+            "CUDA_VISIBLE_DEVICES": "",
         }
         procs.append(
             subprocess.Popen(
