@@ -210,8 +210,9 @@ def print_distributed(now: dict[str, dict[str, float]], base: dict | None, round
     ours, theirs = now["pipesched 1f1b"], now["torch 1F1B"]
     ratio, best = ours["median"] / theirs["median"], ours["best"] / theirs["best"]
     print(
-        f"target pipesched 1f1b <= 1.0x torch 1F1B: {ratio:.2f}x (best {best:.2f}x) "
-        f"{'ok' if ratio <= 1.0 else 'MISSED'}"
+        f"target pipesched 1f1b <= 1.0x torch 1F1B: {ratio:.2f}x median, {best:.2f}x best "
+        f"{'ok' if max(ratio, best) <= 1.0 else 'MISSED'} (judged on both: gloo under load "
+        "inflates single rounds of either contender)"
     )
 
 
