@@ -29,7 +29,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
 from typing import Any
 
@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from pipesched.errors import PipeschedError
-from pipesched.rng import LOCK, DrawContext, SeededRandomness, StepSeed, generator_of
+from pipesched.rng import LOCK, DrawContext, SeededRandomness, StepSeed, generator_of, same_state
 
 __all__ = ["StageSeeding", "UnseededDraws"]
 
@@ -96,7 +96,8 @@ class StageSeeding:
     @property
     def training(self) -> bool:
         """Whether the stage runs in training mode (``model.eval()`` reaches its children)."""
-        children = list(self.module.children())
+        # The module's _modules read directly: children() walks a generator per call.
+        children = [c for c in self.module._modules.values() if c is not None]
         return any(c.training for c in children) if children else self.module.training
 
     @property
@@ -123,18 +124,18 @@ class StageSeeding:
             self.full[training] = self.permanent
         self._learning.clear()
 
-    @contextmanager
-    def forward(self, seed: StepSeed, microbatch: int, place: str = "") -> Iterator[None]:
+    def forward(
+        self, seed: StepSeed, microbatch: int, place: str = ""
+    ) -> AbstractContextManager[None]:
         """Runs the block as one forward of this stage for ``microbatch``, its draws seeded.
 
         Raises:
             UnseededDraws: a tripwire saw a draw no seeding covered.
         """
-        with self._scope(seed, microbatch, place, sys._getframe(2), backward=False):
-            yield
+        # The scope itself, not a context manager around it: one generator per pass, not two.
+        return self._scope(seed, microbatch, place, sys._getframe(1), backward=False)
 
-    @contextmanager
-    def backward(self, seed: StepSeed, microbatch: int) -> Iterator[None]:
+    def backward(self, seed: StepSeed, microbatch: int) -> AbstractContextManager[None]:
         """Runs the block as a backward of this stage for ``microbatch``.
 
         Its draws (a recomputation by the model's own checkpointing) are keyed
@@ -143,8 +144,7 @@ class StageSeeding:
         Raises:
             UnseededDraws: a tripwire saw a draw no seeding covered.
         """
-        with self._scope(seed, microbatch, "", sys._getframe(2), backward=True):
-            yield
+        return self._scope(seed, microbatch, "", sys._getframe(1), backward=True)
 
     @contextmanager
     def _scope(
@@ -168,8 +168,8 @@ class StageSeeding:
                 before = self._states()
                 yield
                 after = self._states()
-                cpu = seed.explains(before[0], after[0]) or torch.equal(before[0], after[0])
-                if not (cpu and all(map(torch.equal, before[1:], after[1:]))):
+                cpu = seed.explains(before[0], after[0]) or same_state(before[0], after[0])
+                if not (cpu and all(map(same_state, before[1:], after[1:]))):
                     self.strikes += 1
                     self.permanent = self.permanent or self.strikes >= _STRIKES
                     self.recomputes = self.recomputes or backward
