@@ -17,6 +17,7 @@ from pipesched.errors import (
     PipeschedError,
     RemoteError,
     ScheduleError,
+    TorchInternalsWarning,
 )
 from pipesched.schedule import Action, Costs, Schedule, Timeline, get_schedule
 
@@ -42,6 +43,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Timeline",
+    "TorchInternalsWarning",
     "get_schedule",
     "is_recomputing",
 ]
