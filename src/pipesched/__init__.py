@@ -17,6 +17,7 @@ from pipesched.errors import (
     PipeschedError,
     RemoteError,
     ScheduleError,
+    TorchInternalsWarning,
 )
 from pipesched.schedule import Action, Costs, Schedule, Timeline, get_schedule
 from pipesched.torch_floor import check_torch_version, installed_torch_version
@@ -45,6 +46,7 @@ __all__ = [
     "Schedule",
     "ScheduleError",
     "Timeline",
+    "TorchInternalsWarning",
     "get_schedule",
     "is_recomputing",
 ]

@@ -14,10 +14,10 @@ from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
 from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.internals import pytree
 
 __all__ = [
     "Call",

@@ -16,6 +16,7 @@ __all__ = [
     "RemoteError",
     "RetraceWarning",
     "ScheduleError",
+    "TorchInternalsWarning",
     "warn_user",
 ]
 
@@ -117,6 +118,14 @@ class MicroBatchNormWarning(PipeschedWarning):
     and the remedies (:mod:`pipesched.batchnorm_warning`). A ``UserWarning``:
     silence it with ``warnings.filterwarnings("ignore",
     category=pipesched.MicroBatchNormWarning)``.
+    """
+
+
+class TorchInternalsWarning(PipeschedWarning):
+    """A private torch API pipesched uses is missing or changed: a feature falls back.
+
+    Issued once per process, at import, naming the API and the exact, slower
+    path that replaces what needed it (:mod:`pipesched.internals`).
     """
 
 

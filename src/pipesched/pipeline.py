@@ -21,6 +21,7 @@ from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.distributed.placement import stage_parameters
 from pipesched.errors import ConfigError
+from pipesched.internals import parse_to
 from pipesched.layout import Cut, resolve_layout
 from pipesched.microbatch import batch_size, join_outputs, scatter
 from pipesched.partition import Partition
@@ -425,7 +426,7 @@ class Pipeline(nn.Module):
 
     def to(self, *args: Any, **kwargs: Any) -> Pipeline:
         """Only dtype changes: a Pipeline's stages stay on the devices they were given."""
-        device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype, *_ = parse_to(*args, **kwargs)
         if device is not None:
             _deny_move("to(device)")
         return super().to(dtype=dtype) if dtype is not None else self

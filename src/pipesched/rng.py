@@ -55,7 +55,8 @@ from typing import Any
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipesched.internals import OpOverload, TorchDispatchMode
 
 __all__ = [
     "LOCK",
@@ -261,7 +262,7 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         types: Any,
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
@@ -304,10 +305,10 @@ class _Generators(threading.local):
 
 
 _generators = _Generators()
-_TAKES_GENERATOR: dict[torch._ops.OpOverload, bool] = {}
+_TAKES_GENERATOR: dict[OpOverload, bool] = {}
 
 
-def _takes_generator(func: torch._ops.OpOverload) -> bool:
+def _takes_generator(func: OpOverload) -> bool:
     """Whether ``func`` has a ``generator=`` argument."""
     takes = _TAKES_GENERATOR.get(func)
     if takes is None:

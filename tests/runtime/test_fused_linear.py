@@ -90,11 +90,24 @@ def test_fused_backward_adds_in_the_gemm_instead_of_after_it() -> None:
     with _CountOps() as plain:
         model(x).sum().backward()
     with _CountOps() as fused:
-        _fused(model)(x).sum().backward()
+        backward_full([_fused(model)(x).sum()], None, [])  # a backward pipesched declares
     # Plain autograd: mm for each weight gradient, then an add_ into .grad.
     # Fused: one addmm_ per weight, no add_ for weights (biases still add_).
     assert fused.counts["aten.addmm_.default"] == 3
     assert fused.counts["aten.add_.Tensor"] == plain.counts["aten.add_.Tensor"] - 3
+
+
+def test_a_backward_pipesched_does_not_run_gets_the_gradients_returned() -> None:
+    """Whether it accumulates or captures a weight is not known: autograd is given it (exact)."""
+    plain, fused = _model(), _model()
+    for p in (*plain.parameters(), *fused.parameters()):
+        p.grad = torch.ones_like(p)
+    x = torch.randn(4, 6, dtype=torch.float64)
+    plain(x).sum().backward()
+    with _CountOps() as ops:
+        _fused(fused)(x).sum().backward()
+    assert ops.counts["aten.addmm_.default"] == 0
+    _assert_same(_grads(fused), _grads(plain))
 
 
 def test_split_backward_b_leaves_grads_alone_and_w_fuses() -> None:

@@ -5,9 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
 from torch.export import ExportedProgram
+
+from pipesched.internals import pytree
 
 __all__ = ["inline_grad_regions"]
 

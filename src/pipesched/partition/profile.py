@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipesched.call import Call
+from pipesched.internals import OpOverload, pytree
 from pipesched.partition.trace import TracedModel
 from pipesched.tree import map_tensors, tensors
 
@@ -118,7 +118,7 @@ def measure_traced(
     with _rng_fork(device):
         for node in traced.ops:
             op = node.target
-            overload = isinstance(op, torch._ops.OpOverload)
+            overload = isinstance(op, OpOverload)
             # In-place operations run once: repeating them would change the values.
             once = not overload or op._schema.is_mutable  # type: ignore[union-attr]
             args, kwargs, grad_leaves = _arguments(
@@ -224,7 +224,7 @@ def _cost(out: Any, forward: float | None, backward: float | None, view: bool) -
 
 def _is_view(op: Any) -> bool:
     """Whether ``op`` returns an alias of an input (a view), not new storage."""
-    if not isinstance(op, torch._ops.OpOverload):
+    if not isinstance(op, OpOverload):
         return bool(op.__module__ == "_operator")  # getitem of a multi-output op
     return any(r.alias_info is not None for r in op._schema.returns)
 

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.errors import PartitionError
+from pipesched.internals import OpOverload, pytree
 from pipesched.partition.stage import ModeCheck, RandomOp, Switch, TracedStage
 from pipesched.partition.trace import TracedModel
 from pipesched.rng import RANDOM_MODULES
@@ -257,10 +257,7 @@ def _randomness(node: fx.Node) -> tuple[int | None, str | None, float] | None:
     traced. ``name`` is None for random ops without one (``rand``, ``bernoulli``).
     """
     op = node.target
-    if (
-        not isinstance(op, torch._ops.OpOverload)
-        or torch.Tag.nondeterministic_seeded not in op.tags
-    ):
+    if not isinstance(op, OpOverload) or torch.Tag.nondeterministic_seeded not in op.tags:
         return None
     names = [a.name for a in op._schema.arguments]
     values: dict[str, Any] = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)

@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.internals import pytree
 from pipesched.partition.trace import TracedModel
 from pipesched.tree import tensors
 

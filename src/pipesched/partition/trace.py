@@ -36,13 +36,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
 from pipesched.call import Call
 from pipesched.errors import ConfigTypeError, PartitionError
+from pipesched.internals import pytree
 from pipesched.partition.grad_regions import inline_grad_regions
 from pipesched.partition.sizes import Dims, input_dims, refusal
 

@@ -17,8 +17,9 @@ part that fills bubbles; ``.grad`` is accumulated by autograd's own
 ``AccumulateGrad`` (layout, hooks), not by hand; the caller's outputs are not
 detached in place: the graph dies with the caller's last reference to them.
 
-Costs beyond one backward (results stay exact): a graph analysis per B,
-and one autograd call per group of weights in W, except for a fused linear
+Costs beyond one backward (results stay exact): a graph analysis per B
+(:mod:`pipesched.runtime.weight_plan`), and one autograd call per group of
+weights in W, except for a fused linear
 (:func:`pipesched.runtime.fused_linear.weight_pass` runs its W directly).
 
 - A weight used at several places of one stage (tied, or a layer applied twice):
@@ -27,37 +28,35 @@ and one autograd call per group of weights in W, except for a fused linear
   ``autograd.Function``) does its whole work in B and again in W.
 - Non-reentrant checkpointing (``use_reentrant=False``) works, but B and W each
   recompute the checkpointed region: one extra forward of it. The passes of one
-  W share a recomputation (``torch.utils.checkpoint.GraphExecGroup``); B and W
+  W share a recomputation (``torch.utils.checkpoint.GraphExecGroup``, where torch
+  has it: :data:`pipesched.internals.one_recomputation`); B and W
   cannot, since a node unpacks all its saved tensors whatever it computes.
   Reentrant checkpointing rejects ``torch.autograd.grad``: use
   :func:`backward_full` there.
+
+Each backward says what it runs (:mod:`pipesched.runtime.backward_kind`), so
+a fused linear knows whether to accumulate its weight's gradient, return it,
+or skip it.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipesched.errors import ConfigError, ScheduleError
+from pipesched.internals import one_recomputation
+from pipesched.runtime.backward_kind import FULL, BackwardKind, running
 from pipesched.runtime.fused_linear import weight_pass
+from pipesched.runtime.weight_plan import Grads, Plan
 
 __all__ = ["WeightGradients", "backward_full", "backward_input"]
-
-Grads = tuple[Tensor | None, ...]
-"""Gradients, one per input of a stage or of a graph node; None where none flows."""
-
-_one_recomputation: Callable[[], contextlib.AbstractContextManager[Any]] = getattr(
-    torch.utils.checkpoint, "GraphExecGroup", contextlib.nullcontext
-)
-"""Backward calls inside it recompute each non-reentrant checkpointed region once in all."""
 
 
 def backward_full(
@@ -93,7 +92,8 @@ def backward_full(
     for _, x in wanted:
         x.grad = None
     try:
-        torch.autograd.backward(roots, root_grads)
+        with running(FULL):
+            torch.autograd.backward(roots, root_grads)
         for i, x in wanted:
             result[i] = x.grad
     finally:
@@ -136,26 +136,31 @@ def backward_input(
     result: list[Tensor | None] = [None] * len(inputs)
     if not roots:
         return tuple(result), WeightGradients((), overlapping=False)
-    plan = _Plan.of(roots, [x for _, x in wanted])
+    plan = Plan.of(roots, [x for _, x in wanted])
 
     captured: dict[Node, Grads] = {}
     hooks = [node.register_prehook(_capture(captured, node)) for node in plan.intermediates]
     try:
         if wanted:
-            grads = torch.autograd.grad(
-                roots,
-                [x for _, x in wanted],
-                root_grads,
-                retain_graph=bool(plan.groups),
-                allow_unused=True,
-            )
+            captured_leaves = frozenset(get_gradient_edge(x).node for _, x in wanted)
+            with running(BackwardKind(captured=captured_leaves)):
+                grads = torch.autograd.grad(
+                    roots,
+                    [x for _, x in wanted],
+                    root_grads,
+                    retain_graph=bool(plan.groups),
+                    allow_unused=True,
+                )
             for (i, _), grad in zip(wanted, grads, strict=True):
                 result[i] = grad
     finally:
         for hook in hooks:
             hook.remove()
     root_edges = [get_gradient_edge(t) for t in roots]
-    passes = tuple(group.weight_pass(captured, root_edges, root_grads) for group in plan.groups)
+    passes = tuple(
+        _WeightPass(*group.pass_inputs(captured, root_edges, root_grads), group.weights)
+        for group in plan.groups
+    )
     return tuple(result), WeightGradients(passes, overlapping=plan.retraverses)
 
 
@@ -195,7 +200,7 @@ class WeightGradients:
         self._done = True
         passes, self._passes = self._passes, ()
         # Passes that share no node can share one recomputation of a checkpointed region.
-        with contextlib.nullcontext() if self._overlapping else _one_recomputation():
+        with contextlib.nullcontext() if self._overlapping else one_recomputation():
             for weight_pass in passes:
                 weight_pass.run(retain_graph=self._overlapping)
 
@@ -222,91 +227,18 @@ class _WeightPass:
             if weight_pass(source.node, self.grads[0], self.weights):
                 return
         hooks = [node.register_prehook(_replace(grads)) for node, grads in self.clamps]
+        leaves = frozenset(get_gradient_edge(w).node for w in self.weights)
         try:
-            torch.autograd.backward(
-                list(self.sources),
-                list(self.grads),
-                retain_graph=retain_graph,
-                inputs=list(self.weights),
-            )
+            with running(BackwardKind(accumulated=leaves)):
+                torch.autograd.backward(
+                    list(self.sources),
+                    list(self.grads),
+                    retain_graph=retain_graph,
+                    inputs=list(self.weights),
+                )
         finally:
             for hook in hooks:
                 hook.remove()
-
-
-@dataclass(frozen=True)
-class _Group:
-    """Sources and the weights they reach without passing through a node that leads to an input."""
-
-    intermediates: tuple[Node, ...]
-    root_nodes: frozenset[Node]
-    weights: tuple[Tensor, ...]
-
-    def weight_pass(
-        self, captured: dict[Node, Grads], root_edges: list[GradientEdge], root_grads: list[Tensor]
-    ) -> _WeightPass:
-        sources: list[GradientEdge] = []
-        grads: list[Tensor] = []
-        clamps: list[tuple[Node, Grads]] = []
-        for node in self.intermediates:
-            seen = captured.get(node)
-            if seen is None:  # B never reached it: no gradient flows there.
-                continue
-            clamps.append((node, seen))
-            for k, grad in enumerate(seen):
-                if grad is not None:
-                    sources.append(GradientEdge(node, k))
-                    grads.append(grad)
-        for edge, grad in zip(root_edges, root_grads, strict=True):
-            if edge.node in self.root_nodes:
-                sources.append(edge)
-                grads.append(grad)
-        return _WeightPass(tuple(sources), tuple(grads), tuple(clamps), self.weights)
-
-
-@dataclass(frozen=True)
-class _Plan:
-    """Where B stops and W starts in one micro-batch's graph."""
-
-    intermediates: tuple[Node, ...]
-    groups: tuple[_Group, ...]
-    retraverses: bool
-    """Some W pass re-runs input-gradient nodes (a weight used twice), so no pass may free them."""
-
-    @classmethod
-    def of(cls, roots: Sequence[Tensor], inputs: Sequence[Tensor]) -> _Plan:
-        input_nodes = {get_gradient_edge(x).node for x in inputs}
-        root_nodes = list(dict.fromkeys(get_gradient_edge(t).node for t in roots))
-        parents = _parents(root_nodes)
-        weights = {n: w for n in parents if n not in input_nodes and (w := _leaf(n)) is not None}
-        to_input = _ancestors(input_nodes.intersection(parents), parents)
-        to_weight = _ancestors(weights, parents)
-
-        def weight_side(node: Node) -> bool:
-            return node in to_weight and node not in to_input
-
-        intermediates = [
-            n
-            for n in parents
-            if n in to_input and n in to_weight and any(map(weight_side, _children(n)))
-        ]
-        root_only = [n for n in root_nodes if weight_side(n)]
-
-        # A source and the weights it reaches by weight-side edges run in one autograd call.
-        sets = _DisjointSets()
-        for n in [*intermediates, *(n for n in parents if weight_side(n))]:
-            for c in filter(weight_side, _children(n)):
-                sets.union(n, c)
-        members: dict[Node, tuple[list[Node], list[Node], list[Tensor]]] = {}
-        for n in intermediates:
-            members.setdefault(sets.find(n), ([], [], []))[0].append(n)
-        for n in root_only:
-            members.setdefault(sets.find(n), ([], [], []))[1].append(n)
-        for n, w in weights.items():  # each is reached from a source, so has a group
-            members[sets.find(n)][2].append(w)
-        groups = tuple(_Group(tuple(i), frozenset(r), tuple(w)) for i, r, w in members.values())
-        retraverses = any(_retraverses(g.intermediates, to_input) for g in groups)
-        return cls(tuple(intermediates), groups, retraverses)
 
 
 def _roots(
@@ -354,59 +286,6 @@ def _inputs_wanting_grad(inputs: Sequence[Any]) -> list[tuple[int, Tensor]]:
     return wanted
 
 
-def _children(node: Node) -> Iterable[Node]:
-    return (child for child, _ in node.next_functions if child is not None)
-
-
-def _leaf(node: Node) -> Tensor | None:
-    """The tensor whose ``.grad`` the node accumulates into, if it is an ``AccumulateGrad``."""
-    variable = getattr(node, "variable", None)
-    return variable if isinstance(variable, Tensor) else None
-
-
-def _parents(roots: Iterable[Node]) -> dict[Node, list[Node]]:
-    """Every node reachable from ``roots``, in reach order, with its parents."""
-    parents: dict[Node, list[Node]] = {r: [] for r in roots}
-    queue = deque(parents)
-    while queue:
-        node = queue.popleft()
-        for child in _children(node):
-            if child not in parents:
-                parents[child] = []
-                queue.append(child)
-            parents[child].append(node)
-    return parents
-
-
-def _ancestors(targets: Iterable[Node], parents: dict[Node, list[Node]]) -> set[Node]:
-    """The targets and every node from which one of them is reachable."""
-    found = set(targets)
-    queue = deque(found)
-    while queue:
-        for parent in parents[queue.popleft()]:
-            if parent not in found:
-                found.add(parent)
-                queue.append(parent)
-    return found
-
-
-def _retraverses(intermediates: tuple[Node, ...], to_input: set[Node]) -> bool:
-    """Whether one intermediate reaches another through input-side nodes."""
-    if len(intermediates) < 2:
-        return False
-    targets = set(intermediates)
-    seen: set[Node] = set()
-    queue = deque(c for n in intermediates for c in _children(n) if c in to_input)
-    while queue:
-        node = queue.popleft()
-        if node in targets:
-            return True
-        if node not in seen:
-            seen.add(node)
-            queue.extend(c for c in _children(node) if c in to_input)
-    return False
-
-
 def _capture(captured: dict[Node, Grads], node: Node) -> Callable[[Grads], None]:
     def hook(grads: Grads) -> None:
         captured[node] = tuple(grads)
@@ -419,23 +298,3 @@ def _replace(grads: Grads) -> Callable[[Grads], Grads]:
         return grads
 
     return hook
-
-
-class _DisjointSets:
-    """Union-find over graph nodes."""
-
-    def __init__(self) -> None:
-        self._parent: dict[Node, Node] = {}
-
-    def find(self, node: Node) -> Node:
-        root = node
-        while (up := self._parent.get(root, root)) is not root:
-            root = up
-        while node is not root:
-            node, self._parent[node] = self._parent[node], root
-        return root
-
-    def union(self, a: Node, b: Node) -> None:
-        ra, rb = self.find(a), self.find(b)
-        if ra is not rb:
-            self._parent[ra] = rb

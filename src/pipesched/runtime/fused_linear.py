@@ -34,11 +34,16 @@ strided tensors of the weight's dtype. Everything else runs the ordinary
 ``linear``, and so do ``nn.MultiheadAttention``'s projections: the mode sees
 ``F.multi_head_attention_forward`` as one call and runs it without the mode.
 
-Which gradients a call computes follows the autograd engine: the input's
-gradient when the engine will use it, the weight's when the engine would
-accumulate it. A split backward (zero-bubble B, then W) therefore computes the
-input gradient in B and the fused weight accumulation in W, like any other
-operation.
+Which gradients a call computes follows the backward pipesched declares it
+runs (:mod:`pipesched.runtime.backward_kind`): the weight's is accumulated in
+the GEMM where that backward accumulates it, returned where it captures it
+(``autograd.grad``), skipped otherwise; the input's is computed where the
+engine will use it (:func:`pipesched.internals.engine_will_execute`). A split
+backward (zero-bubble B, then W) therefore computes the input gradient in B
+and the fused weight accumulation in W, like any other operation. In a
+backward pipesched did not declare, the weight's gradient is returned to
+autograd: exact, not fused. The private torch APIs this relies on are checked
+in :mod:`pipesched.internals`; without them fusion is off.
 """
 
 from __future__ import annotations
@@ -52,6 +57,13 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from pipesched.distributed.placement import stage_parameters
+from pipesched.internals import (
+    FUSION_SUPPORTED,
+    engine_will_execute,
+    has_gradient_hooks,
+    top_saved_tensors_hooks,
+)
+from pipesched.runtime.backward_kind import ACCUMULATE, RETURN, SKIP, BackwardKind, declaration
 
 __all__ = [
     "MIN_FUSED_BYTES",
@@ -72,10 +84,6 @@ _ADDMMS = (torch.addmm, torch.ops.aten.addmm.default)
 _INTERCEPTED = frozenset(_LINEARS + _ADDMMS)
 """What the mode looks at; everything else returns after one set lookup."""
 
-_will_engine_execute_node: Callable[[Any], bool] | None = getattr(
-    torch._C, "_will_engine_execute_node", None
-)
-
 
 def unshared_parameters(stages: Sequence[nn.Module | None]) -> list[frozenset[int]]:
     """Per stage, the ids of its parameters that no other stage holds (fusable ones)."""
@@ -93,13 +101,17 @@ def worth_fusing(
 
     A 2-D parameter (a weight) is worth it from :data:`MIN_FUSED_BYTES` on
     (read at each call); 1-D ones (biases) go with their weight. A stage with no
-    such weight gets the empty set, so it never enters :class:`FusedLinearMode`.
+    such weight gets the empty set, so it never enters :class:`FusedLinearMode`;
+    so does every stage where this torch cannot fuse
+    (:data:`pipesched.internals.FUSION_SUPPORTED`).
 
     Args:
         stages: the stage modules (None: a stage of another rank).
         allowed: per stage, the ids its fused backward may write (see
             :func:`unshared_parameters`).
     """
+    if not FUSION_SUPPORTED:
+        return [frozenset() for _ in stages]
     worth = []
     for stage, ids in zip(stages, allowed, strict=True):
         params = [p for p in _parameters(stage) if id(p) in ids]
@@ -144,7 +156,7 @@ class FusedLinearMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _INTERCEPTED and _will_engine_execute_node is not None:
+        if func in _INTERCEPTED and FUSION_SUPPORTED:
             if func in _LINEARS:
                 x, weight, bias = _linear_args(*args, **kwargs)
                 if self._eligible(x, weight, bias, _rows(weight)):
@@ -172,7 +184,7 @@ class FusedLinearMode(TorchFunctionMode):
 
 
 def _saved_tensor_hooks() -> Any:
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks()
 
 
 def _dim(t: Any) -> int:
@@ -205,8 +217,7 @@ def _fusable(p: Any, allowed: frozenset[int]) -> bool:
         and p.requires_grad
         and p.layout == torch.strided
         and p.is_contiguous()
-        and not p._backward_hooks
-        and not getattr(p, "_post_accumulate_grad_hooks", None)
+        and not has_gradient_hooks(p)
     )
 
 
@@ -225,6 +236,8 @@ class _FusedLinear(torch.autograd.Function):
         ctx.parameters = (weight, bias)
         ctx.transposed = transposed
         ctx.hooked = _saved_tensor_hooks() is not None  # saved through hooks (a checkpoint)
+        ctx.declaration = declaration()  # this thread's: it runs this micro-batch's backward
+        ctx.fused_linear = _FUSED  # ctx is the node: weight_pass recognises it
         if transposed:
             return x @ weight if bias is None else torch.addmm(bias, x, weight)
         return F.linear(x, weight, bias)
@@ -236,24 +249,25 @@ class _FusedLinear(torch.autograd.Function):
         x, saved_weight = ctx.saved_tensors
         weight, bias = ctx.parameters
         edges = [node for node, _ in ctx.next_functions]  # no edge for a None bias
-        want_x, want_w = _wanted(edges[0]), _wanted(edges[1])
-        want_b = _wanted(edges[2]) if bias is not None else _SKIP
+        kind = ctx.declaration.kind
+        want_w = _leaf_wanted(kind, edges[1])
+        want_b = _leaf_wanted(kind, edges[2]) if bias is not None else SKIP
         grad_x = None
-        if want_x != _SKIP:
+        if _input_wanted(kind, edges[0]):
             grad_x = grad.matmul(saved_weight.t() if ctx.transposed else saved_weight)
-        if want_w == _SKIP and want_b == _SKIP:
+        if want_w == SKIP and want_b == SKIP:
             return grad_x, None, None, None
         grad_2d = grad.reshape(-1, grad.shape[-1])
         a, b = _weight_factors(x, grad_2d, ctx.transposed)
         grad_w = grad_b = None
         with torch.no_grad():
-            if want_w == _ACCUMULATE:
+            if want_w == ACCUMULATE:
                 _accumulate_mm(weight, a, b)
-            elif want_w == _RETURN:  # autograd.grad() asks for it: no .grad is touched
+            elif want_w == RETURN:  # autograd.grad() asks for it: no .grad is touched
                 grad_w = torch.mm(a, b)
-            if want_b == _ACCUMULATE:
+            if want_b == ACCUMULATE:
                 _accumulate(bias, grad_2d.sum(0))
-            elif want_b == _RETURN:
+            elif want_b == RETURN:
                 grad_b = grad_2d.sum(0)
         return grad_x, grad_w, grad_b, None
 
@@ -271,7 +285,7 @@ def weight_pass(node: Any, grad: Tensor, weights: Sequence[Tensor]) -> bool:
         checkpoint's, whose recomputation belongs to the engine).
     """
     ctx: Any = node  # a custom Function's node is its ctx
-    if type(node) is not _FusedLinear._backward_cls or ctx.hooked:
+    if getattr(ctx, "fused_linear", None) is not _FUSED or ctx.hooked:
         return False
     weight, bias = ctx.parameters
     if sorted(map(id, weights)) != sorted(id(p) for p in (weight, bias) if p is not None):
@@ -291,18 +305,30 @@ def _weight_factors(x: Tensor, grad_2d: Tensor, transposed: bool) -> tuple[Tenso
     return (x_2d.t(), grad_2d) if transposed else (grad_2d.t(), x_2d)
 
 
-_SKIP, _ACCUMULATE, _RETURN = 0, 1, 2
-"""What the current backward wants of an input: nothing, its ``.grad`` (the engine would
-run its AccumulateGrad), or its gradient returned (``autograd.grad`` captures the leaf)."""
+_FUSED = object()
+"""The mark on a fused linear's node (its ctx)."""
 
 
-def _wanted(node: Any) -> int:
+def _leaf_wanted(kind: BackwardKind | None, node: Any) -> int:
+    """What the running backward wants of a parameter's leaf node (an ``AccumulateGrad``).
+
+    Where pipesched declared no backward, the gradient goes back to autograd,
+    which accumulates, captures or drops it: exact whatever that backward is.
+    """
     if node is None:
-        return _SKIP
-    try:
-        return _ACCUMULATE if _will_engine_execute_node(node) else _SKIP  # type: ignore[misc]
-    except RuntimeError:  # torch: a leaf autograd.grad() captures
-        return _RETURN
+        return SKIP
+    return RETURN if kind is None else kind.leaf(node)
+
+
+def _input_wanted(kind: BackwardKind | None, node: Any) -> bool:
+    """Whether to compute the input's gradient: the engine will use it, or may."""
+    if node is None:
+        return False
+    if kind is not None and kind.full:
+        return True
+    if not any(child is not None for child, _ in node.next_functions):  # a leaf
+        return kind is None or kind.leaf(node) != SKIP
+    return engine_will_execute(node)  # never asked of a leaf: torch raises for a captured one
 
 
 def _accumulate_mm(p: Tensor, a: Tensor, b: Tensor) -> None:

@@ -8,6 +8,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from pipesched.internals import foreach_mul_
+
 __all__ = ["all_finite", "clip_to_", "grads_of", "scale_"]
 
 
@@ -19,7 +21,7 @@ def grads_of(parameters: Iterable[nn.Parameter]) -> list[torch.Tensor]:
 def scale_(grads: list[torch.Tensor], factor: float) -> None:
     """Multiplies every gradient by ``factor`` in place, once."""
     if factor != 1.0:
-        torch._foreach_mul_(grads, factor)
+        foreach_mul_(grads, factor)
 
 
 def all_finite(grads: list[torch.Tensor]) -> bool:

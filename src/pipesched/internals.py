@@ -1,0 +1,348 @@
+"""Private torch APIs pipesched uses, each checked once at import, each with a fallback.
+
+Why a module of its own: torch promises nothing about its private names, and a
+release that renames one, or "fixes" what it returns, must neither break a
+user's step nor change its results silently. So every private API the package
+calls is looked up here, once, at import, and tried on a tiny probe where that
+is cheap and safe (a scalar backward, a two-element multiply). One that is
+missing or fails its probe switches off the feature that needed it, with one
+:class:`~pipesched.errors.TorchInternalsWarning` per process naming it, and the
+exact, slower path runs instead. No error message of torch's is used as
+control flow. A test deletes each one before import and checks that a step
+still equals the plain model's (``tests/test_internals.py``); another checks
+that no other module names ``torch._C``, ``torch._ops`` or ``torch.utils._``.
+
+Checked, with a fallback:
+
+- ``torch._C._will_engine_execute_node`` (:func:`engine_will_execute`):
+  whether the running backward executes a node, asked by a fused linear
+  (:mod:`pipesched.runtime.fused_linear`) about its input's node, never about
+  a leaf (torch raises for a leaf ``autograd.grad`` captures). Without it, a
+  fused linear computes its input gradient whenever it has one (the engine
+  drops what it does not need): a weight pass through the engine then does
+  an input-gradient GEMM it throws away.
+- ``torch._C._autograd._top_saved_tensors_default_hooks``
+  (:data:`top_saved_tensors_hooks`): tells a fused linear it is inside a
+  checkpointed region, whose recomputation runs without the fusion. Without
+  it, fused weight-gradient accumulation is off.
+- ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks``
+  (:func:`has_gradient_hooks`): a parameter with gradient hooks must get its
+  gradient through autograd. Without either, every parameter counts as
+  hooked: fused accumulation is off.
+- ``torch.utils.checkpoint.GraphExecGroup`` (:data:`one_recomputation`,
+  torch 2.9 and later): the passes of one W share one recomputation of a
+  checkpointed region. Without it each pass recomputes it.
+- ``torch._foreach_mul_`` (:func:`foreach_mul_`): gradient scaling in one
+  kernel per device. Without it, one ``mul_`` per gradient (the same values).
+- ``torch._C._nn._parse_to`` (:func:`parse_to`): reads ``Pipeline.to()``'s
+  arguments as ``nn.Module.to`` does. Without it they are read in Python.
+
+Hard requirements, re-exported without a fallback: there is no public
+alternative, and no exact path without them.
+
+- ``torch.utils._pytree`` (:data:`pytree`): ``torch.export`` hands back its
+  ``TreeSpec``; flattening calls and traced stages' inputs must use the same
+  one. torch has no public pytree module (``torch.utils.pytree`` does not
+  exist up to 2.13), and torch.export itself imports this one.
+- ``torch.utils._python_dispatch.TorchDispatchMode`` (:data:`TorchDispatchMode`):
+  seeds every random operation at the dispatcher (:mod:`pipesched.rng`);
+  without it dropout masks would depend on thread timing.
+- ``torch._ops.OpOverload`` (:data:`OpOverload`) and its ``_schema``: the type of
+  an ATen operation and its signature, read when profiling and cutting traced
+  graphs (:mod:`pipesched.partition`) and seeding (:mod:`pipesched.rng`).
+
+Not routed here, used in place as torch's own modules use them (a torch that
+renamed them would break much of the ecosystem first): ``nn.Module``'s storage
+(``_modules``, ``_parameters``, ``_buffers``, ``_non_persistent_buffers_set``,
+``_apply``, ``_call_impl``); the base classes ``nn.modules.batchnorm._BatchNorm``
+(with ``_check_input_dim``) and ``nn.modules.dropout._DropoutNd``; and the
+ATen checks ``torch.export`` inserts (``aten._assert_tensor_metadata``,
+``aten._assert_scalar``), dropped from traced stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+from torch import Tensor
+from torch._ops import OpOverload
+from torch.autograd.graph import Node
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipesched.errors import ConfigTypeError, TorchInternalsWarning, warn_user
+
+__all__ = [
+    "FUSION_SUPPORTED",
+    "MISSING",
+    "OpOverload",
+    "TorchDispatchMode",
+    "engine_will_execute",
+    "foreach_mul_",
+    "has_gradient_hooks",
+    "one_recomputation",
+    "parse_to",
+    "pytree",
+    "top_saved_tensors_hooks",
+]
+
+MISSING: list[str] = []
+"""The private APIs that were missing or failed their probe at import (warned once each)."""
+
+
+def _missing(name: str, without: str) -> None:
+    MISSING.append(name)
+    warn_user(
+        f"{name} is missing or behaves differently in torch {torch.__version__}; "
+        f"pipesched falls back to an exact, slower path: {without}",
+        TorchInternalsWarning,
+    )
+
+
+def _probe(check: Callable[[], bool]) -> bool:
+    """Runs a capability probe: True if it ran and saw what it expected.
+
+    Any exception counts as a failed probe (whatever it says): the API is
+    then not used at all, so no error of torch's steers anything later.
+    """
+    try:
+        with torch.inference_mode(False), torch.enable_grad():
+            return check()
+    except Exception:
+        return False
+
+
+# ------------------------------------------------------------- the autograd engine
+
+_will_engine_execute_node: Callable[[Node], bool] | None = getattr(
+    torch._C, "_will_engine_execute_node", None
+)
+
+
+def _check_will_engine_execute_node() -> bool:
+    ask = _will_engine_execute_node
+    a, b = torch.ones((), requires_grad=True), torch.ones((), requires_grad=True)
+    ya, yb = a * 2, b * 3
+    out = ya + yb
+    seen: list[tuple[bool, ...]] = []
+    handle = out.grad_fn.register_prehook(  # type: ignore[union-attr]
+        lambda _: seen.append(tuple(map(ask, (ya.grad_fn, yb.grad_fn))))  # type: ignore[arg-type]
+    )
+    try:
+        torch.autograd.backward(out, inputs=[a], retain_graph=True)
+        torch.autograd.backward(out)
+    finally:
+        handle.remove()
+    return seen == [(True, False), (True, True)]
+
+
+if _will_engine_execute_node is None or not _probe(_check_will_engine_execute_node):
+    _will_engine_execute_node = None
+    _missing(
+        "torch._C._will_engine_execute_node",
+        "a fused linear computes its input gradient whenever it has one, needed or not",
+    )
+
+
+def engine_will_execute(node: Node) -> bool:
+    """Whether the running backward executes ``node``; True where that is unknown.
+
+    Args:
+        node: a node with at least one next edge. Never a leaf: for a leaf that
+            ``torch.autograd.grad`` captures, torch raises instead of answering.
+    """
+    return True if _will_engine_execute_node is None else _will_engine_execute_node(node)
+
+
+# ------------------------------------------------------------- saved-tensor hooks
+
+_top_hooks: Callable[[bool], Any] | None = getattr(
+    getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None
+)
+
+
+def _check_top_hooks() -> bool:
+    assert _top_hooks is not None
+    pack, unpack = (lambda t: t), (lambda t: t)
+    outside = _top_hooks(False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        inside = _top_hooks(False)
+    return bool(inside == (pack, unpack) and _top_hooks(False) == outside)
+
+
+def _top_saved_tensors_hooks() -> Any:
+    assert _top_hooks is not None
+    return _top_hooks(False)
+
+
+top_saved_tensors_hooks: Callable[[], Any] | None = _top_saved_tensors_hooks
+"""The innermost saved-tensor hooks in force (None outside any); None if unavailable."""
+if _top_hooks is None or not _probe(_check_top_hooks):
+    top_saved_tensors_hooks = None
+    _missing(
+        "torch._C._autograd._top_saved_tensors_default_hooks",
+        "fused weight-gradient accumulation is off",
+    )
+
+
+# ------------------------------------------------------------- a tensor's gradient hooks
+
+
+def _check_hook_table(table: str, register: Callable[[Tensor], Any]) -> bool:
+    t = torch.zeros(1, requires_grad=True)
+    before = getattr(t, table)
+    handle = register(t)
+    during = bool(getattr(t, table))
+    handle.remove()
+    return not before and during and not getattr(t, table)
+
+
+def _register_hook(t: Tensor) -> Any:
+    return t.register_hook(lambda g: g)  # type: ignore[no-untyped-call]
+
+
+def _register_post_accumulate_grad_hook(t: Tensor) -> Any:
+    return t.register_post_accumulate_grad_hook(lambda p: None)  # type: ignore[no-untyped-call]
+
+
+_HOOK_TABLES: list[str] = []
+"""The tensor attributes that list gradient hooks and passed their probe."""
+for _table, _register in (
+    ("_backward_hooks", _register_hook),
+    ("_post_accumulate_grad_hooks", _register_post_accumulate_grad_hook),
+):
+    if _probe(functools.partial(_check_hook_table, _table, _register)):
+        _HOOK_TABLES.append(_table)
+    else:
+        _missing(f"torch.Tensor.{_table}", "fused weight-gradient accumulation is off")
+
+
+def has_gradient_hooks(t: Tensor) -> bool:
+    """Whether ``t`` has gradient hooks; True where that cannot be told."""
+    return len(_HOOK_TABLES) < 2 or any(getattr(t, table) for table in _HOOK_TABLES)
+
+
+FUSION_SUPPORTED = top_saved_tensors_hooks is not None and len(_HOOK_TABLES) == 2
+"""Whether fused weight-gradient accumulation can run (its checks all passed)."""
+
+
+# ------------------------------------------------------------- checkpoint recomputation
+
+_GraphExecGroup: Any = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+
+
+def _check_graph_exec_group() -> bool:
+    with _GraphExecGroup():
+        return True
+
+
+one_recomputation: Callable[[], contextlib.AbstractContextManager[Any]] = (
+    _GraphExecGroup if _GraphExecGroup is not None else contextlib.nullcontext
+)
+"""Backward calls inside it recompute each non-reentrant checkpointed region once in all."""
+if _GraphExecGroup is None or not _probe(_check_graph_exec_group):
+    one_recomputation = contextlib.nullcontext
+    _missing(
+        "torch.utils.checkpoint.GraphExecGroup",
+        "each pass of a split weight backward (W) recomputes checkpointed regions itself",
+    )
+
+
+# ------------------------------------------------------------- gradient scaling
+
+_foreach_mul: Callable[[Sequence[Tensor], float], None] | None = getattr(
+    torch, "_foreach_mul_", None
+)
+
+
+def _check_foreach_mul() -> bool:
+    assert _foreach_mul is not None
+    a, b = torch.ones(2), torch.full((3,), 2.0)
+    _foreach_mul([a, b], 0.5)
+    return bool(a.eq(0.5).all()) and bool(b.eq(1.0).all())
+
+
+if _foreach_mul is None or not _probe(_check_foreach_mul):
+    _foreach_mul = None
+    _missing("torch._foreach_mul_", "gradients are scaled one tensor at a time")
+
+
+def foreach_mul_(tensors: Sequence[Tensor], factor: float) -> None:
+    """Multiplies each tensor by ``factor`` in place."""
+    if _foreach_mul is not None:
+        _foreach_mul(tensors, factor)
+    else:
+        for t in tensors:
+            t.mul_(factor)
+
+
+# ------------------------------------------------------------- .to() arguments
+
+_ToArgs = tuple[torch.device | None, torch.dtype | None, bool, torch.memory_format | None]
+
+_parse_to: Callable[..., _ToArgs] | None = getattr(
+    getattr(torch._C, "_nn", None), "_parse_to", None
+)
+
+
+def _check_parse_to() -> bool:
+    assert _parse_to is not None
+    return _parse_to("cpu", torch.float64) == (
+        torch.device("cpu"),
+        torch.float64,
+        False,
+        None,
+    ) and (_parse_to(torch.float32) == (None, torch.float32, False, None))
+
+
+if _parse_to is None or not _probe(_check_parse_to):
+    _parse_to = None
+    _missing("torch._C._nn._parse_to", "Pipeline.to() reads its arguments in Python")
+
+
+def parse_to(*args: Any, **kwargs: Any) -> _ToArgs:
+    """``(device, dtype, non_blocking, memory_format)`` of ``.to()``'s arguments, None if not given.
+
+    Raises:
+        ConfigTypeError: arguments ``.to()`` does not take (Python reading only).
+    """
+    if _parse_to is not None:
+        return _parse_to(*args, **kwargs)
+    return _read_to_arguments(*args, **kwargs)
+
+
+def _read_to_arguments(*args: Any, **kwargs: Any) -> _ToArgs:
+    """``.to(device, dtype, non_blocking, copy)``, ``.to(dtype, ...)`` or ``.to(tensor, ...)``."""
+    device = kwargs.pop("device", None)
+    dtype = kwargs.pop("dtype", None)
+    non_blocking = kwargs.pop("non_blocking", False)
+    memory_format = kwargs.pop("memory_format", None)
+    kwargs.pop("copy", None)
+    rest = list(args)
+    if rest and isinstance(rest[0], Tensor):
+        other = rest.pop(0)
+        device, dtype = other.device, other.dtype
+    elif rest and not isinstance(rest[0], (torch.dtype, bool)):
+        device = rest.pop(0)
+    if rest and isinstance(rest[0], torch.dtype):
+        dtype = rest.pop(0)
+    if rest and isinstance(rest[0], bool):
+        non_blocking = rest.pop(0)
+    if rest and isinstance(rest[0], bool):
+        rest.pop(0)  # copy
+    if rest or kwargs:
+        raise ConfigTypeError(
+            f"to() got arguments it does not take: {rest + list(kwargs)}; "
+            "expected to(device, dtype, non_blocking), to(dtype) or to(tensor)"
+        )
+    return (
+        None if device is None else torch.device(device),
+        dtype,
+        bool(non_blocking),
+        memory_format,
+    )

@@ -1,0 +1,94 @@
+"""Which backward pipesched is running, declared to the fused linears a thread built.
+
+A fused linear (:mod:`pipesched.runtime.fused_linear`) must know, for its
+weight, whether the running backward accumulates the gradient into ``.grad``
+(then it does so inside the GEMM), returns it (``torch.autograd.grad``
+captures the weight) or does not want it. torch answers only the first and
+last of these; for a leaf that ``autograd.grad`` captures it raises an error,
+and matching that error is what we refuse to do. So pipesched, which runs the
+backward itself (:mod:`pipesched.runtime.backward`), says what it runs:
+
+- :data:`FULL`: ``torch.autograd.backward`` without ``inputs=``: every leaf
+  it reaches accumulates;
+- ``BackwardKind(captured=...)``: ``torch.autograd.grad`` of those leaves (B);
+- ``BackwardKind(accumulated=...)``: ``torch.autograd.backward(inputs=...)``
+  accumulating those leaves only (a pass of W).
+
+The declaration is the calling thread's, and a fused linear reads the one of
+the thread that ran its forward: the autograd engine may run the backward in
+a device thread, but pipesched's stage worker runs both a micro-batch's
+forward and its backward. A backward nobody declared (the caller's own) gets
+each gradient returned to autograd: exact, not fused.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from torch.autograd.graph import Node
+
+__all__ = ["ACCUMULATE", "FULL", "RETURN", "SKIP", "BackwardKind", "Declaration", "running"]
+
+SKIP, ACCUMULATE, RETURN = 0, 1, 2
+"""What a backward wants of a leaf: nothing, its ``.grad`` accumulated, its gradient returned."""
+
+
+@dataclass(frozen=True)
+class BackwardKind:
+    """What one backward call does with the leaves (``AccumulateGrad`` nodes) it reaches.
+
+    Attributes:
+        full: every leaf accumulates (``torch.autograd.backward`` without ``inputs=``).
+        captured: leaves whose gradient is returned (``torch.autograd.grad``'s inputs).
+        accumulated: the only leaves that accumulate (``backward``'s ``inputs=``).
+    """
+
+    full: bool = False
+    captured: frozenset[Node] = field(default_factory=frozenset)
+    accumulated: frozenset[Node] = field(default_factory=frozenset)
+
+    def leaf(self, node: Node) -> int:
+        """:data:`SKIP`, :data:`ACCUMULATE` or :data:`RETURN` for the leaf ``node``."""
+        if self.full or node in self.accumulated:
+            return ACCUMULATE
+        return RETURN if node in self.captured else SKIP
+
+
+FULL = BackwardKind(full=True)
+"""``torch.autograd.backward`` without ``inputs=``."""
+
+
+class Declaration:
+    """One thread's declared backward; None while it runs none (or one it did not declare)."""
+
+    __slots__ = ("kind",)
+
+    def __init__(self) -> None:
+        self.kind: BackwardKind | None = None
+
+
+class _Local(threading.local):
+    def __init__(self) -> None:
+        self.declaration = Declaration()
+
+
+_local = _Local()
+
+
+def declaration() -> Declaration:
+    """The calling thread's declaration (a fused linear keeps its forward thread's)."""
+    return _local.declaration
+
+
+@contextmanager
+def running(kind: BackwardKind) -> Iterator[None]:
+    """Declares ``kind`` as the backward the calling thread runs inside the block."""
+    held = _local.declaration
+    previous, held.kind = held.kind, kind
+    try:
+        yield
+    finally:
+        held.kind = previous

@@ -1,0 +1,156 @@
+"""Private torch APIs: each one missing still gives exact steps and one warning naming it."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipesched import internals
+
+_REMOVALS = {
+    # API: (how the subprocess takes it away before importing pipesched, fusion still on?)
+    "torch._C._will_engine_execute_node": (
+        "delattr(torch._C, '_will_engine_execute_node')",
+        True,
+    ),
+    "torch._C._autograd._top_saved_tensors_default_hooks": (
+        "delattr(torch._C._autograd, '_top_saved_tensors_default_hooks')",
+        False,
+    ),
+    # A C type's attribute cannot be deleted: shadowed by one that reads None.
+    "torch.Tensor._backward_hooks": (
+        "torch.Tensor._backward_hooks = property(lambda self: None)",
+        False,
+    ),
+    "torch.Tensor._post_accumulate_grad_hooks": (
+        "torch.Tensor._post_accumulate_grad_hooks = property(lambda self: None)",
+        False,
+    ),
+    # torch's own checkpoint reads it: changed so that it no longer opens without arguments.
+    "torch.utils.checkpoint.GraphExecGroup": (
+        "import torch.utils.checkpoint as c\n"
+        "class Changed(c.GraphExecGroup):\n"
+        "    def __init__(self, required): super().__init__()\n"
+        "c.GraphExecGroup = Changed",
+        True,
+    ),
+    # torch's own modules need these two (dynamo, nn.Module.to): changed, not deleted.
+    "torch._foreach_mul_": ("torch._foreach_mul_ = lambda tensors, factor: None", True),
+    "torch._C._nn._parse_to": (
+        "parse = torch._C._nn._parse_to\n"
+        "torch._C._nn._parse_to = lambda *a, **k: list(parse(*a, **k))",
+        True,
+    ),
+}
+
+_SCRIPT = """
+import copy, json, warnings
+import torch
+{removal}
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    from torch import nn
+    from pipesched import Pipeline, TorchInternalsWarning
+    from pipesched import internals
+    from pipesched.runtime import fused_linear
+    from pipesched.train.gradients import scale_
+
+    fused_linear.MIN_FUSED_BYTES = 0
+    exact = {{}}
+    for schedule, checkpoint in [("zb-h1", "never"), ("zb-h1", "except_last"), ("1f1b", "never")]:
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 5)
+        ).double()
+        reference = copy.deepcopy(model)
+        x, y = torch.randn(8, 6, dtype=torch.float64), torch.randn(8, 5, dtype=torch.float64)
+        nn.functional.mse_loss(reference(x), y).backward()
+        pipe = Pipeline(
+            model, 4, balance=[2, 3], devices=["cpu", "cpu"], schedule=schedule,
+            checkpoint=checkpoint,
+        )
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        exact[schedule + "/" + checkpoint] = all(
+            torch.allclose(p.grad, r.grad, rtol=1e-10, atol=1e-14)
+            for p, r in zip(model.parameters(), reference.parameters(), strict=True)
+        )
+    grads = [torch.ones(3, dtype=torch.float64), torch.full((2,), 4.0, dtype=torch.float64)]
+    scale_(grads, 0.5)
+    exact["scale_"] = grads[0].eq(0.5).all().item() and grads[1].eq(2.0).all().item()
+    exact["parse_to"] = internals.parse_to("cpu", torch.float64)[:2] == (
+        torch.device("cpu"), torch.float64
+    )
+warned = [str(w.message) for w in caught if issubclass(w.category, TorchInternalsWarning)]
+print(json.dumps({{"exact": exact, "warned": warned, "fusion": internals.FUSION_SUPPORTED}}))
+"""
+
+
+@pytest.mark.parametrize("api", list(_REMOVALS))
+def test_a_step_without_the_private_api_equals_the_plain_model(api: str) -> None:
+    removal, fusion = _REMOVALS[api]
+    done = subprocess.run(
+        [sys.executable, "-c", _SCRIPT.format(removal=removal)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert all(result["exact"].values()), result["exact"]
+    assert len(result["warned"]) == 1, result["warned"]
+    assert api in result["warned"][0]
+    assert result["fusion"] == fusion
+
+
+def test_this_torch_has_them_all() -> None:
+    assert internals.MISSING == []
+    assert internals.FUSION_SUPPORTED
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs"),
+    [
+        (("cpu",), {}),
+        (("cpu", torch.float16), {}),
+        ((torch.float32,), {}),
+        ((torch.zeros(1, dtype=torch.int8),), {}),
+        ((), {"dtype": torch.float64, "non_blocking": True}),
+        ((torch.device("cpu"), torch.float64, True), {}),
+        ((), {"device": "cpu", "memory_format": torch.channels_last}),
+    ],
+)
+def test_to_arguments_read_in_python_as_torch_reads_them(args, kwargs) -> None:
+    expected = torch._C._nn._parse_to(*args, **kwargs)
+    assert internals._read_to_arguments(*args, **dict(kwargs)) == expected
+
+
+_PRIVATE = re.compile(
+    r"torch\._C\b|torch\._ops\b|torch\.utils\._|_will_engine_execute_node|"
+    r"_top_saved_tensors_default_hooks|_foreach_|_parse_to|_backward_hooks|"
+    r"_post_accumulate_grad_hooks|_backward_cls"
+)
+
+
+def test_no_other_module_names_a_private_torch_api() -> None:
+    package = Path(internals.__file__).parent
+    found = [
+        f"{path.relative_to(package)}:{n}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        if path.name != "internals.py" or path.parent != package
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if _PRIVATE.search(line)
+    ]
+    assert found == []
+
+
+def test_every_checked_api_is_listed_in_the_module_docstring() -> None:
+    doc = textwrap.dedent(internals.__doc__ or "")
+    for api in _REMOVALS:
+        assert api.rsplit(".", 1)[-1] in doc, api
