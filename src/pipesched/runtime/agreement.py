@@ -46,6 +46,8 @@ class StepShape:
         weights: a checksum of the micro-batches' loss weights (their rows
             or ``num_items``; 0 for forward only): a rank given micro-batches
             of other sizes would weigh the loss otherwise, silently.
+        shapes: a checksum of the micro-batches' input shapes, where the
+            transport posts receives by them (NCCL's ordering); else 0.
     """
 
     training: bool
@@ -56,6 +58,7 @@ class StepShape:
     has_target: bool
     seed: int
     weights: int = 0
+    shapes: int = 0
 
     @classmethod
     def of(
@@ -66,8 +69,13 @@ class StepShape:
         has_target: bool,
         seed: int,
         weights: Sequence[float] = (),
+        shapes: object = None,
     ) -> StepShape:
-        """The shape of a step running ``schedule`` with these micro-batch loss ``weights``."""
+        """The shape of a step running ``schedule`` with these micro-batch loss ``weights``.
+
+        ``shapes``: what the ranks' micro-batch input shapes must agree on
+        (any value with a stable ``repr``), or None.
+        """
         return cls(
             training=training,
             num_microbatches=schedule.num_microbatches,
@@ -77,6 +85,7 @@ class StepShape:
             has_target=has_target,
             seed=seed,
             weights=zlib.crc32(struct.pack(f"<{len(weights)}d", *weights)) if weights else 0,
+            shapes=0 if shapes is None else zlib.crc32(repr(shapes).encode()),
         )
 
     def encode(self) -> torch.Tensor:
@@ -94,6 +103,7 @@ class StepShape:
             int(self.has_target),
             self.seed,
             self.weights,
+            self.shapes,
             *words,
         ]
         return torch.tensor(values, dtype=torch.int64)
@@ -101,7 +111,7 @@ class StepShape:
     @classmethod
     def decode(cls, values: list[int]) -> StepShape:
         """The shape :meth:`encode` wrote."""
-        magic, training, count, stages, fingerprint, target, seed, weights, *words = values
+        magic, training, count, stages, fingerprint, target, seed, weights, shapes, *words = values
         if magic != _MAGIC:
             raise ConfigError(
                 "a rank of this pipeline sent something other than a step's shape at the "
@@ -117,12 +127,13 @@ class StepShape:
             has_target=bool(target),
             seed=seed,
             weights=weights,
+            shapes=shapes,
         )
 
     @staticmethod
     def size() -> int:
         """Integers in an encoded shape."""
-        return 8 + _NAME_WORDS
+        return 9 + _NAME_WORDS
 
 
 def mismatch(shapes: list[StepShape]) -> str | None:
@@ -177,6 +188,13 @@ def mismatch(shapes: list[StepShape]) -> str | None:
                 "otherwise than pp rank 0 (their row counts, or num_items, differ): pass every "
                 "rank of a pipeline the same batch, or the same microbatches=[...] list, and "
                 "the same num_items (the last stage's rank weighs the loss by them)"
+            )
+        if shape.shapes != first.shapes:
+            return (
+                f"pp rank {r}'s micro-batches have other input shapes than pp rank 0's: with "
+                "NCCL (or PIPESCHED_P2P=ordered) receives are posted ahead at sizes known from "
+                "the micro-batches' shapes, so pass every rank of a pipeline the same batch, "
+                "or the same microbatches=[...] list"
             )
     return None
 

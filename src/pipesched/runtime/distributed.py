@@ -38,7 +38,7 @@ from pipesched.runtime.failures import Failure, FailureChannel
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import Link
-from pipesched.runtime.ordered import OrderedTransport
+from pipesched.runtime.ordered import OrderedTransport, signature
 from pipesched.runtime.p2p import TaggedTransport
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
 from pipesched.runtime.streams import Stream
@@ -153,6 +153,7 @@ class DistributedRuntime:
             has_target=step.targets is not None,
             seed=step.seed or 0,  # 0: this rank drew none
             weights=step.loss_weights,
+            shapes=[signature(x) for x in step.inputs] if self.mode == "ordered" else None,
         )
         shapes = self._exchange(shape)
         problem = mismatch(shapes)

@@ -128,19 +128,25 @@ class StagePasses:
         """
         device, stream = self.devices[s], self.streams[self.placement[s]]
         step = state.step
-        x = map_tensors(x, lambda t: copy_to(t, device, stream))
-        if state.detach and s > 0:
-            x = map_tensors(x, _fresh_leaf)
+        fresh = state.detach and s > 0
+
+        def arrive(t: torch.Tensor) -> torch.Tensor:
+            t = copy_to(t, device, stream)
+            return _fresh_leaf(t) if fresh else t
+
+        x = map_tensors(x, arrive)
         # Fused weight-gradient accumulation only where pipesched runs the backward.
         fused = self.fused[s] if self.fused is not None and state.detach else None
-        stage = _Seeded(self.stages[s], self.seeding[s], state.seed, i, fused)  # type: ignore[arg-type]
+        stage, seeding = self.stages[s], self.seeding[s]
         with self.forward_context(s) if self.forward_context else nullcontext():
             if i < step.checkpoint_stop and torch.is_grad_enabled():
                 # No RNG replay: _Seeded reseeds random operations itself, and torch's
                 # replay sets the process-wide generator unlocked (racing other stages).
-                y = checkpoint(stage, x, preserve_rng_state=False)
-            else:
-                y = stage(x)
+                seeded = _Seeded(stage, seeding, state.seed, i, fused)  # type: ignore[arg-type]
+                y = checkpoint(seeded, x, preserve_rng_state=False)
+            else:  # what _Seeded.forward does, without building a module per micro-batch
+                with seeding.forward(state.seed, i), _fusing(fused):
+                    y = stage(x)  # type: ignore[misc]
         if not state.detach and self.seeding[s].recomputes and torch.is_grad_enabled():
             raise ConfigError(
                 f"stage {s} checkpoints itself (torch.utils.checkpoint) around random "
@@ -241,9 +247,12 @@ class _Seeded(nn.Module):
         self.fused = fused
 
     def forward(self, x: Any) -> Any:
-        fusing = FusedLinearMode(self.fused) if self.fused else nullcontext()
-        with self.seeding.forward(self.seed, self.microbatch), fusing:
+        with self.seeding.forward(self.seed, self.microbatch), _fusing(self.fused):
             return self.stage(x)
+
+
+def _fusing(fused: frozenset[int] | None) -> AbstractContextManager[Any]:
+    return FusedLinearMode(fused) if fused else nullcontext()
 
 
 def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:

@@ -123,7 +123,7 @@ def message_bytes(layout: list[int]) -> int:
     """The size of a data message of ``layout``: header and payload."""
     _, specs, _ = _specs(layout)
     return HEADER_BYTES + sum(
-        _aligned(math.prod(shape) * torch.empty((), dtype=dtype).element_size())
+        _aligned(math.prod(shape) * dtype.itemsize)
         for dtype, shape in specs
         if dtype is not None
     )
@@ -139,8 +139,7 @@ def pack(
 ) -> torch.Tensor:
     """One message: the header, the tensors' bytes, zeros up to ``size`` bytes if larger."""
     words = [code, int(message.kind == BACKWARD), message.stage, message.microbatch, *layout]
-    header = torch.zeros(_WORDS, dtype=torch.int64)
-    header[: len(words)] = torch.tensor(words, dtype=torch.int64)
+    header = torch.tensor(words + [0] * (_WORDS - len(words)), dtype=torch.int64)
     parts = [header.view(torch.uint8).to(device)]
     used = HEADER_BYTES
     for t in tensors:
@@ -173,7 +172,7 @@ def unpack(layout: list[int], buffer: torch.Tensor) -> Any:
         if dtype is None:
             values.append(shape)  # None or a Python scalar
             continue
-        nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        nbytes = math.prod(shape) * dtype.itemsize
         values.append(buffer[offset : offset + nbytes].view(dtype).view(shape))
         offset += _aligned(nbytes)
     if kind == 0:
