@@ -19,7 +19,11 @@ their transport exchanges about shapes:
 - exact: the protocol NCCL needs (and every backend used before): a receive
   exactly the message's size, so a notice, sized as the receiver expects,
   precedes every change of layout (16 a step here) and the data's receive is
-  posted only once the notice is read.
+  posted only once the notice is read;
+- ordered: NCCL's matching rules (``PIPESCHED_P2P=ordered``): every message
+  under one tag, posted in the schedule's agreed order, each receive posted
+  ahead at the size its micro-batch's input shapes gave before (a notice and
+  a wait only for shapes not seen yet: here, the first step's).
 
 A fourth pipeline, fixed, runs 8 x 128 tokens: the same FLOPs, one shape.
 
@@ -99,7 +103,8 @@ class Meter:
         self.seconds = 0.0
         self._waiting = 0.0
         self._inside_irecv = False
-        recv, irecv, peer = transport.recv, transport._irecv, transport._peer
+        link = transport.link
+        recv, irecv, peer = transport.take, link.receive, link.peer
 
         def timed_recv(*args: Any) -> Any:
             start, waited = time.perf_counter(), self._waiting
@@ -124,7 +129,7 @@ class Meter:
                 if doing.startswith("waiting") and not self._inside_irecv:
                     self._waiting += time.perf_counter() - start
 
-        transport.recv, transport._irecv, transport._peer = timed_recv, timed_irecv, timed_peer
+        transport.take, link.receive, link.peer = timed_recv, timed_irecv, timed_peer
 
 
 def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any], dict[str, Meter]]:
@@ -140,11 +145,16 @@ def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any]
         ("steady", VARIED),
         ("cold", VARIED),
         ("exact", VARIED),
+        ("ordered", VARIED),
         ("fixed", FIXED),
     ):
+        if name == "ordered":  # NCCL's matching rules on gloo (read when the pipeline is built)
+            os.environ["PIPESCHED_P2P"] = "ordered"
         pipe = Pipeline(model(), 1, balance=[half, len(model()) - half], mesh=mesh, schedule="1f1b")
+        os.environ.pop("PIPESCHED_P2P", None)
         transport = pipe._runtime.transport
-        transport._roomy = transport._roomy and name != "exact"
+        if name != "ordered":
+            transport._roomy = transport._roomy and name != "exact"
         xs, ys = batches(lengths)
         items = sum(y.numel() for y in ys)
 
@@ -180,11 +190,11 @@ def worker(rounds: int) -> None:
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
             dist.barrier()
-            before, spent = transports[name].notices, meters[name].seconds
+            before, spent = transports[name].stats.notices, meters[name].seconds
             start = time.perf_counter()
             runs[name]()
             elapsed = torch.tensor([time.perf_counter() - start, meters[name].seconds - spent])
-            notices[name] = transports[name].notices - before
+            notices[name] = transports[name].stats.notices - before
             dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's step and layouts
             times[name].append(float(elapsed[0]))
             shares[name].append(float(elapsed[1] / elapsed[0]))
