@@ -120,6 +120,7 @@ def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
     record["step_grads"] = grads(pipe)
     record["notices"] = (stats.notices, stats.notices - before, roomy)
     record["receives"] = (stats.unplanned, stats.unread)
+    record["mode"] = pipe._runtime.mode  # tagged, or ordered under PIPESCHED_P2P=ordered
     return record
 
 
