@@ -120,7 +120,9 @@ def test_a_misordered_posting_fails_under_ordered(tmp_path, monkeypatch):
     expected = "received stage 1's input for micro-batch 2 where stage 3's input for micro-batch 1"
     assert expected in exits[1].output, _tail(exits)
     assert "posted their transfers in different orders" in exits[1].output, _tail(exits)
-    assert "RemoteError" in exits[0].output, _tail(exits)  # rank 0 is told, not left waiting
+    # Rank 0 is told why, not left guessing that its peer died.
+    assert "RemoteError" in exits[0].output, _tail(exits)
+    assert "posted their transfers in different orders" in exits[0].output, _tail(exits)
 
 
 def test_the_same_misordering_under_tagged_trains_right(tmp_path, monkeypatch):

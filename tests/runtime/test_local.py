@@ -101,13 +101,15 @@ def test_measured_timeline_has_every_action_in_order():
 
 def test_mailbox_hands_over_and_aborts():
     box = Mailbox()
-    box.set("a", 1)
-    assert box.get("a") == 1
+    box.set(0, "b", 2)  # arrives first, kept for later
+    box.set(0, "a", 1)
+    assert box.get(0, "a") == 1
+    assert box.get(0, "b") == 2
     errors = []
 
     def wait():
         try:
-            box.get("never")
+            box.get(0, "never")
         except Aborted:
             errors.append("aborted")
 
@@ -119,7 +121,7 @@ def test_mailbox_hands_over_and_aborts():
     assert not thread.is_alive()
     assert errors == ["aborted"]
     with pytest.raises(Aborted):
-        box.get("later")
+        box.get(1, "later")
 
 
 def test_measured_actions_exclude_the_wait_for_their_inputs():

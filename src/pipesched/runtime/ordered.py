@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from pipesched.errors import ConfigError, RemoteError
+from pipesched.errors import ConfigError, RemoteError, ScheduleError
 from pipesched.runtime.link import Link, TransferStats
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.wire import (
@@ -95,7 +95,7 @@ class OrderedTransport:
         """Waits for ``message``, posted by :meth:`before`, and returns its value."""
         posted = self._posted.pop(message, None)
         if posted is None:
-            raise RemoteError(
+            raise ScheduleError(
                 f"pipesched: {message} was taken before its receive was posted: the runtime "
                 "left the transfer plan's order (a bug: please report it)"
             )
@@ -155,7 +155,7 @@ class OrderedTransport:
             code, got, layout = read_header(buffer)
             self._check(recv, got)
             if code != NOTICE:
-                raise RemoteError(
+                raise ScheduleError(
                     f"pipesched: pp rank {peer} sent {message} without the notice of its "
                     "layout: the ranks disagree on the shapes they have seen"
                 )
@@ -164,8 +164,8 @@ class OrderedTransport:
         self._posted[message] = (recv, work, buffer, layout)
 
     def _check(self, recv: Recv, got: Message) -> None:
-        if got != recv.message:
-            raise RemoteError(
+        if got != recv.message:  # not a RemoteError: this rank reports it to the others
+            raise ScheduleError(
                 f"pipesched: received {got} where {recv.message} was expected from pp rank "
                 f"{recv.peer}: the two ranks posted their transfers in different orders, which "
                 "NCCL's matching (by order, not tag) turns into swapped tensors"

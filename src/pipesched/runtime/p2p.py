@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pipesched.errors import RemoteError
+from pipesched.errors import RemoteError, ScheduleError
 from pipesched.runtime.link import Link, TransferStats
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.wire import (
@@ -155,8 +155,8 @@ class TaggedTransport:
         what = str(recv.message)
         self.link.wait(work, recv.peer, what)
         code, message, layout = read_header(buffer)
-        if message != recv.message:
-            raise RemoteError(
+        if message != recv.message:  # not a RemoteError: this rank reports it to the others
+            raise ScheduleError(
                 f"pipesched: received {message} where {recv.message} was expected from pp rank "
                 f"{recv.peer}: the ranks posted transfers in different orders"
             )
@@ -169,7 +169,7 @@ class TaggedTransport:
             if buffer.numel() > 2 * used:  # values a step keeps must not pin a buffer 2x+ too big
                 buffer = buffer[:used].clone()
         elif code != DATA:
-            raise RemoteError(f"pipesched: a message from pp rank {recv.peer} has code {code}")
+            raise ScheduleError(f"pipesched: a message from pp rank {recv.peer} has code {code}")
         self._post_next(channel)
         return unpack(layout, buffer)
 
