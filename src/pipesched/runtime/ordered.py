@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from pipesched.errors import ConfigError, RemoteError, ScheduleError
+from pipesched.errors import ConfigError, ScheduleError
 from pipesched.runtime.link import Link, TransferStats
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.wire import (

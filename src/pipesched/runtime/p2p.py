@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pipesched.errors import RemoteError, ScheduleError
+from pipesched.errors import ScheduleError
 from pipesched.runtime.link import Link, TransferStats
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.wire import (
