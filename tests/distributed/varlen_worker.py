@@ -29,7 +29,7 @@ SCHEDULES = {  # name: balance (4 layers)
     "interleaved-1f1b": [1, 1, 1, 1],
     "zb-v": [1, 1, 1, 1],
 }
-EXACT = ("gpipe", "interleaved-1f1b")  # these run the exact-size protocol (NCCL's)
+EXACT = ("gpipe", "interleaved-1f1b")  # these run the exact-size (ordered) transport, NCCL's
 PP, DP, STEPS, VOCAB, WIDTH = 2, 2, 2, 11, 8
 # (rows, sequence length) of each micro-batch of a replica's step; step s adds s to lengths
 SHAPES = {0: [(2, 7), (1, 19), (3, 3)], 1: [(1, 11), (2, 2), (1, 23), (3, 5), (2, 13)]}
@@ -88,11 +88,14 @@ def grads(pipe: Pipeline) -> dict[str, torch.Tensor]:
 
 def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
     """Two windows (num_items, then row-weighted means) and one pipe.step on ``schedule``."""
+    asked = os.environ.get("PIPESCHED_P2P")
+    if schedule in EXACT:  # read when the pipeline is built
+        os.environ["PIPESCHED_P2P"] = "ordered"
     pipe = Pipeline(model(), 2, balance=balance, mesh=mesh, schedule=schedule)
-    transport, stats = pipe._runtime.transport, pipe._runtime.stats
-    roomy = getattr(transport, "_roomy", False) and schedule not in EXACT  # ordered: never
-    if hasattr(transport, "_roomy"):
-        transport._roomy = roomy
+    os.environ.pop("PIPESCHED_P2P", None)
+    if asked is not None:
+        os.environ["PIPESCHED_P2P"] = asked
+    stats = pipe._runtime.stats
     replica = pipe.mesh.dp_rank
     acc = GradientAccumulator(
         pipe, torch.optim.SGD(pipe.parameters(), lr=0.0), accumulation_steps=STEPS
@@ -112,13 +115,13 @@ def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
         record[f"window{window}"] = (result.window_loss, result.effective_batch)
     record["grads"] = seen
     pipe.zero_grad(set_to_none=True)
-    xs, ys, n = batches(schedule, 2, 0, replica)  # no longer than before: no notice if roomy
+    xs, ys, n = batches(schedule, 2, 0, replica)  # shapes seen before: no notice
     before = stats.notices
     record["step_loss"] = float(
         pipe.step(microbatches=xs, targets=ys, loss_fn=token_sum, num_items=n)
     )
     record["step_grads"] = grads(pipe)
-    record["notices"] = (stats.notices, stats.notices - before, roomy)
+    record["notices"] = (stats.notices, stats.notices - before)
     record["receives"] = (stats.unplanned, stats.unread)
     record["mode"] = pipe._runtime.mode  # tagged, or ordered under PIPESCHED_P2P=ordered
     return record

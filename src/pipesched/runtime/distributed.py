@@ -39,7 +39,7 @@ from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import Link
 from pipesched.runtime.ordered import OrderedTransport, signature
-from pipesched.runtime.p2p import TaggedTransport
+from pipesched.runtime.p2p import TaggedTransport, tcp_transport
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.transport import Transport, p2p_mode
@@ -90,7 +90,7 @@ class DistributedRuntime:
         self.stopped: Failure | None = None
         """Why this pipeline stopped, once a step failed (it cannot run again)."""
         link = Link(info.pp_ranks, info.device, self.failures, self.group)
-        self.mode = p2p_mode(dist.get_backend(self.group))
+        self.mode = p2p_mode(dist.get_backend(self.group), roomy=tcp_transport())
         """The p2p transport: ``"tagged"`` (gloo) or ``"ordered"`` (NCCL's rules)."""
         p2p: Transport = (
             OrderedTransport(link)

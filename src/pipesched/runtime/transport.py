@@ -9,9 +9,11 @@ threads and CUDA streams), tagged gloo point-to-point
 turn of a V schedule) never reaches the transport.
 
 Which p2p transport a mesh uses: NCCL always gets the ordered one (it
-matches messages by order, not tag). gloo gets the tagged one, unless the
-environment variable ``PIPESCHED_P2P=ordered`` asks for the ordered one: a
-testing aid that makes gloo follow NCCL's matching rules on a CPU machine.
+matches messages by order, not tag, and needs exact sizes), and so does gloo
+where it needs exact sizes too (its uv transport: macOS, Windows). gloo over
+TCP (Linux) gets the tagged one, unless the environment variable
+``PIPESCHED_P2P=ordered`` asks for the ordered one: a testing aid that makes
+gloo follow NCCL's matching rules on a CPU machine.
 """
 
 from __future__ import annotations
@@ -63,8 +65,11 @@ class Transport(Protocol):
         """Whether :meth:`abort` was called."""
 
 
-def p2p_mode(backend: str) -> str:
+def p2p_mode(backend: str, *, roomy: bool = True) -> str:
     """The p2p transport a mesh on ``backend`` uses: ``"ordered"`` or ``"tagged"``.
+
+    ``roomy``: whether a receive there takes any message up to its buffer's
+    size (gloo over TCP).
 
     Raises:
         ConfigError: ``PIPESCHED_P2P`` is set to something else than
@@ -76,11 +81,15 @@ def p2p_mode(backend: str) -> str:
             f"PIPESCHED_P2P={asked!r} is not one of {', '.join(P2P_MODES)}: unset it, or set "
             "ordered to make gloo follow NCCL's matching rules (a testing aid)"
         )
-    if backend != "gloo":
+    if backend != "gloo" or not roomy:
         if asked == "tagged":
+            why = (
+                "matches messages by order, not tag"
+                if backend != "gloo"
+                else ("here (gloo's uv transport) needs receives of the message's exact size")
+            )
             raise ConfigError(
-                f"PIPESCHED_P2P=tagged, but the {backend} backend matches messages by order, "
-                "not tag: unset PIPESCHED_P2P"
+                f"PIPESCHED_P2P=tagged, but the {backend} backend {why}: unset PIPESCHED_P2P"
             )
         return "ordered"
     return asked or "tagged"
