@@ -7,23 +7,19 @@ Method. A token model (Embedding, 8 x (Linear(256, 256) + GELU), Linear(256,
 1024); a token loss summed, divided by ``num_items``), cut into 2 stages on 2
 ranks, schedule 1f1b, 8 micro-batches of 2 rows and sequence lengths 96, 160,
 64, 192, 128, 112, 144, 128 (2048 tokens): every transfer has a layout of its
-own. The same micro-batches run on three pipelines that differ only in what
-their transport exchanges about shapes:
+own. The same micro-batches run on three pipelines that differ only in how
+their transport learns shapes:
 
 - steady: the default on gloo/TCP after the first step: each channel's
   receive buffer is its largest message so far, every message's header
   carries its layout, no notice is sent;
-- cold: the same, with every channel's layout state forgotten (on both
+- cold: the same, with every channel's high-water mark forgotten (on both
   ranks) before each step: every step pays what a first step pays (a
-  header-only notice each time a channel's largest message grows);
-- exact: the protocol NCCL needs (and every backend used before): a receive
-  exactly the message's size, so a notice, sized as the receiver expects,
-  precedes every change of layout (16 a step here) and the data's receive is
-  posted only once the notice is read;
-- ordered: NCCL's matching rules (``PIPESCHED_P2P=ordered``): every message
-  under one tag, posted in the schedule's agreed order, each receive posted
-  ahead at the size its micro-batch's input shapes gave before (a notice and
-  a wait only for shapes not seen yet: here, the first step's).
+  header-only notice before each message, received in a buffer of its size);
+- ordered: the exact-size protocol NCCL needs (``PIPESCHED_P2P=ordered``):
+  every message under one tag, posted in the schedule's agreed order, each
+  receive posted ahead at the size its micro-batch's input shapes gave before
+  (a notice and a wait only for shapes not seen yet: here, the first step's).
 
 A fourth pipeline, fixed, runs 8 x 128 tokens: the same FLOPs, one shape.
 
@@ -42,23 +38,22 @@ as a cross-check: ``steady / fixed - 1`` is what varying shapes cost in all
 (also GEMMs of other sizes, and bubbles between neighbours of other
 lengths); ``cold`` is a step in which channels meet messages larger than
 any before (in a run of bounded lengths, a few times per channel, early);
-``exact`` is what every step paid before the high-water receive (and still
-pays on NCCL). Step times on a loaded machine only grow, so like ``timeit``
-they are compared by each contender's fastest round; medians and paired
-ratios are printed beside them. Contenders alternate round by round in the
-same two processes; a round's time is the slower rank's. The machine is
-shared (2 cores): run it twice if a number looks odd.
+``ordered`` is what NCCL's rules cost on the same data. Step times on a
+loaded machine only grow, so like ``timeit`` they are compared by each
+contender's fastest round; medians and paired ratios are printed beside
+them. Contenders alternate round by round in the same two processes; a
+round's time is the slower rank's. The machine is shared (2 cores): run it
+twice if a number looks odd.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -104,7 +99,7 @@ class Meter:
         self._waiting = 0.0
         self._inside_irecv = False
         link = transport.link
-        recv, irecv, peer = transport.take, link.receive, link.peer
+        recv, irecv, wait = transport.take, link.receive, link.wait
 
         def timed_recv(*args: Any) -> Any:
             start, waited = time.perf_counter(), self._waiting
@@ -119,17 +114,15 @@ class Meter:
             finally:
                 self._inside_irecv = False
 
-        @contextlib.contextmanager
-        def timed_peer(peer_index: int, doing: str) -> Iterator[None]:
+        def timed_wait(*args: Any) -> None:
             start = time.perf_counter()
             try:
-                with peer(peer_index, doing):
-                    yield
+                wait(*args)
             finally:
-                if doing.startswith("waiting") and not self._inside_irecv:
+                if not self._inside_irecv:  # a wait for data posted ahead: not layout work
                     self._waiting += time.perf_counter() - start
 
-        transport.take, link.receive, link.peer = timed_recv, timed_irecv, timed_peer
+        transport.take, link.receive, link.wait = timed_recv, timed_irecv, timed_wait
 
 
 def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any], dict[str, Meter]]:
@@ -144,7 +137,6 @@ def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any]
     for name, lengths in (
         ("steady", VARIED),
         ("cold", VARIED),
-        ("exact", VARIED),
         ("ordered", VARIED),
         ("fixed", FIXED),
     ):
@@ -153,8 +145,7 @@ def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any]
         pipe = Pipeline(model(), 1, balance=[half, len(model()) - half], mesh=mesh, schedule="1f1b")
         os.environ.pop("PIPESCHED_P2P", None)
         transport = pipe._runtime.transport
-        if name != "ordered":
-            transport._roomy = transport._roomy and name != "exact"
+
         xs, ys = batches(lengths)
         items = sum(y.numel() for y in ys)
 
@@ -166,8 +157,7 @@ def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any]
             n: int = items,
         ) -> None:
             if cold:  # both ranks forget, between steps (no receive is pending then)
-                pipe._runtime.transport._sent.clear()
-                pipe._runtime.transport._expected.clear()
+                pipe._runtime.transport._high.clear()
             pipe.step(microbatches=xs, targets=ys, loss_fn=token_sum, num_items=n)
 
         runs[name] = step
@@ -241,8 +231,8 @@ def report(
     print(
         f"target shape exchange < 2% of step time (steady state): {100 * cost:.2f}% more "
         f"receive time than one shape, {100 * share['steady']:.2f}% in all {verdict}; a step "
-        f"whose channels grow: {100 * (share['cold'] - share['fixed']):.2f}%; the exact-size "
-        f"protocol: {100 * (share['exact'] - share['fixed']):.2f}%"
+        f"whose channels grow: {100 * (share['cold'] - share['fixed']):.2f}%; the ordered "
+        f"(exact-size) protocol: {100 * (share['ordered'] - share['fixed']):.2f}%"
     )
 
 

@@ -60,24 +60,36 @@ class Link:
         self.group = group
         self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, buffer, peer)
 
+    # A try/except around each call rather than ``with self.peer(...)``: these run
+    # several times per action, and a generator context manager costs a few us.
+
     def send(self, buffer: torch.Tensor, peer: int, tag: int, what: str) -> None:
         """Starts sending ``buffer`` to pp rank ``peer``; ``what`` it carries, for errors."""
-        with self.peer(peer, f"sending {what} to it"):
+        start = time.monotonic()
+        try:
             work = dist.isend(buffer, dst=self.ranks[peer], group=self.group, tag=tag)
+        except Exception as error:
+            raise self._failed(error, start, peer, f"sending {what} to it") from error
         self._pending.append((work, buffer, peer))
 
     def post(self, size: int, peer: int, tag: int) -> tuple[Any, torch.Tensor]:
         """Posts a receive of ``size`` bytes from pp rank ``peer``: ``(work, buffer)``."""
         buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
-        with self.peer(peer, "posting a receive from it"):
+        start = time.monotonic()
+        try:
             work = dist.irecv(buffer, src=self.ranks[peer], group=self.group, tag=tag)
+        except Exception as error:
+            raise self._failed(error, start, peer, "posting a receive from it") from error
         return work, buffer
 
     def wait(self, work: Any, peer: int, what: str) -> None:
         """Waits for a posted receive from ``peer`` of ``what``."""
-        with self.peer(peer, f"waiting for {what}"):
+        start = time.monotonic()
+        try:
             if work is not None:
                 work.wait()
+        except Exception as error:
+            raise self._failed(error, start, peer, f"waiting for {what}") from error
 
     def receive(self, size: int, peer: int, tag: int, what: str) -> torch.Tensor:
         """Posts a receive and waits for it."""
@@ -109,9 +121,12 @@ class Link:
         try:
             yield
         except Exception as error:
-            failure = self.failures.first()
-            if failure is None:  # nobody reported: name the peer from how the wait ended
-                waited = time.monotonic() - start
-                failure = self.failures.lost(error, waited, doing, peer, self.ranks[peer])
-                self.failures.report(failure)
-            raise failure.error() from error
+            raise self._failed(error, start, peer, doing) from error
+
+    def _failed(self, error: Exception, start: float, peer: int, doing: str) -> Exception:
+        failure = self.failures.first()
+        if failure is None:  # nobody reported: name the peer from how the wait ended
+            waited = time.monotonic() - start
+            failure = self.failures.lost(error, waited, doing, peer, self.ranks[peer])
+            self.failures.report(failure)
+        return failure.error()

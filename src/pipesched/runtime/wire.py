@@ -9,6 +9,7 @@ message that follows it; it may be padded to the size the receiver expects.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import struct
 from typing import Any
@@ -49,6 +50,8 @@ _DTYPES = (
 _WORDS = 64
 _FIXED = 4  # code, kind, stage, micro-batch
 HEADER_BYTES = _WORDS * 8
+_HEADER = struct.Struct(f"<{_WORDS}q")
+_ZEROS = (0,) * _WORDS
 DATA, NOTICE = 0, 1
 
 _NONE, _INT, _FLOAT, _BOOL = -1, -2, -3, -4
@@ -123,9 +126,7 @@ def message_bytes(layout: list[int]) -> int:
     """The size of a data message of ``layout``: header and payload."""
     _, specs, _ = _specs(layout)
     return HEADER_BYTES + sum(
-        _aligned(math.prod(shape) * dtype.itemsize)
-        for dtype, shape in specs
-        if dtype is not None
+        _aligned(math.prod(shape) * dtype.itemsize) for dtype, shape in specs if dtype is not None
     )
 
 
@@ -139,8 +140,8 @@ def pack(
 ) -> torch.Tensor:
     """One message: the header, the tensors' bytes, zeros up to ``size`` bytes if larger."""
     words = [code, int(message.kind == BACKWARD), message.stage, message.microbatch, *layout]
-    header = torch.tensor(words + [0] * (_WORDS - len(words)), dtype=torch.int64)
-    parts = [header.view(torch.uint8).to(device)]
+    header = bytearray(_HEADER.pack(*words, *_ZEROS[len(words) :]))  # 10x cheaper than a tensor
+    parts = [torch.frombuffer(header, dtype=torch.uint8).to(device)]
     used = HEADER_BYTES
     for t in tensors:
         raw = t.contiguous().reshape(-1).view(torch.uint8).to(device)
@@ -156,10 +157,14 @@ def pack(
 
 def read_header(buffer: torch.Tensor) -> Header:
     """The code, identity and layout at the start of a received ``buffer``."""
-    words = buffer[:HEADER_BYTES].view(torch.int64).tolist()
+    head = buffer[:HEADER_BYTES]
+    if head.device.type != "cpu":
+        head = head.cpu()
+    # The header's bytes straight from memory: a few times cheaper than .tolist().
+    words = _HEADER.unpack(ctypes.string_at(head.contiguous().data_ptr(), HEADER_BYTES))
     code, backward, stage, microbatch = words[:_FIXED]
     message = Message(BACKWARD if backward else FORWARD, stage, microbatch)
-    rest = words[_FIXED:]
+    rest = list(words[_FIXED:])
     return code, message, rest[: _specs(rest)[2]]
 
 
