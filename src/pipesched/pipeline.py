@@ -14,8 +14,8 @@ from pipesched.arguments import check_loss, check_pipeline
 from pipesched.assembly import Assemblies, Assembly, register_model
 from pipesched.batches import StepBatches, step_batches
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
-from pipesched.batchnorm_warning import warn_micro_batch_norm
-from pipesched.call import Call, call_key, one_call, stage_input, with_cache_off
+from pipesched.call import Call, call_key, stage_input, with_cache_off
+from pipesched.calls import run_forward, run_training
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
@@ -23,12 +23,10 @@ from pipesched.distributed.placement import stage_parameters
 from pipesched.errors import ConfigError
 from pipesched.internals import parse_to
 from pipesched.layout import Cut, resolve_layout
-from pipesched.microbatch import batch_size, join_outputs, scatter
 from pipesched.partition import Partition
-from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
+from pipesched.runtime.distributed import DistributedRuntime
 from pipesched.runtime.gradsync import LocalSync, Sync
 from pipesched.runtime.interpreter import Runtime
-from pipesched.runtime.passes import StepInputs
 from pipesched.schedule import Schedule, Timeline
 from pipesched.schedule.spec import check_spec, schedule_for, spec_name
 from pipesched.stepper import Stepper
@@ -250,25 +248,7 @@ class Pipeline(nn.Module):
                 "(evaluation), and train with pipe.step or GradientAccumulator.step, whose "
                 "backward crosses the ranks"
             )
-        batch = self._batch(args, kwargs)
-        micro = scatter(batch, self.chunks)
-        assembly = self._assembly_for(batch if isinstance(batch, Call) else None, micro)
-        rows = [batch_size(m) for m in micro]
-        warn_micro_batch_norm(self, rows)
-        stop = checkpoint_stop(self.checkpoint, len(micro))
-        run = assembly.stepper.run(
-            self.schedule_for,
-            lambda seed: StepInputs(micro, checkpoint_stop=stop, seed=seed),
-            detach=False,
-        )
-        self.last_timeline = run.timeline
-        if self.mesh is not None and self.placement[-1] != self.mesh.pp_rank:
-            return None
-        # Hugging Face's contract: given num_items_in_batch, a model's loss is its sum over
-        # the micro-batch's items divided by that count, a share of the batch's: they add up.
-        summed = isinstance(batch, Call) and batch.kwargs.get("num_items_in_batch") is not None
-        outputs = [run.outputs[i] for i in range(len(micro))]
-        return join_outputs(outputs, rows, scalars="sum" if summed else "mean")
+        return run_forward(self, self._batch(args, kwargs))
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         return stage_input(self._model[0], args, kwargs)
@@ -321,7 +301,7 @@ class Pipeline(nn.Module):
         check_loss(loss_fn, num_items)
         batches = self._batches(inputs, target, microbatches, targets)
         count = batches.items(num_items, positive=True)
-        return self._run_step(batches, loss_fn, summed=num_items is not None, scale=1.0 / count)
+        return run_training(self, batches, loss_fn, summed=num_items is not None, scale=1.0 / count)
 
     def accumulate(
         self,
@@ -358,7 +338,7 @@ class Pipeline(nn.Module):
         check_loss(loss_fn, num_items)
         batches = self._batches(inputs, target, microbatches, targets)
         items = batches.items(num_items, positive=False)
-        total = self._run_step(batches, loss_fn, summed=num_items is not None, scale=scale)
+        total = run_training(self, batches, loss_fn, summed=num_items is not None, scale=scale)
         return total / scale, items
 
     def _batches(self, inputs: Any, target: Any, microbatches: Any, targets: Any) -> StepBatches:
@@ -368,37 +348,6 @@ class Pipeline(nn.Module):
         if isinstance(microbatches, list | tuple):
             microbatches = [self._batch((x,), {}) for x in microbatches]
         return step_batches(inputs, target, microbatches, targets, chunks=self.chunks)
-
-    def _run_step(
-        self,
-        batches: StepBatches,
-        loss_fn: Callable[..., torch.Tensor],
-        *,
-        summed: bool,
-        scale: float,
-    ) -> torch.Tensor:
-        """Forward and backward of every micro-batch; micro-batch i's loss weighs
-        ``scale`` (a sum) or ``scale * rows_i`` (a mean). Returns the weighted sum."""
-        m = len(batches.inputs)
-        assembly = self._assembly_for(one_call(batches.inputs), batches.inputs)
-        warn_micro_batch_norm(self, batches.rows)
-        weights = [scale if summed else scale * rows for rows in batches.rows]
-
-        def make_step(seed: int | None) -> StepInputs:
-            return StepInputs(
-                inputs=batches.inputs,
-                targets=batches.targets,
-                loss_fn=loss_fn,
-                loss_weights=weights,
-                checkpoint_stop=checkpoint_stop(self.checkpoint, m),
-                seed=seed,
-            )
-
-        run = assembly.stepper.run(self.schedule_for, make_step, detach=True)
-        self.last_timeline = run.timeline
-        if self.mesh is None:
-            return torch.stack([run.losses[i] for i in range(m)]).sum()
-        return broadcast_loss(run.losses, m, self.placement[-1], self.mesh)
 
     def _stage_done(self, stage: int) -> None:
         """A stage's gradients are final for this step: its replicas may start summing them."""

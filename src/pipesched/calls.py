@@ -1,0 +1,86 @@
+"""How a pipeline's two kinds of call run: forward only (``pipe(x)``) and a training step.
+
+The Pipeline checks the arguments and holds the cuts; this module turns one
+call into micro-batches, picks the cut that fits them, runs them through the
+cut's stepper (one transaction, seeded), and gathers what comes back.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipesched.batches import StepBatches
+from pipesched.batchnorm_warning import warn_micro_batch_norm
+from pipesched.call import Call, one_call
+from pipesched.checkpoint import checkpoint_stop
+from pipesched.microbatch import batch_size, join_outputs, scatter
+from pipesched.runtime.distributed import broadcast_loss
+from pipesched.runtime.passes import StepInputs
+
+if TYPE_CHECKING:
+    from pipesched.pipeline import Pipeline
+
+__all__ = ["run_forward", "run_training"]
+
+
+def run_forward(pipe: Pipeline, batch: Any) -> Any:
+    """``pipe``'s output on ``batch`` (stage 0's input), micro-batch by micro-batch.
+
+    With a mesh: the output on the last stage's rank, None on the others.
+    """
+    micro = scatter(batch, pipe.chunks)
+    assembly = pipe._assembly_for(batch if isinstance(batch, Call) else None, micro)
+    rows = [batch_size(m) for m in micro]
+    warn_micro_batch_norm(pipe, rows)
+    stop = checkpoint_stop(pipe.checkpoint, len(micro))
+    run = assembly.stepper.run(
+        pipe.schedule_for,
+        lambda seed: StepInputs(micro, checkpoint_stop=stop, seed=seed),
+        detach=False,
+    )
+    pipe.last_timeline = run.timeline
+    if pipe.mesh is not None and pipe.placement[-1] != pipe.mesh.pp_rank:
+        return None
+    # Hugging Face's contract: given num_items_in_batch, a model's loss is its sum over
+    # the micro-batch's items divided by that count, a share of the batch's: they add up.
+    summed = isinstance(batch, Call) and batch.kwargs.get("num_items_in_batch") is not None
+    outputs = [run.outputs[i] for i in range(len(micro))]
+    return join_outputs(outputs, rows, scalars="sum" if summed else "mean")
+
+
+def run_training(
+    pipe: Pipeline,
+    batches: StepBatches,
+    loss_fn: Callable[..., torch.Tensor],
+    *,
+    summed: bool,
+    scale: float,
+) -> torch.Tensor:
+    """Forward and backward of every micro-batch of ``batches`` in the schedule's order.
+
+    Micro-batch i's loss weighs ``scale`` (``loss_fn`` returns a sum) or
+    ``scale * rows_i`` (a mean). Returns the weighted sum, on every rank.
+    """
+    m = len(batches.inputs)
+    assembly = pipe._assembly_for(one_call(batches.inputs), batches.inputs)
+    warn_micro_batch_norm(pipe, batches.rows)
+    weights = [scale if summed else scale * rows for rows in batches.rows]
+
+    def make_step(seed: int | None) -> StepInputs:
+        return StepInputs(
+            inputs=batches.inputs,
+            targets=batches.targets,
+            loss_fn=loss_fn,
+            loss_weights=weights,
+            checkpoint_stop=checkpoint_stop(pipe.checkpoint, m),
+            seed=seed,
+        )
+
+    run = assembly.stepper.run(pipe.schedule_for, make_step, detach=True)
+    pipe.last_timeline = run.timeline
+    if pipe.mesh is None:
+        return torch.stack([run.losses[i] for i in range(m)]).sum()
+    return broadcast_loss(run.losses, m, pipe.placement[-1], pipe.mesh)
