@@ -12,16 +12,21 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections import deque
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pipesched.errors import ScheduleError
 from pipesched.runtime.failures import FailureChannel
+from pipesched.schedule import Action
+from pipesched.schedule.dataflow import Message
+from pipesched.schedule.transfers import Item, Recv
 
-__all__ = ["Link", "TransferStats"]
+__all__ = ["Link", "PlanCursor", "TransferStats", "check_identity"]
 
 
 @dataclass
@@ -39,6 +44,47 @@ class TransferStats:
     unplanned: int = 0
     unread: int = 0
     stalls: int = 0
+
+
+class PlanCursor:
+    """This rank's transfer plan for one step, walked in order (both p2p transports post by it)."""
+
+    def __init__(self) -> None:
+        self._queue: deque[Item] = deque()
+
+    def start(self, rows: Mapping[int, Sequence[Item]]) -> None:
+        """Takes the plan of the one worker this rank runs."""
+        (row,) = rows.values()
+        self._queue = deque(row)
+
+    def receives_before(self, action: Action) -> Iterator[Recv]:
+        """The receives the plan puts before ``action`` (and after the previous action)."""
+        queue = self._queue
+        while queue:
+            item = queue.popleft()
+            if item == action:
+                return
+            if type(item) is Recv:
+                yield item
+
+    def clear(self) -> None:
+        """Forgets the rest of the plan (after a failure)."""
+        self._queue.clear()
+
+
+def check_identity(recv: Recv, got: Message) -> None:
+    """Raises unless the message read is the one ``recv`` waits for.
+
+    Raises:
+        ScheduleError: the two ranks posted their transfers in different
+            orders (not a RemoteError: this rank reports it to every other).
+    """
+    if got != recv.message:
+        raise ScheduleError(
+            f"pipesched: received {got} where {recv.message} was expected from pp rank "
+            f"{recv.peer}: the two ranks posted their transfers in different orders, which "
+            "NCCL's matching (by order, not tag) turns into swapped tensors"
+        )
 
 
 class Link:

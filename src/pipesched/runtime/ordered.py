@@ -28,14 +28,13 @@ order, and every message here has tag 0).
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from pipesched.errors import ConfigError, ScheduleError
-from pipesched.runtime.link import Link, TransferStats
+from pipesched.runtime.link import Link, PlanCursor, TransferStats, check_identity
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.wire import (
     DATA,
@@ -69,27 +68,21 @@ class OrderedTransport:
         self.link = link
         self.stats = TransferStats()
         self._known: dict[tuple[int, bool], dict[Hashable, list[int]]] = {}
-        self._queue: deque[Item] = deque()
+        self._plan = PlanCursor()
         self._posted: dict[Message, tuple[Recv, Any, torch.Tensor, list[int]]] = {}
         self._signatures: list[Hashable] = []
         self._aborted = False
 
     def start(self, rows: Mapping[int, Sequence[Item]], inputs: Sequence[Any]) -> None:
         """Takes this rank's plan (one worker) and the micro-batches' input shapes."""
-        (row,) = rows.values()
-        self._queue = deque(row)
+        self._plan.start(rows)
         self._posted.clear()
         self._signatures = [signature(x) for x in inputs]
 
     def before(self, action: Action) -> None:
         """Posts every receive the plan puts before ``action``."""
-        queue = self._queue
-        while queue:
-            item = queue.popleft()
-            if item == action:
-                return
-            if type(item) is Recv:
-                self._post(item)
+        for recv in self._plan.receives_before(action):
+            self._post(recv)
 
     def take(self, message: Message, peer: int, stream: Stream) -> Any:
         """Waits for ``message``, posted by :meth:`before`, and returns its value."""
@@ -102,7 +95,7 @@ class OrderedTransport:
         recv, work, buffer, layout = posted
         self.link.wait(work, recv.peer, str(message))
         code, got, _ = read_header(buffer)
-        self._check(recv, got)
+        check_identity(recv, got)
         if code == NOTICE:
             raise ConfigError(
                 f"{message} changed layout although the micro-batch's input shapes did not: "
@@ -136,7 +129,7 @@ class OrderedTransport:
         """Forgets the step's pending transfers."""
         self._aborted = True
         self._posted.clear()
-        self._queue.clear()
+        self._plan.clear()
         self.link.drop()
 
     @property
@@ -153,7 +146,7 @@ class OrderedTransport:
             self.stats.stalls += 1
             buffer = self.link.receive(HEADER_BYTES, peer, _TAG, f"the layout of {message}")
             code, got, layout = read_header(buffer)
-            self._check(recv, got)
+            check_identity(recv, got)
             if code != NOTICE:
                 raise ScheduleError(
                     f"pipesched: pp rank {peer} sent {message} without the notice of its "
@@ -162,14 +155,6 @@ class OrderedTransport:
             _remember(known, key, layout)
         work, buffer = self.link.post(message_bytes(layout), peer, _TAG)
         self._posted[message] = (recv, work, buffer, layout)
-
-    def _check(self, recv: Recv, got: Message) -> None:
-        if got != recv.message:  # not a RemoteError: this rank reports it to the others
-            raise ScheduleError(
-                f"pipesched: received {got} where {recv.message} was expected from pp rank "
-                f"{recv.peer}: the two ranks posted their transfers in different orders, which "
-                "NCCL's matching (by order, not tag) turns into swapped tensors"
-            )
 
     def _known_for(self, peer: int, *, sending: bool) -> dict[Hashable, list[int]]:
         return self._known.setdefault((peer, sending), {})

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from pipesched.errors import ScheduleError
-from pipesched.runtime.link import Link, TransferStats
+from pipesched.runtime.link import Link, PlanCursor, TransferStats, check_identity
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.wire import (
     DATA,
@@ -70,31 +70,25 @@ class TaggedTransport:
         self.stats = TransferStats()
         self._high: dict[Hashable, int] = {}  # channel -> largest message so far
         self._floor: dict[Hashable, int] = {}  # channel -> its mark at the step's start
-        self._queue: deque[Item] = deque()
+        self._plan = PlanCursor()
         self._posted: dict[Hashable, deque[tuple[Recv, Any, torch.Tensor]]] = {}
         self._kept: dict[Message, Any] = {}
         self._aborted = False
 
     def start(self, rows: Mapping[int, Sequence[Item]], inputs: Sequence[Any]) -> None:
         """Takes the step's plan; both ends fix the marks notices are judged by."""
-        (row,) = rows.values()
-        self._queue = deque(row)
+        self._plan.start(rows)
         self._posted.clear()
         self._kept.clear()
         self._floor = dict(self._high)  # every message of earlier steps was read: agreed
 
     def before(self, action: Action) -> None:
         """Posts every receive the plan puts before ``action``."""
-        queue = self._queue
-        while queue:
-            item = queue.popleft()
-            if item == action:
-                return
-            if type(item) is Recv:
-                channel = (item.message.kind, item.message.stage)
-                size = self._high.get(channel, HEADER_BYTES)
-                work, buffer = self.link.post(size, item.peer, self._tag(item.message))
-                self._posted.setdefault(channel, deque()).append((item, work, buffer))
+        for recv in self._plan.receives_before(action):
+            channel = (recv.message.kind, recv.message.stage)
+            size = self._high.get(channel, HEADER_BYTES)
+            work, buffer = self.link.post(size, recv.peer, self._tag(recv.message))
+            self._posted.setdefault(channel, deque()).append((recv, work, buffer))
 
     def take(self, message: Message, peer: int, stream: Stream) -> Any:
         """Reads the channel of ``message`` up to it (keeping earlier ones) and returns it."""
@@ -140,7 +134,7 @@ class TaggedTransport:
         """Forgets the step's pending transfers."""
         self._aborted = True
         self._posted.clear()
-        self._queue.clear()
+        self._plan.clear()
         self.link.drop()
 
     @property
@@ -152,11 +146,7 @@ class TaggedTransport:
         what = str(recv.message)
         self.link.wait(work, recv.peer, what)
         code, message, layout = read_header(buffer)
-        if message != recv.message:  # not a RemoteError: this rank reports it to the others
-            raise ScheduleError(
-                f"pipesched: received {message} where {recv.message} was expected from pp rank "
-                f"{recv.peer}: the ranks posted transfers in different orders"
-            )
+        check_identity(recv, message)
         used = message_bytes(layout)
         if code == NOTICE:  # the data follows under the same tag, in a buffer of its size
             buffer = self.link.receive(used, recv.peer, self._tag(message), what)
