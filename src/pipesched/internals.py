@@ -36,6 +36,10 @@ Checked, with a fallback:
   kernel per device. Without it, one ``mul_`` per gradient (the same values).
 - ``torch._C._nn._parse_to`` (:func:`parse_to`): reads ``Pipeline.to()``'s
   arguments as ``nn.Module.to`` does. Without it they are read in Python.
+- ``torch.nn.modules.module._global_*_hooks`` (:func:`global_module_hooks`):
+  hooks registered for every module, which could draw random numbers inside
+  a stage of plain layers (:mod:`pipesched.seeding`). Without them, every
+  stage counts as hooked: it is seeded like any other.
 
 Hard requirements, re-exported without a fallback: there is no public
 alternative, and no exact path without them.
@@ -70,7 +74,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
-from torch import Tensor
+from torch import Tensor, nn
 from torch._ops import OpOverload
 from torch.autograd.graph import Node
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -84,7 +88,9 @@ __all__ = [
     "TorchDispatchMode",
     "engine_will_execute",
     "foreach_mul_",
+    "global_module_hooks",
     "has_gradient_hooks",
+    "has_module_hooks",
     "one_recomputation",
     "parse_to",
     "pytree",
@@ -345,4 +351,35 @@ def _read_to_arguments(*args: Any, **kwargs: Any) -> _ToArgs:
         dtype,
         bool(non_blocking),
         memory_format,
+    )
+
+
+# -- Hooks registered for every module ------------------------------------------------
+
+_GLOBAL_HOOKS = (
+    "_global_forward_hooks",
+    "_global_forward_pre_hooks",
+    "_global_backward_hooks",
+    "_global_backward_pre_hooks",
+)
+_found = [getattr(torch.nn.modules.module, name, None) for name in _GLOBAL_HOOKS]
+_global_tables: list[Any] | None = _found
+if not all(isinstance(table, dict) for table in _found):
+    _global_tables = None
+    _missing("torch.nn.modules.module._global_*_hooks", "stages of plain layers are seeded too")
+
+
+def global_module_hooks() -> bool:
+    """Whether hooks for every module are registered (True where that cannot be told)."""
+    tables = _global_tables
+    return tables is None or any(tables)
+
+
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own (nn.Module's storage)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or module._backward_hooks
+        or module._backward_pre_hooks
     )

@@ -61,7 +61,9 @@ class Stepper:
             StageSeeding(names[s], stage, devices[s], adaptive=adaptive)
             for s, stage in enumerate(stages)
         ]
-        passes.loss_seeding = StageSeeding({}, stages[-1], devices[-1], adaptive=adaptive)
+        passes.loss_seeding = StageSeeding(
+            {}, stages[-1], devices[-1], adaptive=adaptive, loss=True
+        )
         self.runtime = runtime
         self.seedings = [*passes.seeding, passes.loss_seeding]
         self.model = model

@@ -105,6 +105,10 @@ class Link:
         self.failures = failures
         self.group = group
         self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, buffer, peer)
+        # The last works waited for, kept: gloo's thread may hold a finished work when
+        # wait() returns, and freeing it from there at interpreter exit aborts the
+        # process (see pipesched.distributed.mesh.wait_kept). Freed by Python instead.
+        self._recent: deque[Any] = deque(maxlen=8)
 
     # A try/except around each call rather than ``with self.peer(...)``: these run
     # several times per action, and a generator context manager costs a few us.
@@ -136,6 +140,7 @@ class Link:
                 work.wait()
         except Exception as error:
             raise self._failed(error, start, peer, f"waiting for {what}") from error
+        self._recent.append(work)
 
     def receive(self, size: int, peer: int, tag: int, what: str) -> torch.Tensor:
         """Posts a receive and waits for it."""
@@ -149,10 +154,12 @@ class Link:
         for work, _, peer in pending:
             with self.peer(peer, "finishing this step's sends to it"):
                 work.wait()
+            self._recent.append(work)
 
     def drop(self) -> None:
         """Forgets every pending send and the group (after a failure, before it closes)."""
         self._pending.clear()
+        self._recent.clear()
         self.group = None
 
     @contextlib.contextmanager

@@ -114,7 +114,9 @@ class StagePasses:
         cpu = torch.device("cpu")
         self.seeding = [StageSeeding({}, s, cpu, adaptive=False) for s in _modules(self.stages)]
         """How each stage seeds its random draws (:mod:`pipesched.seeding`)."""
-        self.loss_seeding = StageSeeding({}, _modules(self.stages)[-1], cpu, adaptive=False)
+        self.loss_seeding = StageSeeding(
+            {}, _modules(self.stages)[-1], cpu, adaptive=False, loss=True
+        )
         """How the loss function's random draws are seeded."""
         self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
         """Optional: a context manager entered around each forward of stage ``s``
