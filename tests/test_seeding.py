@@ -290,3 +290,54 @@ def test_hugging_face_layers_that_checkpoint_themselves_train_as_without():
 
     for a, b in zip(steps(True), steps(False), strict=True):
         assert torch.equal(a, b)
+
+
+def test_only_stages_of_torchs_draw_free_layers_skip_seeding():
+    from torch.nn.utils import parametrizations
+
+    from pipesched.seeding import draws_nothing
+
+    plain = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.LayerNorm(3), nn.Sequential(nn.GELU()))
+    assert draws_nothing(plain)
+    assert not draws_nothing(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.1)))
+    assert not draws_nothing(nn.Sequential(nn.RReLU()))  # draws in training
+
+    class MyLinear(nn.Linear):  # a subclass may override forward
+        pass
+
+    assert not draws_nothing(nn.Sequential(MyLinear(3, 3)))
+    hooked = nn.Sequential(nn.Linear(3, 3))
+    handle = hooked[0].register_forward_hook(lambda m, i, o: o)
+    assert not draws_nothing(hooked)
+    handle.remove()
+    assert draws_nothing(hooked)
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+    try:
+        assert not draws_nothing(hooked)  # a hook on every module
+    finally:
+        handle.remove()
+    assert not draws_nothing(nn.Sequential(parametrizations.weight_norm(nn.Linear(3, 3))))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_hook_that_draws_added_to_a_plain_stage_is_seeded_from_then_on(schedule):
+    """A stage of plain layers skips seeding only while nothing in it can draw."""
+
+    def run(checkpoint: str) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 4)).double()
+        pipe = Pipeline(
+            model, 4, balance=[2, 1], devices=["cpu", "cpu"], schedule=schedule,
+            checkpoint=checkpoint,
+        )  # fmt: skip
+        x = torch.randn(8, 4, dtype=torch.float64)
+        pipe.step(x, loss_fn=lambda y: y.square().mean())  # plain: nothing seeded
+        model[0].register_forward_hook(lambda m, i, o: o * torch.bernoulli(torch.full_like(o, 0.5)))
+        pipe.zero_grad()
+        torch.manual_seed(1)
+        pipe.step(x, loss_fn=lambda y: y.square().mean())
+        return [p.grad.clone() for p in pipe.parameters()]
+
+    never, always = run("never"), run("always")
+    # Recomputation redraws the hook's mask: equal only if the hook's draws are seeded.
+    assert all(torch.equal(a, b) for a, b in zip(never, always, strict=True))
