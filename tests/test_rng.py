@@ -176,7 +176,8 @@ def test_seeding_only_where_draws_were_seen_changes_no_number(kind):
     assert all(torch.equal(a, b) for a, b in zip(learned[0], throughout[0], strict=True))
     _assert_bitwise((learned[0][0], learned[1]), (throughout[0][0], throughout[1]))
     assert any(s.hooked for s in adaptive._stepper.seedings)  # only the drawing modules are seeded
-    assert not any(s.full[True] for s in adaptive._stepper.seedings)
+    stages = adaptive._stepper.seedings[:-1]  # the last one seeds the loss: F.mse_loss, never run
+    assert not any(s.full[True] for s in stages)
 
 
 @pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")

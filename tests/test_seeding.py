@@ -341,3 +341,19 @@ def test_a_hook_that_draws_added_to_a_plain_stage_is_seeded_from_then_on(schedul
     never, always = run("never"), run("always")
     # Recomputation redraws the hook's mask: equal only if the hook's draws are seeded.
     assert all(torch.equal(a, b) for a, b in zip(never, always, strict=True))
+
+
+def test_only_torchs_own_losses_skip_seeding():
+    from pipesched.seeding import loss_draws_nothing
+
+    assert loss_draws_nothing(F.mse_loss) and loss_draws_nothing(F.cross_entropy)
+    assert loss_draws_nothing(nn.CrossEntropyLoss(ignore_index=-100))
+    assert not loss_draws_nothing(lambda y, t: F.mse_loss(y, t))  # may draw: seeded
+
+    class MyLoss(nn.MSELoss):
+        pass
+
+    assert not loss_draws_nothing(MyLoss())
+    hooked = nn.MSELoss()
+    hooked.register_forward_hook(lambda m, i, o: o)
+    assert not loss_draws_nothing(hooked)

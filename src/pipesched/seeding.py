@@ -41,6 +41,7 @@ from types import FrameType
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parametrize
 
@@ -48,7 +49,7 @@ from pipesched.errors import PipeschedError
 from pipesched.internals import global_module_hooks, has_module_hooks
 from pipesched.rng import LOCK, DrawContext, SeededRandomness, StepSeed, generator_of, same_state
 
-__all__ = ["StageSeeding", "UnseededDraws", "draws_nothing"]
+__all__ = ["StageSeeding", "UnseededDraws", "draws_nothing", "loss_draws_nothing"]
 
 _STRIKES = 3  # tripwires before a stage stays seeded throughout
 
@@ -96,6 +97,38 @@ class UnseededDraws(PipeschedError, RuntimeError):
     Seen by users only when a rerun trips again: another thread drew from
     torch's default generator while the pipeline ran.
     """
+
+
+_DRAW_FREE_LOSSES: frozenset[Any] = frozenset(
+    {
+        F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.cross_entropy, F.nll_loss,
+        F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.kl_div,
+        F.cosine_embedding_loss, F.margin_ranking_loss, F.soft_margin_loss,
+    }
+)  # fmt: skip
+_DRAW_FREE_LOSS_MODULES: frozenset[type[nn.Module]] = frozenset(
+    {
+        nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.CrossEntropyLoss,
+        nn.NLLLoss, nn.BCELoss, nn.BCEWithLogitsLoss, nn.KLDivLoss,
+    }
+)  # fmt: skip
+
+
+def loss_draws_nothing(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` is one of torch's losses, which draw no random number.
+
+    One of ``torch.nn.functional``'s losses itself, or an instance of exactly
+    one of ``torch.nn``'s loss modules without hooks. A function of one's own
+    (a lambda around one of them included) may draw: it is seeded.
+    """
+    if global_module_hooks():
+        return False
+    if isinstance(loss_fn, nn.Module):
+        return type(loss_fn) in _DRAW_FREE_LOSS_MODULES and not has_module_hooks(loss_fn)
+    try:
+        return loss_fn in _DRAW_FREE_LOSSES
+    except TypeError:  # unhashable
+        return False
 
 
 class _ThreadState(threading.local):

@@ -26,7 +26,7 @@ from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
 from pipesched.runtime.streams import Stream, copy_to, new_stream
 from pipesched.schedule import Event, Timeline
-from pipesched.seeding import StageSeeding
+from pipesched.seeding import StageSeeding, loss_draws_nothing
 from pipesched.tree import map_tensors, tensors
 
 __all__ = ["LossFn", "StagePasses", "StepInputs", "StepState"]
@@ -166,8 +166,11 @@ class StagePasses:
             return None
         target = () if step.targets is None else (step.targets[i],)
         target = map_tensors(target, lambda t: copy_to(t, device, stream))
-        with self.loss_seeding.forward(state.seed, i, "loss"):
+        if loss_draws_nothing(step.loss_fn):  # torch's own loss: nothing to seed
             loss = step.loss_fn(y, *target)
+        else:
+            with self.loss_seeding.forward(state.seed, i, "loss"):
+                loss = step.loss_fn(y, *target)
         _check_loss(loss)
         weighted = loss.reshape(()) * step.loss_weights[i]
         state.losses[i] = weighted.detach()
