@@ -140,16 +140,29 @@ def pack(
 ) -> torch.Tensor:
     """One message: the header, the tensors' bytes, zeros up to ``size`` bytes if larger."""
     words = [code, int(message.kind == BACKWARD), message.stage, message.microbatch, *layout]
-    header = bytearray(_HEADER.pack(*words, *_ZEROS[len(words) :]))  # 10x cheaper than a tensor
-    parts = [torch.frombuffer(header, dtype=torch.uint8).to(device)]
-    used = HEADER_BYTES
-    for t in tensors:
-        raw = t.contiguous().reshape(-1).view(torch.uint8).to(device)
-        parts.append(raw)
-        used += raw.numel()
+    header = _HEADER.pack(*words, *_ZEROS[len(words) :])  # 10x cheaper than a tensor
+    raws = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    used = HEADER_BYTES + sum(_aligned(r.numel()) for r in raws)
+    if device.type == "cpu" and all(r.device.type == "cpu" for r in raws):
+        # One buffer, filled by memmove: a few us a message less than cat().
+        out = torch.empty(max(size, used), dtype=torch.uint8)
+        base = out.data_ptr()
+        ctypes.memmove(base, header, HEADER_BYTES)
+        offset = HEADER_BYTES
+        for raw in raws:
+            ctypes.memmove(base + offset, raw.data_ptr(), raw.numel())
+            offset += raw.numel()
+            if offset % 8:
+                ctypes.memset(base + offset, 0, 8 - offset % 8)
+                offset = _aligned(offset)
+        if out.numel() > offset:
+            out[offset:].zero_()
+        return out
+    parts = [torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)]
+    for raw in raws:
+        parts.append(raw.to(device))
         if raw.numel() % 8:
             parts.append(torch.zeros(8 - raw.numel() % 8, dtype=torch.uint8, device=device))
-            used += 8 - raw.numel() % 8
     if size > used:
         parts.append(torch.zeros(size - used, dtype=torch.uint8, device=device))
     return torch.cat(parts) if len(parts) > 1 else parts[0]
