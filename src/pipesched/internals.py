@@ -173,7 +173,8 @@ _top_hooks: Callable[[bool], Any] | None = getattr(
 
 
 def _check_top_hooks() -> bool:
-    assert _top_hooks is not None
+    if _top_hooks is None:
+        return False
     pack, unpack = (lambda t: t), (lambda t: t)
     outside = _top_hooks(False)
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -182,8 +183,7 @@ def _check_top_hooks() -> bool:
 
 
 def _top_saved_tensors_hooks() -> Any:
-    assert _top_hooks is not None
-    return _top_hooks(False)
+    return None if _top_hooks is None else _top_hooks(False)
 
 
 top_saved_tensors_hooks: Callable[[], Any] | None = _top_saved_tensors_hooks
@@ -267,7 +267,8 @@ _foreach_mul: Callable[[Sequence[Tensor], float], None] | None = getattr(
 
 
 def _check_foreach_mul() -> bool:
-    assert _foreach_mul is not None
+    if _foreach_mul is None:
+        return False
     a, b = torch.ones(2), torch.full((3,), 2.0)
     _foreach_mul([a, b], 0.5)
     return bool(a.eq(0.5).all()) and bool(b.eq(1.0).all())
@@ -297,7 +298,8 @@ _parse_to: Callable[..., _ToArgs] | None = getattr(
 
 
 def _check_parse_to() -> bool:
-    assert _parse_to is not None
+    if _parse_to is None:
+        return False
     return _parse_to("cpu", torch.float64) == (
         torch.device("cpu"),
         torch.float64,
