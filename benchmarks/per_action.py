@@ -37,6 +37,7 @@ Contenders alternate round by round; medians (and bests) of the rounds.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -122,6 +123,12 @@ def distributed_worker(rounds: int, out: str) -> None:
     times = timed(runs, rounds, slowest)
     if rank == 0:
         Path(out).write_text(json.dumps(times))
+    # Both pipelines gone before the groups: a gloo work freed from gloo's own thread
+    # while the interpreter exits aborts the process (pytorch/pytorch#190489).
+    runs.clear()
+    pipe = sched = stage = None  # type: ignore[assignment]
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 
