@@ -113,7 +113,15 @@ class Interpreter:
         state.origin_wall = time.time()  # the same instant on the wall clock, to align processes
         transport.start(rows, step.inputs)
         threads = ThreadState.capture(self.num_threads)
-        jobs = [(w, [a for a in rows[w] if type(a) is Action]) for w in workers]
+        jobs: list[tuple[int, Sequence[Action]]] = [
+            (
+                w,
+                [a for a in schedule.actions[w] if a.kind == FORWARD]
+                if forward_only
+                else schedule.actions[w],
+            )
+            for w in workers
+        ]
         previous_threads = torch.get_num_threads()
         errors: list[tuple[BaseException, Action, int]] = []
         try:
@@ -134,7 +142,7 @@ class Interpreter:
         state.timeline = Timeline(tuple(state.events), schedule.placement)
         return state
 
-    def _start_threads(self, jobs: list[tuple[int, list[Action]]], *shared: Any) -> None:
+    def _start_threads(self, jobs: list[tuple[int, Sequence[Action]]], *shared: Any) -> None:
         """Runs each worker in its own thread and waits for all of them.
 
         Each worker sets an event when it has finished, however. Why not
@@ -144,7 +152,7 @@ class Interpreter:
         """
         transport: Transport = shared[2]
 
-        def work(w: int, actions: list[Action], done: threading.Event) -> None:
+        def work(w: int, actions: Sequence[Action], done: threading.Event) -> None:
             try:
                 self._work(w, actions, *shared)
             finally:
@@ -172,7 +180,7 @@ class Interpreter:
     def _work(
         self,
         w: int,
-        actions: list[Action],
+        actions: Sequence[Action],
         schedule: Schedule,
         state: StepState,
         transport: Transport,
@@ -270,7 +278,7 @@ def _forward_only(row: Sequence[Item]) -> tuple[Item, ...]:
     )
 
 
-def _last_backward(actions: list[Action]) -> dict[int, Action]:
+def _last_backward(actions: Sequence[Action]) -> dict[int, Action]:
     """Each stage's last B or W action in ``actions``."""
     return {a.stage: a for a in actions if a.kind != FORWARD}
 
