@@ -60,6 +60,14 @@ class Sync(Protocol):
     def norm(self, parameters: list[nn.Parameter]) -> float:
         """The global 2-norm of all gradients of the whole model."""
 
+    def summed_gradients(self, parameters: list[nn.Parameter]) -> dict[int, torch.Tensor]:
+        """Copies of the window's gradients so far, summed as its end would; ``.grad`` untouched.
+
+        Keyed by ``id(parameter)``, for those of ``parameters`` this rank
+        computes with that have a gradient on some replica (a checkpoint
+        taken mid-window holds the window's one logical gradient).
+        """
+
 
 class LocalSync:
     """One process holds the whole model and the only replica: everything is the identity."""
@@ -82,6 +90,9 @@ class LocalSync:
     def norm(self, parameters: list[nn.Parameter]) -> float:
         grads = [p.grad for p in parameters if p.grad is not None]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
+
+    def summed_gradients(self, parameters: list[nn.Parameter]) -> dict[int, torch.Tensor]:
+        return {id(p): p.grad.detach().clone() for p in parameters if p.grad is not None}
 
 
 class GradientSync:
@@ -172,6 +183,22 @@ class GradientSync:
         for bucket in self._stage_buckets.get(stage, ()):
             self._start(bucket, self.info.dp_group)
             self.overlapped += 1
+
+    def summed_gradients(self, parameters: list[nn.Parameter]) -> dict[int, torch.Tensor]:
+        wanted = {id(p) for p in parameters}
+        saved = [(p, p.grad) for p in self.parameters]
+        kept = (self.all_reduces, self.overlapped, self._armed)
+        try:  # the window's own reductions, run on copies: .grad is put back after
+            for p in self.parameters:
+                p.grad = None if p.grad is None else p.grad.detach().clone()
+            self.gradients()
+            return {
+                id(p): p.grad for p in self.parameters if id(p) in wanted and p.grad is not None
+            }
+        finally:
+            for p, grad in saved:
+                p.grad = grad
+            self.all_reduces, self.overlapped, self._armed = kept
 
     def _start(self, params: list[nn.Parameter], group: Any) -> None:
         """Starts one all-reduce (SUM) of these parameters' gradients and has-gradient flags."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -25,38 +24,15 @@ from pipesched.microbatch import batch_size
 from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, describe
 from pipesched.train.gradients import all_finite, clip_to_, grads_of, scale_
 from pipesched.train.loss_scale import LossScale
+from pipesched.train.result import StepResult, log_line
+from pipesched.train.sharded import load_sharded, save_sharded
 from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from pipesched.train.store import is_sharded
 
 if TYPE_CHECKING:
     from pipesched.pipeline import Pipeline
 
 __all__ = ["GradientAccumulator", "StepResult"]
-
-
-@dataclass(frozen=True)
-class StepResult:
-    """What one :meth:`GradientAccumulator.step` did.
-
-    Attributes:
-        loss: this step's loss, normalized by its own item count (NaN for 0 items).
-        window_loss: at a window's end, the window's loss normalized by its item count.
-        stepped: the window ended and the optimizer stepped.
-        skipped: the window ended with an inf/NaN gradient and nothing stepped.
-        grad_norm: at a stepped window's end, the global gradient norm before clipping.
-        effective_batch: samples in the window so far, over all replicas.
-        step: steps (calls) done so far; window: windows finished so far.
-        lr: the first parameter group's learning rate after this step.
-    """
-
-    loss: float
-    window_loss: float | None
-    stepped: bool
-    skipped: bool
-    grad_norm: float | None
-    effective_batch: int
-    step: int
-    window: int
-    lr: float
 
 
 class GradientAccumulator:
@@ -295,21 +271,9 @@ class GradientAccumulator:
         a step given ``microbatches=``, it reads ``(variable micro-batches (3
         in the last step) x 4 steps)``.
         """
-        loss = result.window_loss if result.window_loss is not None else result.loss
-        steps = self.accumulation_steps if result.window_loss is not None else self.position
-        chunks = self.pipe.chunks
         replicas = self.pipe.mesh.dp_size if self.pipe.mesh is not None else 1
-        micro = result.effective_batch / max(1, chunks * max(1, steps) * replicas)
-        breakdown = f"{micro:g} x {chunks} chunks x {steps} steps"
-        if self._given is not None:  # micro-batches of their own sizes: no product to show
-            breakdown = f"variable micro-batches ({self._given} in the last step) x {steps} steps"
-        if replicas > 1:
-            breakdown += f" x {replicas} replicas"
-        state = " | skipped (inf/NaN)" if result.skipped else ""
-        return (
-            f"step {result.step} | loss {loss:.4g} | lr {result.lr:.3g} | eff. batch "
-            f"{result.effective_batch} ({breakdown}){state}"
-        )
+        steps = self.accumulation_steps if result.window_loss is not None else self.position
+        return log_line(result, self.pipe.chunks, steps, replicas, self._given)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bit-identical resume needs, mid-window included.
@@ -357,24 +321,43 @@ class GradientAccumulator:
         """
         self._load(state, None)
 
-    def save(self, path: str) -> None:
-        """Writes :meth:`state_dict` to ``path`` atomically (a crash mid-save loses nothing).
+    def save(self, path: str, *, sharded: bool | None = None) -> None:
+        """Writes the checkpoint atomically: a crash mid-save leaves the previous one loadable.
 
-        A save killed outright leaves a ``.{name}.pipesched-*.tmp`` file beside
-        ``path``; the next save to ``path`` removes it.
+        Args:
+            path: a file (one process), or a directory (``sharded``).
+            sharded: write one checkpoint for any layout, in
+                ``torch.distributed.checkpoint`` format under the plain
+                model's names (:mod:`pipesched.train.sharded`): every rank
+                writes its stages' shards, and :meth:`load` reads it at any
+                pp, dp, balance, or in one process. None: on a mesh (where
+                every rank calls it with the same ``path``), else False:
+                :meth:`state_dict` in one ``torch.save`` file; a save killed
+                outright leaves a ``.{name}.pipesched-*.tmp`` file beside
+                ``path``, which the next save to ``path`` removes.
         """
-        save_checkpoint(self.state_dict(), path)
+        if self.pipe.mesh is not None if sharded is None else sharded:
+            save_sharded(self, path)
+        else:
+            save_checkpoint(self.state_dict(), path)
 
     def load(self, path: str) -> None:
-        """Resumes from a file written by :meth:`save`; all or nothing, as :meth:`load_state_dict`.
+        """Resumes from :meth:`save`'s checkpoint; all or nothing, as :meth:`load_state_dict`.
+
+        A directory is a sharded checkpoint, read at this pipeline's layout
+        (on a mesh, every rank calls it; each reads only its stages' part).
 
         Raises:
-            FileNotFoundError: there is no file at ``path``.
-            CheckpointError: the file cannot be read (truncated, empty, not a
-                checkpoint: the reader's error is chained), or does not fit.
-                The message names ``path``. Nothing was changed.
+            FileNotFoundError: there is nothing at ``path``.
+            CheckpointError: the checkpoint cannot be read (truncated, empty,
+                not a checkpoint: the reader's error is chained), or does not
+                fit (on a mesh: on any rank). The message names ``path``.
+                Nothing was changed.
         """
-        self._load(load_checkpoint(path), path)
+        if is_sharded(path):
+            load_sharded(self, path)
+        else:
+            self._load(load_checkpoint(path), path)
 
     def _load(self, state: Any, source: str | None) -> None:
         check_fits(self, state, source)

@@ -1,0 +1,270 @@
+"""One checkpoint for any layout: a GradientAccumulator's state under the plain model's names.
+
+Why not each rank's ``state_dict`` in a file of its own (what a mesh saved
+before): optimizer state is keyed by the parameter's position in the
+optimizer, gradients and item counts are partial sums per replica, and a
+rank holds only its stages, so such files resume only at the layout that
+wrote them. Here every entry is keyed by the model's own names, and what
+is split over ranks is summed first, so that the checkpoint is the state
+of one logical run:
+
+- ``model/<name>``: each parameter and buffer (the model's ``state_dict`` keys);
+- ``optim/<name>/<key>``: each parameter's optimizer state (``exp_avg``, ``step``, ...);
+- ``optim_group/<name>``: the options of its parameter group (``lr``, ``betas``, ...);
+- ``grad/<name>``: a mid-window gradient, summed over replicas and tied ranks;
+- ``accumulator``: counters, the window's sums (over replicas), schedulers,
+  loss scale, and the layout that wrote it;
+- ``rng/<rank>``: each process's generator states.
+
+Every rank writes its own stages' entries (:mod:`pipesched.train.store`);
+loading reads only the entries of the loading rank's stages, at any pp, dp
+or balance, or in one process. A window's gradient and counts go to one
+replica (dp rank 0) and, for a parameter several pp ranks share, to the
+first of them; the others start the window from zero, so that the window's
+end sums to the saved totals.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipesched.errors import CheckpointError
+from pipesched.train import store
+from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits
+from pipesched.train.state import rng_state
+
+if TYPE_CHECKING:
+    from pipesched.train.accumulator import GradientAccumulator
+
+__all__ = ["agree", "load_sharded", "save_sharded"]
+
+
+def save_sharded(acc: GradientAccumulator, path: str) -> None:
+    """Writes ``acc``'s state as a new version of the checkpoint directory ``path``.
+
+    On a mesh, a collective: every rank calls it (with the same ``path``).
+    """
+    pipe, mesh = acc.pipe, acc.pipe.mesh
+    names = _aliases(pipe)
+    state: dict[str, Any] = {
+        f"model/{k}": v for k, v in pipe.state_dict().items() if not _is_meta(v)
+    }
+    for optimizer in acc.optimizers:
+        for group in optimizer.param_groups:
+            options = {k: v for k, v in group.items() if k != "params"}
+            for p in group["params"]:
+                if p.is_meta:
+                    continue  # another rank's
+                name = names[id(p)][0]
+                state[f"optim_group/{name}"] = options
+                for key, value in optimizer.state.get(p, {}).items():
+                    state[f"optim/{name}/{key}"] = value
+    own = [p for p in pipe.parameters() if not p.is_meta]
+    for pid, grad in pipe.sync.summed_gradients(own).items():
+        state[f"grad/{names[pid][0]}"] = grad
+    items, samples, loss_sum = pipe.sync.sum([acc._items, float(acc._samples), acc._loss_sum])
+    state["accumulator"] = {
+        "counters": {"steps": acc.steps, "windows": acc.windows},
+        "window": {
+            "position": acc.position,
+            "items": items,
+            "samples": int(samples),
+            "loss_sum": loss_sum,
+            "scale": acc._scale,
+        },
+        "accumulation_steps": acc.accumulation_steps,
+        "schedulers": [s.state_dict() for s in acc.schedulers],
+        "loss_scale": acc.loss_scale.state_dict(),
+        "layout": _layout(acc),
+    }
+    state[f"rng/{_rank(mesh is not None)}"] = rng_state()
+    store.write(state, path, distributed=mesh is not None)
+
+
+def load_sharded(acc: GradientAccumulator, path: str) -> None:
+    """Loads the checkpoint directory ``path`` into ``acc``, at this layout; all or nothing.
+
+    On a mesh every rank calls it: each reads only its stages' entries, the
+    ranks agree that every one of them fits before any changes anything, and
+    should applying fail on any rank, every rank puts its state back.
+
+    Raises:
+        FileNotFoundError: nothing is at ``path``.
+        CheckpointError: the checkpoint cannot be read or does not fit (on
+            any rank: the message lists each rank's misfits). Nothing changed.
+    """
+    distributed = acc.pipe.mesh is not None
+    problem: str | None = None
+    state: dict[str, Any] = {}
+    try:
+        state = _local_state(acc, store.resolve(path), path)
+        check_fits(acc, state, path)
+    except (CheckpointError, FileNotFoundError) as err:
+        if not distributed:
+            raise
+        problem = str(err)
+    if distributed:
+        agree(problem)
+    snapshot = Snapshot(acc)
+    failure: BaseException | None = None
+    try:
+        acc._apply(state)
+    except BaseException as err:  # put back, agreed, then raised below
+        failure = err
+    failed = _failed_anywhere(failure) if distributed else failure is not None
+    if failed:
+        snapshot.restore()
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure
+        why = "it failed on another rank" if failure is None else f"{type(failure).__name__}"
+        raise CheckpointError(
+            f"checkpoint {path!r} passed the checks but could not be applied ({why}: "
+            f"{failure}); everything it changed was put back, on every rank. Fix: {FIX}"
+        ) from failure
+
+
+def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[str, Any]:
+    """This rank's part of the checkpoint, as :meth:`GradientAccumulator.state_dict` has it."""
+    pipe, mesh = acc.pipe, acc.pipe.mesh
+    metadata = store.read_metadata(directory)
+    if "accumulator" not in metadata:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds no GradientAccumulator state (only "
+            f"{len(metadata)} entries such as {sorted(metadata)[:3]}): it is a model's "
+            "weights; load them with pipesched.train.load_model(pipe, path)"
+        )
+    live = pipe.state_dict(keep_vars=True)
+    own_model = [k for k, v in live.items() if not _is_meta(v)]
+    missing = [k for k in own_model if f"model/{k}" not in metadata]
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path!r} lacks {len(missing)} of this model's tensors "
+            f"({', '.join(map(repr, missing[:6]))}{', ...' if len(missing) > 6 else ''}): "
+            f"it was saved from another model. Nothing was loaded or changed. Fix: {FIX}"
+        )
+    names = _aliases(pipe)
+    saved: dict[int, str] = {}  # id(parameter) -> the name it was saved under
+    for p in pipe.parameters():
+        if not p.is_meta:
+            found = [n for n in names[id(p)] if f"optim_group/{n}" in metadata]
+            if found:
+                saved[id(p)] = found[0]
+    rank_rng = f"rng/{_rank(mesh is not None)}"
+    keys = [f"model/{k}" for k in own_model] + ["accumulator"]
+    prefixes = tuple(f"optim/{n}/" for n in saved.values())
+    keys += [k for k in metadata if k.startswith(prefixes)]
+    keys += [f"optim_group/{n}" for n in saved.values()]
+    own_names = {n for p in pipe.parameters() if not p.is_meta for n in names[id(p)]}
+    keys += [f"grad/{n}" for n in sorted(own_names) if f"grad/{n}" in metadata]
+    data = store.read(directory, keys, metadata)
+    extra = data["accumulator"]
+    rng_key = rank_rng if extra["layout"] == _layout(acc) and rank_rng in metadata else "rng/0"
+    data.update(store.read(directory, [rng_key], metadata))
+    primary = _primary(acc)
+    grads = {}
+    for n, p in pipe.named_parameters():
+        grad = next((data[f"grad/{a}"] for a in names[id(p)] if f"grad/{a}" in data), None)
+        if grad is not None:
+            grads[n] = grad if id(p) in primary else torch.zeros_like(grad)
+    window = dict(extra["window"], grads=grads)
+    if mesh is not None and mesh.dp_rank != 0:  # the window's sums start on one replica
+        window.update(items=0.0, samples=0, loss_sum=0.0)
+    return {
+        "model": {k: data.get(f"model/{k}", v) for k, v in live.items()},
+        "optimizers": [_optimizer_state(o, saved, data, path) for o in acc.optimizers],
+        "schedulers": extra["schedulers"],
+        "loss_scale": extra["loss_scale"],
+        "rng": data[rng_key],
+        "counters": extra["counters"],
+        "window": window,
+    }
+
+
+def _optimizer_state(
+    optimizer: torch.optim.Optimizer, saved: dict[int, str], data: dict[str, Any], path: str
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` as the checkpoint has it: state by position, saved options."""
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for g, group in enumerate(optimizer.param_groups):
+        options: dict[str, Any] | None = None
+        ids = []
+        for p in group["params"]:
+            name = saved.get(id(p))
+            if name is not None:
+                prefix = f"optim/{name}/"
+                entry = {k[len(prefix) :]: v for k, v in data.items() if k.startswith(prefix)}
+                if entry:
+                    state[index] = entry
+                these = data[f"optim_group/{name}"]
+                if options is not None and these != options:
+                    raise CheckpointError(
+                        f"checkpoint {path!r}: parameter group {g} of this optimizer mixes "
+                        f"parameters saved with different options ({options} and {name!r}'s "
+                        f"{these}); group the parameters as the run that saved it did"
+                    )
+                options = these
+            ids.append(index)
+            index += 1
+        current = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**(current if options is None else options), "params": ids})
+    return {"state": state, "param_groups": groups}
+
+
+def _primary(acc: GradientAccumulator) -> set[int]:
+    """``id``s of the parameters whose saved window gradient this rank takes."""
+    mesh = acc.pipe.mesh
+    own = [p for p in acc.pipe.parameters() if not p.is_meta]
+    if mesh is None:
+        return {id(p) for p in own}
+    if mesh.dp_rank != 0:
+        return set()
+    tied = acc.pipe._built().tied
+    return {id(p) for p in own if tied.get(id(p), (mesh.pp_rank,))[0] == mesh.pp_rank}
+
+
+def _aliases(pipe: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter, in the model's order (a tied one has several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in pipe.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def _layout(acc: GradientAccumulator) -> dict[str, Any]:
+    mesh = acc.pipe.mesh
+    pp, dp = (1, 1) if mesh is None else (mesh.pp_size, mesh.dp_size)
+    return {"pp": pp, "dp": dp, "balance": list(acc.pipe.balance)}
+
+
+def _rank(distributed: bool) -> int:
+    return dist.get_rank() if distributed else 0
+
+
+def _is_meta(value: Any) -> bool:
+    return isinstance(value, torch.Tensor) and value.is_meta
+
+
+def agree(problem: str | None) -> None:
+    """Raises on every rank of the job if ``problem`` is set on any (a collective)."""
+    problems: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(problems, problem)
+    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if failed:
+        listed = "\n".join(f"rank {r}: {p}" for r, p in failed)
+        raise CheckpointError(
+            f"the checkpoint cannot be loaded on {len(failed)} of {len(problems)} ranks; "
+            f"nothing was loaded or changed on any rank:\n{listed}"
+        )
+
+
+def _failed_anywhere(failure: BaseException | None) -> bool:
+    """Whether applying failed on any rank of the job (a collective)."""
+    flags: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, failure is not None)
+    return any(flags)

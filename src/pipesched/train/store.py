@@ -1,0 +1,177 @@
+"""Sharded checkpoint directories: DCP versions, each committed atomically.
+
+Why not write straight into ``path`` as ``torch.distributed.checkpoint.save``
+does: a rank killed halfway would leave ``path`` a mix of two checkpoints,
+and the previous one lost. Here ``path`` is a directory of versions: each
+save writes a new one (every rank its own shards, in parallel), and only
+once every rank has written does global rank 0 commit it by replacing the
+small ``path/latest`` file, atomically, then remove the older versions. A
+save that dies anywhere before that leaves ``latest`` naming the previous,
+complete version; its half-written one is removed by the next save.
+
+A version is an ordinary DCP directory: ``torch.distributed.checkpoint``,
+``dcp_to_torch_save`` and other tools read ``path/<latest>`` directly, and
+:func:`resolve` accepts a plain DCP directory written elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from pipesched.errors import CheckpointError
+
+__all__ = ["LATEST", "is_sharded", "read", "read_metadata", "resolve", "write"]
+
+LATEST = "latest"
+"""The file in a checkpoint directory that names its committed version."""
+
+_METADATA = ".metadata"  # what torch.distributed.checkpoint writes last, once all ranks have
+
+
+def is_sharded(path: str) -> bool:
+    """Whether ``path`` is a directory (a sharded checkpoint), not a ``torch.save`` file."""
+    return os.path.isdir(path)
+
+
+def resolve(path: str) -> str:
+    """The committed DCP directory of the checkpoint at ``path``.
+
+    Raises:
+        FileNotFoundError: nothing is at ``path``.
+        CheckpointError: ``path`` is a directory with no committed version.
+    """
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"no checkpoint at {path!r}")
+    if os.path.isfile(os.path.join(path, _METADATA)):
+        return path  # a plain torch.distributed.checkpoint directory
+    pointer = os.path.join(path, LATEST)
+    try:
+        with open(pointer) as f:
+            version = f.read().strip()
+    except OSError as err:
+        raise CheckpointError(
+            f"checkpoint {path!r} cannot be read: it is a directory without a committed "
+            f"version (no {LATEST!r} file, no {_METADATA!r}); its first save did not "
+            "finish, or it is not a checkpoint. Load another"
+        ) from err
+    directory = os.path.join(path, version)
+    if os.sep in version or not os.path.isfile(os.path.join(directory, _METADATA)):
+        raise CheckpointError(
+            f"checkpoint {path!r} names version {version!r} in {LATEST!r}, which is not a "
+            "complete checkpoint (its files were removed); load another"
+        )
+    return directory
+
+
+def read_metadata(directory: str) -> dict[str, Any]:
+    """Each key of the DCP checkpoint in ``directory``: its tensor metadata, or bytes metadata."""
+    try:
+        metadata: Metadata = FileSystemReader(directory).read_metadata()
+    except Exception as err:
+        raise CheckpointError(
+            f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}); load another"
+        ) from err
+    return dict(metadata.state_dict_metadata)
+
+
+def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[str, Any]:
+    """Reads only ``keys`` of the checkpoint in ``directory`` (tensors on the CPU).
+
+    Each process reads by itself, no collective: a rank reads its own stages'
+    entries and never holds the rest.
+    """
+    request: dict[str, Any] = {}
+    for key in keys:
+        entry = metadata[key]
+        if isinstance(entry, TensorStorageMetadata):
+            request[key] = torch.empty(entry.size, dtype=entry.properties.dtype)
+        else:
+            request[key] = None  # an object: replaced by what was saved
+    if not request:
+        return request
+    try:
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
+            warnings.simplefilter("ignore", UserWarning)
+            dcp_load(
+                request,
+                storage_reader=FileSystemReader(directory),
+                planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                no_dist=True,
+            )
+    except Exception as err:
+        raise CheckpointError(
+            f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}): a file "
+            "of it is missing or truncated; load another"
+        ) from err
+    return request
+
+
+def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
+    """Writes ``state`` (flat: names to tensors or small objects) as a new version of ``path``.
+
+    With ``distributed``, every rank of the job calls it with its own
+    entries (an entry that several ranks hold, the same tensor, is written
+    once), and the version is committed only when every rank has written
+    (see the module); else this process writes the whole checkpoint.
+    """
+    rank = dist.get_rank() if distributed else 0
+    version = f"v-{uuid.uuid4().hex[:12]}"
+    if distributed:
+        box = [version]
+        dist.broadcast_object_list(box, src=0)
+        version = box[0]
+    if rank == 0:
+        os.makedirs(path, exist_ok=True)
+    directory = os.path.join(path, version)
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore", UserWarning)
+        dcp_save(
+            state,
+            storage_writer=FileSystemWriter(directory, sync_files=True),
+            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+            no_dist=not distributed,
+        )  # returns on any rank only once every rank's files and the metadata are written
+    if rank == 0:
+        _commit(path, version)
+    if distributed:
+        dist.barrier()  # no rank reads path before it is committed
+
+
+def _commit(path: str, version: str) -> None:
+    """Points ``path/latest`` at ``version`` atomically, then removes every other version."""
+    tmp = os.path.join(path, f".{LATEST}-{version}.tmp")
+    with open(tmp, "w") as f:
+        f.write(version + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, os.path.join(path, LATEST))
+    _fsync_directory(path)
+    for name in os.listdir(path):
+        entry = os.path.join(path, name)
+        if name.startswith("v-") and name != version and os.path.isdir(entry):
+            shutil.rmtree(entry, ignore_errors=True)  # older or half-written versions
+        elif name.startswith(f".{LATEST}-") and name.endswith(".tmp"):
+            os.unlink(entry)
+
+
+def _fsync_directory(path: str) -> None:
+    if not hasattr(os, "O_DIRECTORY"):  # pragma: no cover - Windows
+        return
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,135 @@
+"""One rank of the sharded-checkpoint tests (tests/distributed/test_sharded.py).
+
+``python sharded_worker.py SCENARIO OUT`` under torchrun's environment, or
+with WORLD_SIZE unset for one process. Scenarios:
+
+- ``save``: pp=2 x dp=1 trains SAVE_AT steps (a window and a half) of two
+  models, one with Dropout, and saves each to ``OUT/<model>``; then steps
+  once more and saves ``OUT/drop`` again, rank 1 dying halfway through
+  writing its shards (the previous version must stay loadable).
+- ``resume-<model>-<pp>x<dp>``: loads ``OUT/<model>`` at that layout and
+  trains the remaining steps (every rank writes its parameters to ``OUT``).
+- ``misfit``: pp=2 where rank 1's last layer is wider: every rank's load fails.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pipesched import GradientAccumulator, Pipeline
+from pipesched.errors import CheckpointError
+
+WIDTH = 12
+ROWS = 8
+STEPS = 2  # per window
+SAVE_AT = 3  # steps done at the save: one window and one step into the next
+TOTAL = SAVE_AT + 1 + 2 * STEPS  # then the window's last step and two more windows
+BALANCE = {1: [8], 2: [4, 4], 4: [1, 3, 2, 2]}
+
+
+def mlp(dropout: float, out: int = 2) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(6, WIDTH), nn.Tanh(), nn.Dropout(dropout), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+        nn.Linear(WIDTH, WIDTH), nn.Tanh(), nn.Linear(WIDTH, out),
+    )  # fmt: skip
+
+
+def batch(step: int, replica: int = 0, replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``step``'s global batch, or replica ``replica``'s share of its rows."""
+    g = torch.Generator().manual_seed(100 + step)
+    x, y = torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 2, generator=g)
+    share = ROWS // replicas
+    rows = slice(replica * share, (replica + 1) * share)
+    return x[rows], y[rows]
+
+
+def accumulator(pipe: nn.Module) -> GradientAccumulator:
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+    return GradientAccumulator(
+        pipe, optimizer, accumulation_steps=STEPS, max_grad_norm=0.5, lr_scheduler=scheduler
+    )
+
+
+def pipeline(model: nn.Module, pp: int, mesh: object | None) -> Pipeline:
+    devices = None if mesh is not None else ["cpu"] * pp
+    return Pipeline(model, 2, balance=BALANCE[pp], devices=devices, schedule="1f1b", mesh=mesh)
+
+
+def train(acc: GradientAccumulator, steps: range, replica: int, replicas: int) -> None:
+    for step in steps:
+        x, y = batch(step, replica, replicas)
+        acc.step(x, y, loss_fn=nn.functional.mse_loss)
+
+
+def own_parameters(pipe: Pipeline) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in pipe.named_parameters() if not p.is_meta}
+
+
+def main(scenario: str, out: Path) -> None:
+    torch.set_default_dtype(torch.float64)
+    mesh = None
+    rank, pp, dp = 0, 1, 1
+    if "WORLD_SIZE" in os.environ:
+        from pipesched.distributed import init_mesh
+
+        world = int(os.environ["WORLD_SIZE"])
+        dp = 2 if scenario.endswith("x2") else 1
+        pp = world // dp
+        mesh = init_mesh(pp=pp, dp=dp, timeout=30)
+        rank = dist.get_rank()
+    results: dict[str, object] = {}
+    if scenario == "save":
+        for name, dropout in (("drop", 0.1), ("plain", 0.0)):
+            torch.manual_seed(1)  # the step seeds' generator, as the reference's
+            acc = accumulator(pipeline(mlp(dropout), pp, mesh))
+            train(acc, range(SAVE_AT), 0, 1)
+            acc.save(str(out / name))
+            results[name] = own_parameters(acc.pipe)
+        torch.save(results, out / f"rank{rank}.pt")
+        train(acc, range(SAVE_AT, SAVE_AT + 1), 0, 1)  # the "plain" model: a new version...
+        if rank == 1:  # ...that rank 1 dies writing
+            import torch.distributed.checkpoint.filesystem as files
+
+            def die(*args: object, **kwargs: object) -> None:
+                os._exit(3)
+
+            files.FileSystemWriter.write_data = die  # type: ignore[method-assign]
+        acc.save(str(out / "plain"))
+    elif scenario.startswith("resume-"):
+        _, name, _ = scenario.split("-")
+        torch.manual_seed(99)  # whatever the generator holds, the checkpoint's state wins
+        acc = accumulator(pipeline(mlp(0.1 if name == "drop" else 0.0), pp, mesh))
+        acc.load(str(out / name))
+        replica = 0 if mesh is None else mesh.get_local_rank("dp")
+        train(acc, range(SAVE_AT, TOTAL), replica, dp)
+        results["params"] = own_parameters(acc.pipe)
+        results["steps"], results["windows"] = acc.steps, acc.windows
+        torch.save(results, out / f"{scenario}-rank{rank}.pt")
+    elif scenario == "misfit":
+        acc = accumulator(pipeline(mlp(0.0, out=2 if rank == 0 else 3), pp, mesh))
+        before = own_parameters(acc.pipe)
+        try:
+            acc.load(str(out / "plain"))
+        except CheckpointError as err:
+            results["error"] = str(err)
+        results["unchanged"] = all(
+            torch.equal(before[n], p) for n, p in own_parameters(acc.pipe).items()
+        )
+        torch.save(results, out / f"misfit-rank{rank}.pt")
+    else:
+        raise SystemExit(f"unknown scenario {scenario!r}")
+    if mesh is not None:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], Path(sys.argv[2]))

@@ -1,0 +1,127 @@
+"""One sharded checkpoint, saved at pp=2 x dp=1 mid-window, resumed at other layouts.
+
+The reference is the uninterrupted run in one process. Resumed at pp=1 in
+one process, at pp=2 x dp=2 (4 processes) and at pp=4 with another balance,
+two windows later the parameters equal it (fp64, rtol 1e-12); randomness
+(Dropout) continues too where the micro-batches stay the same rows. A rank
+killed while writing a newer version leaves the older one loadable; a rank
+whose model does not fit makes every rank refuse the load, unchanged; the
+checkpoint exports to the plain model's state dict.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from pipesched.train import export_model
+from tests.distributed import sharded_worker as w
+from tests.distributed.launch import launch
+
+WORKER = Path(w.__file__)
+
+
+def _reference(dropout: float, steps: int) -> dict[str, torch.Tensor]:
+    """The same training, uninterrupted, in one process (pipesched's local runtime)."""
+    torch.manual_seed(1)
+    acc = w.accumulator(w.pipeline(w.mlp(dropout), 2, None))
+    w.train(acc, range(steps), 0, 1)
+    return w.own_parameters(acc.pipe)
+
+
+def _assert_params(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], where: str):
+    for name, value in got.items():
+        torch.testing.assert_close(
+            value, expected[name], rtol=1e-12, atol=1e-14, msg=f"{where}: {name}"
+        )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``save`` at pp=2: two checkpoints, the second save of one killed on rank 1."""
+    out = tmp_path_factory.mktemp("sharded")
+    torch.set_default_dtype(torch.float64)
+    try:
+        exits = launch("save", 2, out, timeout=90, worker=WORKER)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    codes = [e.code for e in exits]
+    assert codes[1] == 3, exits[1].output  # died writing its shards, as told
+    assert codes[0] not in (0, None), exits[0].output  # failed with it, did not hang
+    return out
+
+
+def test_saved_at_pp2_equals_reference_and_exports(saved: Path) -> None:
+    torch.set_default_dtype(torch.float64)
+    try:
+        for name, dropout in (("drop", 0.1), ("plain", 0.0)):
+            expected = _reference(dropout, w.SAVE_AT)
+            got = {}
+            for rank in range(2):
+                got.update(torch.load(saved / f"rank{rank}.pt")[name])
+            assert set(got) == set(expected)
+            _assert_params(got, expected, f"{name} at the save")
+            exported = saved / f"{name}.pt"
+            export_model(str(saved / name), str(exported))
+            plain = w.mlp(dropout)
+            plain.load_state_dict(torch.load(exported), strict=True)
+            _assert_params(dict(plain.named_parameters()), expected, f"{name} exported")
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("scenario", "world"),
+    [("resume-drop-1x1", 1), ("resume-plain-2x2", 4), ("resume-drop-4x1", 4)],
+)
+def test_resumes_at_another_layout(saved: Path, scenario: str, world: int) -> None:
+    name = scenario.split("-")[1]
+    torch.set_default_dtype(torch.float64)
+    try:
+        if world == 1:  # one process, no mesh
+            w.main(scenario, saved)
+        else:
+            exits = launch(scenario, world, saved, timeout=90, worker=WORKER)
+            assert all(e.code == 0 for e in exits), [e.output for e in exits]
+        expected = _reference(0.1 if name == "drop" else 0.0, w.TOTAL)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    got: dict[str, torch.Tensor] = {}
+    for rank in range(world):
+        record = torch.load(saved / f"{scenario}-rank{rank}.pt")
+        assert (record["steps"], record["windows"]) == (w.TOTAL, w.TOTAL // w.STEPS)
+        got.update(record["params"])
+    assert set(got) == set(expected)
+    _assert_params(got, expected, scenario)
+
+
+def test_a_misfit_on_one_rank_stops_every_rank_unchanged(saved: Path) -> None:
+    exits = launch("misfit", 2, saved, timeout=60, worker=WORKER)
+    assert all(e.code == 0 for e in exits), [e.output for e in exits]
+    records = [torch.load(saved / f"misfit-rank{rank}.pt") for rank in range(2)]
+    for record in records:
+        assert record["unchanged"]
+        assert "rank 1:" in record["error"] and "'7.weight'" in record["error"], record["error"]
+        assert "rank 0:" not in record["error"]
+
+
+def test_reference_differs_without_the_resume() -> None:
+    """The comparison can fail: another step count gives other parameters."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        a, b = _reference(0.0, w.TOTAL), _reference(0.0, w.TOTAL - 1)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    assert not all(torch.allclose(a[n], b[n], rtol=1e-6) for n in a)
+
+
+def test_plain_model_loads_export_strictly(saved: Path) -> None:
+    out = saved / "plain-export.pt"
+    export_model(str(saved / "plain"), str(out))
+    state = torch.load(out)
+    assert set(state) == set(w.mlp(0.0).state_dict())
+    with pytest.raises(RuntimeError):  # strict: another model refuses it
+        nn.Sequential(nn.Linear(6, w.WIDTH)).load_state_dict(state, strict=True)
