@@ -1,8 +1,9 @@
-"""The ``pipesched`` command: compare schedules, show their grids, draw them and saved runs.
+"""The ``pipesched`` command: compare, show and draw schedules and runs; convert checkpoints.
 
 The schedule commands (``simulate``, ``show``) import neither torch nor
 matplotlib; the drawing commands (``viz``, ``compare``, ``trace``) import
-:mod:`pipesched.viz`, and matplotlib with it, only when they run.
+:mod:`pipesched.viz`, and matplotlib with it, only when they run;
+``checkpoint`` imports torch only when it runs.
 
 Every number is checked before any work: a count that is not a positive
 integer, or is past what it can mean, is an argparse error naming the
@@ -182,7 +183,36 @@ def _parser() -> argparse.ArgumentParser:
         "--pp", type=count, default=1, help="pipeline ranks per replica (replicas = GPUs / pp)"
     )
     batch.add_argument("--lr", type=_learning_rate, help="learning rate tuned for the target batch")
+    checkpoint = commands.add_parser(
+        "checkpoint", help="sharded checkpoints: show one, export its model, import a model"
+    )
+    actions = checkpoint.add_subparsers(dest="action", required=True)
+    shown = actions.add_parser("show", help="what a checkpoint holds and the layout that saved it")
+    shown.add_argument("checkpoint", metavar="CHECKPOINT", help="a sharded checkpoint directory")
+    export = actions.add_parser(
+        "export", help="the model as the plain model's state_dict file (for load_state_dict)"
+    )
+    export.add_argument("checkpoint", metavar="CHECKPOINT", help="a sharded checkpoint directory")
+    export.add_argument("output", metavar="OUT.pt", help="the state_dict file to write")
+    imported = actions.add_parser(
+        "import", help="a plain state_dict file as a model-only sharded checkpoint"
+    )
+    imported.add_argument("state_dict", metavar="STATE.pt", help="torch.save(model.state_dict())")
+    imported.add_argument("checkpoint", metavar="CHECKPOINT", help="the directory to write")
     return parser
+
+
+def _checkpoint(args: argparse.Namespace) -> None:
+    from pipesched.train import export
+
+    if args.action == "show":
+        print(export.describe(args.checkpoint))
+    elif args.action == "export":
+        export.export_model(args.checkpoint, args.output)
+        print(f"wrote {args.output}: the model's state_dict from {args.checkpoint}")
+    else:
+        export.import_model(args.state_dict, args.checkpoint)
+        print(f"wrote {args.checkpoint}: a model-only sharded checkpoint of {args.state_dict}")
 
 
 def _batch(args: argparse.Namespace) -> None:
@@ -210,6 +240,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _draw(args)
         elif args.command == "batch":
             _batch(args)
+        elif args.command == "checkpoint":
+            _checkpoint(args)
         elif args.command == "simulate":
             costs: Costs = args.costs
             print(

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pipesched.errors import CheckpointError
 from pipesched.train import store
@@ -23,7 +24,7 @@ from pipesched.train.state import save_checkpoint
 if TYPE_CHECKING:
     from pipesched.pipeline import Pipeline
 
-__all__ = ["export_model", "import_model", "load_model", "model_state"]
+__all__ = ["describe", "export_model", "import_model", "load_model", "model_state"]
 
 _PREFIX = "model/"
 
@@ -47,6 +48,39 @@ def model_state(checkpoint: str) -> dict[str, torch.Tensor]:
     metadata = store.read_metadata(directory)
     keys = [k for k in metadata if k.startswith(_PREFIX)]
     return {k[len(_PREFIX) :]: v for k, v in store.read(directory, keys, metadata).items()}
+
+
+def describe(checkpoint: str) -> str:
+    """A few lines on a sharded checkpoint: its version, the layout and point that saved it."""
+    directory = store.resolve(checkpoint)
+    metadata = store.read_metadata(directory)
+    tensors = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
+    model = [v for k, v in tensors.items() if k.startswith(_PREFIX)]
+    size = sum(v.size.numel() * v.properties.dtype.itemsize for v in model)
+    lines = [
+        f"{checkpoint}: version {os.path.basename(directory)}",
+        f"model: {len(model)} tensors, {_size(size)}",
+    ]
+    if "accumulator" in metadata:
+        extra = store.read(directory, ["accumulator"], metadata)["accumulator"]
+        layout, counters, window = extra["layout"], extra["counters"], extra["window"]
+        optim = sum(k.startswith("optim/") for k in tensors)
+        lines += [
+            f"saved at pp={layout['pp']} x dp={layout['dp']}, balance {layout['balance']}",
+            f"step {counters['steps']}, window {counters['windows']} done, "
+            f"{window['position']} of {extra['accumulation_steps']} steps into the next",
+            f"optimizer: {optim} state tensors; schedulers: {len(extra['schedulers'])}",
+        ]
+    else:
+        lines.append("model weights only (load with pipesched.train.load_model)")
+    return "\n".join(lines)
+
+
+def _size(count: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if count >= scale:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count} bytes"
 
 
 def export_model(checkpoint: str, out: str) -> None:
