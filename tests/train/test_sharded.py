@@ -176,13 +176,18 @@ def test_export_import_and_load_model_read_the_plain_names(tmp_path):
     export_model(str(tmp_path / "ckpt"), str(out))
     plain = _model()
     plain.load_state_dict(torch.load(out), strict=True)
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), acc.pipe.parameters()))
+    assert all(
+        torch.equal(p, q) for p, q in zip(plain.parameters(), acc.pipe.parameters(), strict=True)
+    )
     assert set(model_state(str(tmp_path / "ckpt"))) == set(plain.state_dict())
     import_model(str(out), str(tmp_path / "weights"))
     for source in (str(out), str(tmp_path / "weights")):
         fresh = _acc([2, 4])
         load_model(fresh.pipe, source)
-        assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), fresh.pipe.parameters()))
+        assert all(
+            torch.equal(p, q)
+            for p, q in zip(plain.parameters(), fresh.pipe.parameters(), strict=True)
+        )
     with pytest.raises(CheckpointError, match="load_model"):  # weights only: not a resume
         _acc([3, 3]).load(str(tmp_path / "weights"))
 
@@ -212,7 +217,9 @@ def test_a_plain_dcp_directory_reads_like_a_version(tmp_path):
     for p in acc.pipe.parameters():
         p.data.zero_()
     load_model(acc.pipe, str(tmp_path / "plain"))
-    assert all(torch.equal(p, q) for p, q in zip(_model().parameters(), acc.pipe.parameters()))
+    assert all(
+        torch.equal(p, q) for p, q in zip(_model().parameters(), acc.pipe.parameters(), strict=True)
+    )
 
 
 def test_cli_shows_exports_and_imports(tmp_path, capsys):
