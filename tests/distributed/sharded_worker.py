@@ -3,8 +3,9 @@
 ``python sharded_worker.py SCENARIO OUT`` under torchrun's environment, or
 with WORLD_SIZE unset for one process. Scenarios:
 
-- ``save``: pp=2 x dp=1 trains SAVE_AT steps (a window and a half) of two
-  models, one with Dropout, and saves each to ``OUT/<model>``; then steps
+- ``save``: pp=2 x dp=1 trains SAVE_AT steps (a window and a half) of three
+  models (``traced``: a tied LM traced by torch.export; ``drop``: an MLP
+  with Dropout; ``plain``: without) and saves each to ``OUT/<model>``; then steps
   once more and saves ``OUT/drop`` again, rank 1 dying halfway through
   writing its shards (the previous version must stay loadable).
 - ``resume-<model>-<pp>x<dp>``: loads ``OUT/<model>`` at that layout and
@@ -31,6 +32,7 @@ STEPS = 2  # per window
 SAVE_AT = 3  # steps done at the save: one window and one step into the next
 TOTAL = SAVE_AT + 1 + 2 * STEPS  # then the window's last step and two more windows
 BALANCE = {1: [8], 2: [4, 4], 4: [1, 3, 2, 2]}
+VOCAB = 11
 
 
 def mlp(dropout: float, out: int = 2) -> nn.Sequential:
@@ -41,6 +43,42 @@ def mlp(dropout: float, out: int = 2) -> nn.Sequential:
     )  # fmt: skip
 
 
+class TiedLM(nn.Module):
+    """Not a Sequential (traced): the head tied to the embedding, on another stage at pp=2."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.head = nn.Linear(8, VOCAB, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        return self.head(self.fc2(torch.tanh(self.fc1(h))) + h)
+
+
+def tied_lm() -> TiedLM:
+    torch.manual_seed(0)
+    return TiedLM()
+
+
+def tokens(step: int, replica: int = 0, replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(200 + step)
+    x = torch.randint(0, VOCAB, (ROWS, 5), generator=g)
+    y = torch.randint(0, VOCAB, (ROWS, 5), generator=g)
+    y[:, 1 + step % 4 :] = -100  # uneven token counts
+    share = ROWS // replicas
+    rows = slice(replica * share, (replica + 1) * share)
+    return x[rows], y[rows]
+
+
+def token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(
+        logits.flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+    )
+
+
 def batch(step: int, replica: int = 0, replicas: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """Step ``step``'s global batch, or replica ``replica``'s share of its rows."""
     g = torch.Generator().manual_seed(100 + step)
@@ -48,6 +86,11 @@ def batch(step: int, replica: int = 0, replicas: int = 1) -> tuple[torch.Tensor,
     share = ROWS // replicas
     rows = slice(replica * share, (replica + 1) * share)
     return x[rows], y[rows]
+
+
+def model(name: str) -> nn.Module:
+    """The model a checkpoint's name stands for."""
+    return tied_lm() if name == "traced" else mlp(0.1 if name == "drop" else 0.0)
 
 
 def accumulator(pipe: nn.Module) -> GradientAccumulator:
@@ -60,13 +103,24 @@ def accumulator(pipe: nn.Module) -> GradientAccumulator:
 
 def pipeline(model: nn.Module, pp: int, mesh: object | None) -> Pipeline:
     devices = None if mesh is not None else ["cpu"] * pp
+    if isinstance(model, TiedLM):
+        split = {1: [], 2: ["fc2"]}[pp]
+        example = (tokens(0)[0][:2],)
+        return Pipeline(
+            model, 2, split_points=split, devices=devices, mesh=mesh, example_inputs=example,
+            num_stages=None if mesh is None else pp, schedule="1f1b",
+        )  # fmt: skip
     return Pipeline(model, 2, balance=BALANCE[pp], devices=devices, schedule="1f1b", mesh=mesh)
 
 
 def train(acc: GradientAccumulator, steps: range, replica: int, replicas: int) -> None:
     for step in steps:
-        x, y = batch(step, replica, replicas)
-        acc.step(x, y, loss_fn=nn.functional.mse_loss)
+        if isinstance(acc.pipe._model[0], TiedLM):
+            x, y = tokens(step, replica, replicas)
+            acc.step(x, y, loss_fn=token_sum, num_items=int((y != -100).sum()))
+        else:
+            x, y = batch(step, replica, replicas)
+            acc.step(x, y, loss_fn=nn.functional.mse_loss)
 
 
 def own_parameters(pipe: Pipeline) -> dict[str, torch.Tensor]:
@@ -87,9 +141,9 @@ def main(scenario: str, out: Path) -> None:
         rank = dist.get_rank()
     results: dict[str, object] = {}
     if scenario == "save":
-        for name, dropout in (("drop", 0.1), ("plain", 0.0)):
+        for name in ("traced", "drop", "plain"):
             torch.manual_seed(1)  # the step seeds' generator, as the reference's
-            acc = accumulator(pipeline(mlp(dropout), pp, mesh))
+            acc = accumulator(pipeline(model(name), pp, mesh))
             train(acc, range(SAVE_AT), 0, 1)
             acc.save(str(out / name))
             results[name] = own_parameters(acc.pipe)
@@ -106,7 +160,7 @@ def main(scenario: str, out: Path) -> None:
     elif scenario.startswith("resume-"):
         _, name, _ = scenario.split("-")
         torch.manual_seed(99)  # whatever the generator holds, the checkpoint's state wins
-        acc = accumulator(pipeline(mlp(0.1 if name == "drop" else 0.0), pp, mesh))
+        acc = accumulator(pipeline(model(name), pp, mesh))
         acc.load(str(out / name))
         replica = 0 if mesh is None else mesh.get_local_rank("dp")
         train(acc, range(SAVE_AT, TOTAL), replica, dp)

@@ -24,10 +24,10 @@ from tests.distributed.launch import launch
 WORKER = Path(w.__file__)
 
 
-def _reference(dropout: float, steps: int) -> dict[str, torch.Tensor]:
+def _reference(name: str, steps: int) -> dict[str, torch.Tensor]:
     """The same training, uninterrupted, in one process (pipesched's local runtime)."""
     torch.manual_seed(1)
-    acc = w.accumulator(w.pipeline(w.mlp(dropout), 2, None))
+    acc = w.accumulator(w.pipeline(w.model(name), 2, None))
     w.train(acc, range(steps), 0, 1)
     return w.own_parameters(acc.pipe)
 
@@ -57,8 +57,8 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_saved_at_pp2_equals_reference_and_exports(saved: Path) -> None:
     torch.set_default_dtype(torch.float64)
     try:
-        for name, dropout in (("drop", 0.1), ("plain", 0.0)):
-            expected = _reference(dropout, w.SAVE_AT)
+        for name in ("traced", "drop", "plain"):
+            expected = _reference(name, w.SAVE_AT)
             got = {}
             for rank in range(2):
                 got.update(torch.load(saved / f"rank{rank}.pt")[name])
@@ -66,7 +66,7 @@ def test_saved_at_pp2_equals_reference_and_exports(saved: Path) -> None:
             _assert_params(got, expected, f"{name} at the save")
             exported = saved / f"{name}.pt"
             export_model(str(saved / name), str(exported))
-            plain = w.mlp(dropout)
+            plain = w.model(name)
             plain.load_state_dict(torch.load(exported), strict=True)
             _assert_params(dict(plain.named_parameters()), expected, f"{name} exported")
     finally:
@@ -75,7 +75,13 @@ def test_saved_at_pp2_equals_reference_and_exports(saved: Path) -> None:
 
 @pytest.mark.parametrize(
     ("scenario", "world"),
-    [("resume-drop-1x1", 1), ("resume-plain-2x2", 4), ("resume-drop-4x1", 4)],
+    [
+        ("resume-drop-1x1", 1),
+        ("resume-plain-2x2", 4),
+        ("resume-drop-4x1", 4),
+        ("resume-traced-1x1", 1),
+        ("resume-traced-2x2", 4),
+    ],
 )
 def test_resumes_at_another_layout(saved: Path, scenario: str, world: int) -> None:
     name = scenario.split("-")[1]
@@ -86,7 +92,7 @@ def test_resumes_at_another_layout(saved: Path, scenario: str, world: int) -> No
         else:
             exits = launch(scenario, world, saved, timeout=90, worker=WORKER)
             assert all(e.code == 0 for e in exits), [e.output for e in exits]
-        expected = _reference(0.1 if name == "drop" else 0.0, w.TOTAL)
+        expected = _reference(name, w.TOTAL)
     finally:
         torch.set_default_dtype(torch.float32)
     got: dict[str, torch.Tensor] = {}
@@ -112,7 +118,7 @@ def test_reference_differs_without_the_resume() -> None:
     """The comparison can fail: another step count gives other parameters."""
     torch.set_default_dtype(torch.float64)
     try:
-        a, b = _reference(0.0, w.TOTAL), _reference(0.0, w.TOTAL - 1)
+        a, b = _reference("plain", w.TOTAL), _reference("plain", w.TOTAL - 1)
     finally:
         torch.set_default_dtype(torch.float32)
     assert not all(torch.allclose(a[n], b[n], rtol=1e-6) for n in a)
