@@ -67,7 +67,8 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
     for pid, grad in pipe.sync.summed_gradients(own).items():
         state[f"grad/{names[pid][0]}"] = grad
     items, samples, loss_sum = pipe.sync.sum([acc._items, float(acc._samples), acc._loss_sum])
-    state["accumulator"] = {
+    rank = _rank(mesh is not None)
+    extra = {
         "counters": {"steps": acc.steps, "windows": acc.windows},
         "window": {
             "position": acc.position,
@@ -81,7 +82,9 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
         "loss_scale": acc.loss_scale.state_dict(),
         "layout": _layout(acc),
     }
-    state[f"rng/{_rank(mesh is not None)}"] = rng_state()
+    if rank == 0:  # global rank 0's schedulers and scaler: every rank's are in its state
+        state["accumulator"] = extra
+    state[f"rng/{rank}"] = rng_state()
     store.write(state, path, distributed=mesh is not None)
 
 
