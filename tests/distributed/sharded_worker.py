@@ -10,6 +10,9 @@ with WORLD_SIZE unset for one process. Scenarios:
   writing its shards (the previous version must stay loadable).
 - ``resume-<model>-<pp>x<dp>``: loads ``OUT/<model>`` at that layout and
   trains the remaining steps (every rank writes its parameters to ``OUT``).
+- ``weights``: pp=2 loads the plain model's weights with ``load_model``, from
+  ``OUT/plain.pt`` and from ``OUT/plain``; then where rank 1's last layer is
+  wider, every rank refuses.
 - ``misfit``: pp=2 where rank 1's last layer is wider: every rank's load fails.
 """
 
@@ -127,6 +130,11 @@ def own_parameters(pipe: Pipeline) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in pipe.named_parameters() if not p.is_meta}
 
 
+def _reinit(module: nn.Module) -> None:
+    if isinstance(module, nn.Linear):
+        module.reset_parameters()  # other weights than the checkpoint's
+
+
 def main(scenario: str, out: Path) -> None:
     torch.set_default_dtype(torch.float64)
     mesh = None
@@ -167,6 +175,24 @@ def main(scenario: str, out: Path) -> None:
         results["params"] = own_parameters(acc.pipe)
         results["steps"], results["windows"] = acc.steps, acc.windows
         torch.save(results, out / f"{scenario}-rank{rank}.pt")
+    elif scenario == "weights":  # plain weights into a pipeline, each rank reading its own
+        from pipesched.train import load_model
+
+        for source in ("plain.pt", "plain"):
+            torch.manual_seed(5)
+            pipe = pipeline(mlp(0.0).apply(_reinit), pp, mesh)
+            load_model(pipe, str(out / source))
+            results[source] = own_parameters(pipe)
+        wide = pipeline(mlp(0.0, out=2 if rank == 0 else 3), pp, mesh)
+        before = own_parameters(wide)
+        try:
+            load_model(wide, str(out / "plain.pt"))
+        except CheckpointError as err:
+            results["error"] = str(err)
+        results["unchanged"] = all(
+            torch.equal(before[n], p) for n, p in own_parameters(wide).items()
+        )
+        torch.save(results, out / f"weights-rank{rank}.pt")
     elif scenario == "misfit":
         acc = accumulator(pipeline(mlp(0.0, out=2 if rank == 0 else 3), pp, mesh))
         before = own_parameters(acc.pipe)

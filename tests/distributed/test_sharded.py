@@ -114,6 +114,22 @@ def test_a_misfit_on_one_rank_stops_every_rank_unchanged(saved: Path) -> None:
         assert "rank 0:" not in record["error"]
 
 
+def test_load_model_reads_plain_weights_on_each_rank(saved: Path) -> None:
+    export_model(str(saved / "plain"), str(saved / "plain.pt"))
+    expected = torch.load(saved / "plain.pt")
+    exits = launch("weights", 2, saved, timeout=60, worker=WORKER)
+    assert all(e.code == 0 for e in exits), [e.output for e in exits]
+    records = [torch.load(saved / f"weights-rank{rank}.pt") for rank in range(2)]
+    for source in ("plain.pt", "plain"):
+        got = {n: v for record in records for n, v in record[source].items()}
+        assert set(got) == {k for k in expected if k.endswith(("weight", "bias"))}
+        for name, value in got.items():
+            assert torch.equal(value, expected[name]), (source, name)
+    for record in records:
+        assert record["unchanged"]
+        assert "rank 1:" in record["error"] and "'7.weight'" in record["error"], record["error"]
+
+
 def test_reference_differs_without_the_resume() -> None:
     """The comparison can fail: another step count gives other parameters."""
     torch.set_default_dtype(torch.float64)
