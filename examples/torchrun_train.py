@@ -3,6 +3,11 @@
 Run (CPU, gloo; one process per pipeline rank and replica):
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/torchrun_train.py         # pp=2
     .venv/bin/torchrun --standalone --nproc_per_node 4 examples/torchrun_train.py --dp 2  # x dp=2
+Saved at pp=2, resumed at pp=4 (one checkpoint directory, any layout):
+    .venv/bin/torchrun --standalone --nproc_per_node 2 examples/torchrun_train.py \
+        --windows 4 --checkpoint ckpt
+    .venv/bin/torchrun --standalone --nproc_per_node 4 examples/torchrun_train.py \
+        --windows 8 --checkpoint ckpt
 Multi-node and SLURM launches: docs/distributed.md.
 
 Every rank builds the same model; Pipeline(..., mesh=...) keeps only this
@@ -79,6 +84,11 @@ def main() -> None:
     parser.add_argument("--dp", type=int, default=1, help="data-parallel replicas")
     parser.add_argument("--schedule", default="1f1b")
     parser.add_argument("--windows", type=int, default=8)
+    parser.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="resume from DIR if it holds a checkpoint (saved at any pp and dp); save every window",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     mesh = init_mesh(pp=int(os.environ["WORLD_SIZE"]) // args.dp, dp=args.dp)
@@ -92,11 +102,20 @@ def main() -> None:
             f"pp={info.pp_size} x dp={info.dp_size}: stages {pipe.balance} (layers) on "
             f"{info.pp_size} ranks, schedule {args.schedule}"
         )
-    for _ in range(args.windows * 2):
+    if args.checkpoint and os.path.isdir(args.checkpoint):
+        accumulator.load(args.checkpoint)  # every rank; each reads only its stages' shards
+        for _ in range(accumulator.steps):  # the data stream continues where it was
+            batch(generator, rows=8)
+        if dist.get_rank() == 0:
+            print(f"resumed from {args.checkpoint} at step {accumulator.steps}")
+    for _ in range(accumulator.steps, args.windows * 2):
         ids, labels, count = batch(generator, rows=8)
         result = accumulator.step(ids, labels, loss_fn=token_sum, num_items=count)
         if result.stepped and dist.get_rank() == 0:
             print(accumulator.log_line(result), flush=True)
+        if result.stepped and args.checkpoint:
+            accumulator.save(args.checkpoint)  # one checkpoint, every rank its shards
+    dist.barrier()
     dist.destroy_process_group()
 
 
