@@ -10,7 +10,8 @@ of one logical run:
 
 - ``model/<name>``: each parameter and buffer (the model's ``state_dict`` keys);
 - ``optim/<name>/<key>``: each parameter's optimizer state (``exp_avg``, ``step``, ...);
-- ``optim_group/<name>``: the options of its parameter group (``lr``, ``betas``, ...);
+- ``optim_groups/<rank>``: each param group's parameter names and options
+  (``lr``, ``betas``, ...), as each rank holds them;
 - ``grad/<name>``: a mid-window gradient, summed over replicas and tied ranks;
 - ``accumulator``: counters, the window's sums (over replicas), schedulers,
   loss scale, and the layout that wrote it;
@@ -53,21 +54,21 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
     state: dict[str, Any] = {
         f"model/{k}": v for k, v in pipe.state_dict().items() if not _is_meta(v)
     }
+    rank = _rank(mesh is not None)
+    groups = []
     for optimizer in acc.optimizers:
         for group in optimizer.param_groups:
+            held = [p for p in group["params"] if not p.is_meta]  # (meta: another rank's)
             options = {k: v for k, v in group.items() if k != "params"}
-            for p in group["params"]:
-                if p.is_meta:
-                    continue  # another rank's
-                name = names[id(p)][0]
-                state[f"optim_group/{name}"] = options
+            groups.append(([names[id(p)][0] for p in held], options))
+            for p in held:
                 for key, value in optimizer.state.get(p, {}).items():
-                    state[f"optim/{name}/{key}"] = value
+                    state[f"optim/{names[id(p)][0]}/{key}"] = value
+    state[f"optim_groups/{rank}"] = groups
     own = [p for p in pipe.parameters() if not p.is_meta]
     for pid, grad in pipe.sync.summed_gradients(own).items():
         state[f"grad/{names[pid][0]}"] = grad
     items, samples, loss_sum = pipe.sync.sum([acc._items, float(acc._samples), acc._loss_sum])
-    rank = _rank(mesh is not None)
     extra = {
         "counters": {"steps": acc.steps, "windows": acc.windows},
         "window": {
@@ -149,24 +150,28 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
             f"({', '.join(map(repr, missing[:6]))}{', ...' if len(missing) > 6 else ''}): "
             f"it was saved from another model. Nothing was loaded or changed. Fix: {FIX}"
         )
-    names = _aliases(pipe)
-    saved: dict[int, str] = {}  # id(parameter) -> the name it was saved under
-    for p in pipe.parameters():
-        if not p.is_meta:
-            found = [n for n in names[id(p)] if f"optim_group/{n}" in metadata]
-            if found:
-                saved[id(p)] = found[0]
     rank_rng = f"rng/{_rank(mesh is not None)}"
-    keys = [f"model/{k}" for k in own_model] + ["accumulator"]
-    prefixes = tuple(f"optim/{n}/" for n in saved.values())
-    keys += [k for k in metadata if k.startswith(prefixes)]
-    keys += [f"optim_group/{n}" for n in saved.values()]
+    small = ["accumulator", "rng/0", rank_rng]
+    small += [k for k in metadata if k.startswith("optim_groups/")]
+    data = store.read(directory, sorted({k for k in small if k in metadata}), metadata)
+    extra = data["accumulator"]
+    rng_key = rank_rng if extra["layout"] == _layout(acc) and rank_rng in data else "rng/0"
+    options: dict[str, dict[str, Any]] = {}  # each saved parameter's group options
+    for key in [k for k in data if k.startswith("optim_groups/")]:
+        for held, group_options in data[key]:
+            options.update(dict.fromkeys(held, group_options))
+    names = _aliases(pipe)
+    saved: dict[int, tuple[str, dict[str, Any]]] = {}  # id -> (name saved under, its options)
+    for p in pipe.parameters():
+        found = [n for n in names[id(p)] if n in options]
+        if found and not p.is_meta:
+            saved[id(p)] = (found[0], options[found[0]])
+    wanted = {name for name, _ in saved.values()}
+    keys = [f"model/{k}" for k in own_model]
+    keys += [k for k in metadata if k.startswith("optim/") and _owner(k) in wanted]
     own_names = {n for p in pipe.parameters() if not p.is_meta for n in names[id(p)]}
     keys += [f"grad/{n}" for n in sorted(own_names) if f"grad/{n}" in metadata]
-    data = store.read(directory, keys, metadata)
-    extra = data["accumulator"]
-    rng_key = rank_rng if extra["layout"] == _layout(acc) and rank_rng in metadata else "rng/0"
-    data.update(store.read(directory, [rng_key], metadata))
+    data.update(store.read(directory, keys, metadata))
     primary = _primary(acc)
     grads = {}
     for n, p in pipe.named_parameters():
@@ -187,10 +192,22 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
     }
 
 
+def _owner(key: str) -> str:
+    """The parameter name of an ``optim/<name>/<key>`` entry."""
+    return key[len("optim/") :].rpartition("/")[0]
+
+
 def _optimizer_state(
-    optimizer: torch.optim.Optimizer, saved: dict[int, str], data: dict[str, Any], path: str
+    optimizer: torch.optim.Optimizer,
+    saved: dict[int, tuple[str, dict[str, Any]]],
+    data: dict[str, Any],
+    path: str,
 ) -> dict[str, Any]:
     """``optimizer.state_dict()`` as the checkpoint has it: state by position, saved options."""
+    per_parameter: dict[str, dict[str, Any]] = {}
+    for key, value in data.items():
+        if key.startswith("optim/"):
+            per_parameter.setdefault(_owner(key), {})[key.rpartition("/")[2]] = value
     state: dict[int, dict[str, Any]] = {}
     groups = []
     index = 0
@@ -198,13 +215,11 @@ def _optimizer_state(
         options: dict[str, Any] | None = None
         ids = []
         for p in group["params"]:
-            name = saved.get(id(p))
-            if name is not None:
-                prefix = f"optim/{name}/"
-                entry = {k[len(prefix) :]: v for k, v in data.items() if k.startswith(prefix)}
+            if id(p) in saved:
+                name, these = saved[id(p)]
+                entry = per_parameter.get(name)
                 if entry:
                     state[index] = entry
-                these = data[f"optim_group/{name}"]
                 if options is not None and these != options:
                     raise CheckpointError(
                         f"checkpoint {path!r}: parameter group {g} of this optimizer mixes "
