@@ -238,3 +238,10 @@ def test_cli_shows_exports_and_imports(tmp_path, capsys):
     assert "model weights only" in capsys.readouterr().out
     assert main(["checkpoint", "export", str(tmp_path / "nothing"), str(out)]) == 2
     assert "no checkpoint at" in capsys.readouterr().err
+
+
+def test_a_sharded_save_onto_a_file_is_refused_naming_it(tmp_path):
+    acc = _acc([3, 3])
+    (tmp_path / "file").write_text("not a directory")
+    with pytest.raises(CheckpointError, match="cannot save the checkpoint to .*file"):
+        acc.save(str(tmp_path / "file"), sharded=True)

@@ -128,13 +128,21 @@ def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
     (see the module); else this process writes the whole checkpoint.
     """
     rank = dist.get_rank() if distributed else 0
-    version = f"v-{uuid.uuid4().hex[:12]}"
-    if distributed:
-        box = [version]
-        dist.broadcast_object_list(box, src=0)
-        version = box[0]
+    version, problem = f"v-{uuid.uuid4().hex[:12]}", None
     if rank == 0:
-        os.makedirs(path, exist_ok=True)
+        try:
+            os.makedirs(path, exist_ok=True)
+        except OSError as err:  # a file there, no permission, ...
+            problem = f"{type(err).__name__}: {err}"
+    if distributed:  # every rank learns rank 0's version name, or that it cannot write
+        box = [(version, problem)]
+        dist.broadcast_object_list(box, src=0)
+        version, problem = box[0]
+    if problem is not None:
+        raise CheckpointError(
+            f"cannot save the checkpoint to {path!r} ({problem}): a sharded checkpoint is a "
+            "directory; give a path where one can be made (not an existing file)"
+        )
     directory = os.path.join(path, version)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
