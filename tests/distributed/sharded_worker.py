@@ -203,6 +203,10 @@ def main(scenario: str, out: Path) -> None:
         results["unchanged"] = all(
             torch.equal(before[n], p) for n, p in own_parameters(acc.pipe).items()
         )
+        try:  # no checkpoint on any rank: "start afresh", as in one process
+            acc.load(str(out / "absent"))
+        except FileNotFoundError:
+            results["absent"] = True
         torch.save(results, out / f"misfit-rank{rank}.pt")
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")

@@ -103,6 +103,7 @@ def load_sharded(acc: GradientAccumulator, path: str) -> None:
     """
     distributed = acc.pipe.mesh is not None
     problem: str | None = None
+    absent = False
     state: dict[str, Any] = {}
     try:
         state = _local_state(acc, store.resolve(path), path)
@@ -110,9 +111,9 @@ def load_sharded(acc: GradientAccumulator, path: str) -> None:
     except (CheckpointError, FileNotFoundError) as err:
         if not distributed:
             raise
-        problem = str(err)
+        problem, absent = str(err), isinstance(err, FileNotFoundError)
     if distributed:
-        agree(problem)
+        agree(problem, absent=absent)
     snapshot = Snapshot(acc)
     failure: BaseException | None = None
     try:
@@ -268,11 +269,20 @@ def _is_meta(value: Any) -> bool:
     return isinstance(value, torch.Tensor) and value.is_meta
 
 
-def agree(problem: str | None) -> None:
-    """Raises on every rank of the job if ``problem`` is set on any (a collective)."""
+def agree(problem: str | None, *, absent: bool = False) -> None:
+    """Raises on every rank of the job if ``problem`` is set on any (a collective).
+
+    Args:
+        problem: what this rank found wrong, or None.
+        absent: the problem is that the checkpoint is not there at all: when
+            it is so on every rank, each raises ``FileNotFoundError`` ("no
+            checkpoint yet: start afresh"), else ``CheckpointError``.
+    """
     problems: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(problems, problem)
-    failed = [(r, p) for r, p in enumerate(problems) if p is not None]
+    dist.all_gather_object(problems, (problem, absent))
+    failed = [(r, p) for r, (p, _) in enumerate(problems) if p is not None]
+    if failed and all(a for _, a in problems):
+        raise FileNotFoundError(problem)
     if failed:
         listed = "\n".join(f"rank {r}: {p}" for r, p in failed)
         raise CheckpointError(
