@@ -52,7 +52,6 @@ SKIP: Literal["skip"] = "skip"
 """``init_weights="skip"``: parameters and persistent buffers are left as allocated, for a load."""
 
 
-
 def check_init_weights(value: object) -> InitWeights:
     """``value`` if ``init_weights=`` can take it.
 
@@ -242,7 +241,8 @@ def _unwritten(t: torch.Tensor, old_version: int | None) -> bool:
     if t.numel() == 0:
         return False
     if t.dtype.is_floating_point or t.dtype.is_complex:
-        return bool(torch.isnan(t).any())
+        # A sum is NaN if any element is (no copy of the tensor); then confirm element-wise.
+        return bool(torch.isnan(t.sum())) and bool(torch.isnan(t).any())
     return bool((t == _sentinel(t.dtype)).any())
 
 

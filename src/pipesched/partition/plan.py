@@ -144,9 +144,7 @@ def plan_partition(
         traced = trace_model(module, example_inputs)
     boundaries = split_positions(module, traced, split_points) if split_points else []
     estimated = on_meta(module)  # nothing can run: costs are estimated from FLOPs on meta
-    costs = _profile(
-        module, traced, example_inputs, devices, mode, num_threads, repeats, estimated
-    )
+    costs = _profile(module, traced, example_inputs, devices, mode, num_threads, repeats, estimated)
     first = costs[devices[0]] if costs else None
     if traced is not None:
         graph = traced_graph(traced, first, boundaries)
@@ -231,7 +229,11 @@ def _profile(
         with _threads(num_threads if device.type == "cpu" else None):
             if traced is not None:
                 measured[device_kind(stage_device)] = measure_traced(
-                    traced, example_inputs, device, timing=timing, repeats=repeats,
+                    traced,
+                    example_inputs,
+                    device,
+                    timing=timing,
+                    repeats=repeats,
                     estimate=estimate,
                 )
             else:
@@ -242,7 +244,11 @@ def _profile(
                         f"{len(example_inputs)}; pass example_inputs=(x,)"
                     )
                 measured[device_kind(stage_device)] = measure_sequential(
-                    module, example_inputs[0], device, timing=timing, repeats=repeats,
+                    module,
+                    example_inputs[0],
+                    device,
+                    timing=timing,
+                    repeats=repeats,
                     estimate=estimate,
                 )
     return {d: measured[device_kind(d)] for d in devices}
