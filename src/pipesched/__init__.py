@@ -27,6 +27,7 @@ check_torch_version(installed_torch_version())  # without importing torch
 if TYPE_CHECKING:
     from pipesched.batchnorm import DeferredBatchNorm
     from pipesched.checkpoint import is_recomputing
+    from pipesched.materialize import initialize
     from pipesched.pipeline import Pipeline
     from pipesched.train import GradientAccumulator
 
@@ -48,6 +49,7 @@ __all__ = [
     "Timeline",
     "TorchInternalsWarning",
     "get_schedule",
+    "initialize",
     "is_recomputing",
 ]
 __version__ = "0.1.0"
@@ -57,6 +59,7 @@ _LAZY = {
     "DeferredBatchNorm": "pipesched.batchnorm",
     "is_recomputing": "pipesched.checkpoint",
     "GradientAccumulator": "pipesched.train",
+    "initialize": "pipesched.materialize",
 }
 
 

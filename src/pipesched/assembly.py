@@ -23,6 +23,7 @@ from pipesched.call import Call, call_key, describe_change
 from pipesched.distributed.mesh import rank0_value
 from pipesched.errors import ConfigError, RetraceWarning, warn_user
 from pipesched.layout import Cut, Layout
+from pipesched.materialize import materialize_stages, on_meta
 from pipesched.partition import Partition, Plan, TracedStage, check_balance, plan_partition
 from pipesched.partition.sequential import sequential_layers
 from pipesched.runtime.distributed import DistributedRuntime
@@ -175,6 +176,10 @@ def assemble(
             if pipe._modules.get(name) is not child:
                 pipe._modules[name] = child
     stages = plan.build(module, stage_devices)
+    if on_meta(module):  # built on meta: this process allocates its own stages, nothing else
+        mine = [s for s, w in enumerate(layout.placement) if info is None or w == info.pp_rank]
+        seed = torch.initial_seed() if info is None else rank0_value(torch.initial_seed())
+        materialize_stages(stages, mine, stage_devices, module, [pipe], cut.init_weights, seed)
     runtime: Runtime
     tied: dict[int, tuple[int, ...]] = {}
     if info is None:

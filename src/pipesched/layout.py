@@ -10,6 +10,7 @@ import torch
 from pipesched.devices import Device, resolve_devices, resolve_workers, threads_per_worker
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.errors import ConfigError
+from pipesched.materialize import InitWeights
 from pipesched.schedule import Schedule, stages_per_worker
 from pipesched.schedule.spec import ScheduleSpec, spec_name, spec_placement
 
@@ -54,6 +55,8 @@ class Cut:
         memory_budget: bytes per worker.
         deferred_batch_norm: replace BatchNorm layers by DeferredBatchNorm.
         fuse_weight_grads: fused weight-gradient accumulation in steps.
+        init_weights: how the stages of a model on the meta device are
+            initialized once cut (:mod:`pipesched.materialize`).
     """
 
     chunks: int
@@ -62,6 +65,7 @@ class Cut:
     memory_budget: float | None
     deferred_batch_norm: bool
     fuse_weight_grads: bool
+    init_weights: InitWeights = None
 
 
 def resolve_layout(

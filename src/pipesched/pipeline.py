@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any
 
 import networkx as nx
 import torch
@@ -21,9 +21,10 @@ from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.distributed.placement import stage_parameters
 from pipesched.errors import ConfigError
-from pipesched.internals import parse_to
 from pipesched.layout import Cut, resolve_layout
+from pipesched.materialize import InitWeights, check_meta
 from pipesched.partition import Partition
+from pipesched.pinned import Pinned
 from pipesched.runtime.distributed import DistributedRuntime
 from pipesched.runtime.gradsync import LocalSync, Sync
 from pipesched.runtime.interpreter import Runtime
@@ -34,7 +35,7 @@ from pipesched.stepper import Stepper
 __all__ = ["Pipeline"]
 
 
-class Pipeline(nn.Module):
+class Pipeline(Pinned):
     """A model cut into stages across devices, fed ``chunks`` micro-batches at a time.
 
     ``pipe(x)`` is autograd-transparent with GPipe semantics: the output and
@@ -88,6 +89,18 @@ class Pipeline(nn.Module):
             it would lose), parameters shared between stages, with hooks, or
             under autocast always take the ordinary path
             (:mod:`pipesched.runtime.fused_linear`).
+        init_weights: for a model built under ``torch.device("meta")``, which
+            is cut without being materialized, each process allocating only
+            its own stages: how they are initialized. None: each module's
+            ``reset_parameters()`` (and ``reset_running_stats()``); a callable
+            ``init_weights(name, module)``: called after those, for every
+            module (under the model's own name) that directly holds a tensor
+            of this process's stages; ``"skip"``: left as allocated, for a
+            checkpoint load right after. Each module's generator is seeded
+            by its name and ``torch.initial_seed()`` (rank 0's on a mesh):
+            the weights are those of ``pipesched.materialize.initialize(model,
+            init_weights)`` whatever the cut. A tensor left unset raises
+            (:mod:`pipesched.materialize`).
 
     Attributes:
         stage_graph: the model as a ``networkx.DiGraph`` of layers or traced
@@ -126,6 +139,7 @@ class Pipeline(nn.Module):
         split_points: Sequence[str] | None = None,
         memory_budget: float | None = None,
         fuse_weight_grads: bool = True,
+        init_weights: InitWeights = None,
     ) -> None:
         super().__init__()
         check_pipeline(module, chunks, balance, num_stages, memory_budget)
@@ -137,7 +151,13 @@ class Pipeline(nn.Module):
         info = None if mesh is None else MeshInfo.of(mesh)
         self._layout = resolve_layout(schedule, devices, balance, num_stages, split_points, info)
         self._cut = Cut(
-            chunks, balance, split_points, memory_budget, deferred_batch_norm, fuse_weight_grads
+            chunks,
+            balance,
+            split_points,
+            memory_budget,
+            deferred_batch_norm,
+            fuse_weight_grads,
+            check_meta(module, example_inputs, init_weights),
         )
         self._model = (module,)  # a tuple: its layers are registered, not the model itself
         self.chunks = chunks
@@ -372,25 +392,3 @@ class Pipeline(nn.Module):
     def _commit_batch_norm(self) -> None:
         if self.training:
             commit_all(self)
-
-    def to(self, *args: Any, **kwargs: Any) -> Pipeline:
-        """Only dtype changes: a Pipeline's stages stay on the devices they were given."""
-        device, dtype, *_ = parse_to(*args, **kwargs)
-        if device is not None:
-            _deny_move("to(device)")
-        return super().to(dtype=dtype) if dtype is not None else self
-
-    def cuda(self, device: Any = None) -> NoReturn:
-        """Denied: see :meth:`to`."""
-        _deny_move("cuda()")
-
-    def cpu(self) -> NoReturn:
-        """Denied: see :meth:`to`."""
-        _deny_move("cpu()")
-
-
-def _deny_move(call: str) -> NoReturn:
-    raise ConfigError(
-        f"Pipeline.{call} would move every stage to one device; a Pipeline keeps stage s on "
-        "devices[placement[s]]. Move the model before wrapping it, or pass devices="
-    )

@@ -25,6 +25,7 @@ begins with. A ``memory_budget`` (bytes per worker) rules out cuts for
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -34,6 +35,7 @@ import torch
 from torch import nn
 
 from pipesched.errors import ConfigError, ConfigTypeError, PartitionError
+from pipesched.materialize import on_meta
 from pipesched.partition.balance import bounds_of, simulate_counts
 from pipesched.partition.cuts import (
     BALANCE_MODES,
@@ -141,7 +143,8 @@ def plan_partition(
             )
         traced = trace_model(module, example_inputs)
     boundaries = split_positions(module, traced, split_points) if split_points else []
-    costs = _profile(module, traced, example_inputs, devices, mode, num_threads, repeats)
+    estimated = on_meta(module)  # nothing can run: costs are estimated from FLOPs on meta
+    costs = _profile(module, traced, example_inputs, devices, mode, num_threads, repeats, estimated)
     first = costs[devices[0]] if costs else None
     if traced is not None:
         graph = traced_graph(traced, first, boundaries)
@@ -159,6 +162,8 @@ def plan_partition(
     partition = _partition(
         mode, module, units, counts, devices, plan_schedule, layer_costs, memory_budget
     )
+    if estimated and layer_costs.timed:
+        partition = dataclasses.replace(partition, estimated=True)
     return Plan(graph, units, tuple(counts), partition, traced)
 
 
@@ -205,19 +210,31 @@ def _profile(
     mode: str,
     num_threads: int | None,
     repeats: int,
+    estimated: bool = False,
 ) -> dict[torch.device, Any]:
-    """Per stage device, the measured cost of each node (empty without an example)."""
+    """Per stage device, the measured cost of each node (empty without an example).
+
+    ``estimated``: the model is on the meta device; each node runs there
+    and its times are estimated for the stage's device type.
+    """
     if example_inputs is None:
         return {}
     timing = mode in ("time", "schedule")
     measured: dict[Any, Any] = {}
-    for device in devices:
-        if device_kind(device) in measured:
+    for stage_device in devices:
+        if device_kind(stage_device) in measured:
             continue
+        device = torch.device("meta") if estimated else stage_device
+        estimate = stage_device.type if estimated else None
         with _threads(num_threads if device.type == "cpu" else None):
             if traced is not None:
-                measured[device_kind(device)] = measure_traced(
-                    traced, example_inputs, device, timing=timing, repeats=repeats
+                measured[device_kind(stage_device)] = measure_traced(
+                    traced,
+                    example_inputs,
+                    device,
+                    timing=timing,
+                    repeats=repeats,
+                    estimate=estimate,
                 )
             else:
                 module = cast(nn.Sequential, module)  # only a Sequential goes untraced
@@ -226,8 +243,13 @@ def _profile(
                         f"an nn.Sequential takes one input, but example_inputs has "
                         f"{len(example_inputs)}; pass example_inputs=(x,)"
                     )
-                measured[device_kind(device)] = measure_sequential(
-                    module, example_inputs[0], device, timing=timing, repeats=repeats
+                measured[device_kind(stage_device)] = measure_sequential(
+                    module,
+                    example_inputs[0],
+                    device,
+                    timing=timing,
+                    repeats=repeats,
+                    estimate=estimate,
                 )
     return {d: measured[device_kind(d)] for d in devices}
 

@@ -15,6 +15,10 @@ operations of microseconds, noise only ever adds (a preempted thread, a
 sleeping intra-op pool waking up, seen at 8 ms on a busy 2-core machine), so
 the fastest run is the steadiest estimate of what the operation costs.
 
+A model on the meta device runs here too, on meta tensors: nothing is timed
+then, its costs are estimated from FLOPs and bytes instead
+(``estimate=``, :mod:`pipesched.partition.estimate`).
+
 Nothing of the model changes: buffers are cloned (BatchNorm statistics
 stay), layers of a Sequential are copied to the device, and the global RNG
 state is restored afterwards (Dropout draws do not shift the user's stream).
@@ -35,6 +39,7 @@ from torch import fx, nn
 
 from pipesched.call import Call
 from pipesched.internals import OpOverload, pytree
+from pipesched.partition.estimate import count_flops, estimated_seconds, tensor_bytes
 from pipesched.partition.trace import TracedModel
 from pipesched.tree import map_tensors, tensors
 
@@ -65,10 +70,13 @@ def measure_sequential(
     *,
     timing: bool = True,
     repeats: int = 3,
+    estimate: str | None = None,
 ) -> list[NodeCost]:
     """The cost of each layer of ``module`` on ``example`` (the Sequential's one input).
 
     Each layer runs as a copy on ``device``; ``module`` is left untouched.
+    ``estimate``: a device type to estimate times for, from FLOPs counted on
+    ``device`` (meta), instead of timing.
     """
     x = _to(example, device)
     costs = []
@@ -79,7 +87,9 @@ def measure_sequential(
             leaves: list[torch.Tensor] = [p for p in copied.parameters() if p.requires_grad]
             if k > 0:  # the model's input needs no gradient; later layers' inputs do
                 x = map_tensors(x, functools.partial(_leaf, leaves=leaves))
-            x, cost = _measure(copied, (x,), {}, leaves, device, timing, repeats, view=False)
+            x, cost = _measure(
+                copied, (x,), {}, leaves, device, timing, repeats, view=False, estimate=estimate
+            )
             costs.append(cost)
     return costs
 
@@ -91,11 +101,13 @@ def measure_traced(
     *,
     timing: bool = True,
     repeats: int = 3,
+    estimate: str | None = None,
 ) -> dict[str, NodeCost]:
     """The cost of each operation of ``traced`` on ``example_inputs``, by node name.
 
     The graph runs operation by operation on ``device`` with the model's
     parameters (copied there when needed) and clones of its buffers.
+    ``estimate``: as in :func:`measure_sequential`.
     """
     model = traced.model
     model_state = {
@@ -134,6 +146,7 @@ def measure_traced(
                 timing,
                 0 if once else repeats,
                 view=_is_view(op),
+                estimate=estimate,
             )
             values[node] = out
             if any(n in wants_grad for n in node.all_input_nodes) and any(
@@ -154,12 +167,16 @@ def _measure(
     repeats: int,
     *,
     view: bool,
+    estimate: str | None = None,
 ) -> tuple[Any, NodeCost]:
     """Runs ``fn`` (timed when asked) and returns its detached output and cost.
 
     The backward is timed from every output that requires grad to
     ``grad_leaves`` (the arguments' fresh leaves and any parameters).
+    ``estimate``: count FLOPs instead and estimate times for that device type.
     """
+    if estimate is not None and timing:
+        return _estimate(fn, args, kwargs, grad_leaves, estimate, view=view)
     if not timing:
         with torch.no_grad():
             out = fn(*args, **kwargs)
@@ -186,6 +203,34 @@ def _measure(
     out = map_tensors(out, lambda t: t.detach())
     forward = min(forward_times[1:] or forward_times)
     backward = min(backward_times[1:] or backward_times)
+    return out, _cost(out, forward, backward, view)
+
+
+def _estimate(
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    grad_leaves: list[torch.Tensor],
+    device_type: str,
+    *,
+    view: bool,
+) -> tuple[Any, NodeCost]:
+    """Like :func:`_measure`, with times estimated from counted FLOPs and bytes (nothing timed)."""
+    out, forward_flops = count_flops(fn, *args, **kwargs)
+    roots = [t for t in tensors(out) if t.requires_grad]
+    backward_flops = 0
+    if roots and grad_leaves:
+        seeds = [torch.ones_like(t) for t in roots]
+        _, backward_flops = count_flops(
+            torch.autograd.grad, roots, grad_leaves, seeds, allow_unused=True
+        )
+    out = map_tensors(out, lambda t: t.detach())
+    moved = 0
+    if not view:
+        state = fn.parameters() if isinstance(fn, nn.Module) else ()
+        moved = tensor_bytes([*pytree.tree_leaves((args, kwargs)), *state, *tensors(out)])
+    forward = estimated_seconds(forward_flops, moved, device_type)
+    backward = estimated_seconds(backward_flops, 2 * moved, device_type) if roots else 0.0
     return out, _cost(out, forward, backward, view)
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pipesched.schedule import Timeline
 
-__all__ = ["SIMULATED_NOTE", "Partition", "StagePlan"]
+__all__ = ["ESTIMATED_NOTE", "SIMULATED_NOTE", "Partition", "StagePlan"]
 
 SIMULATED_NOTE = (
     "  includes: the fwd/bwd ms above (each layer or operation timed alone on the example,",
@@ -25,6 +25,13 @@ on a loaded 2-core machine (``benchmarks/prediction.py``); the largest parts,
 contention for the cores and per-operation Python overhead, depend on the
 machine at run time, not on anything a build-time profile can see.
 """
+
+ESTIMATED_NOTE = (
+    "  the fwd/bwd ms above are estimates, not measurements: the model is on the meta device,",
+    "    so each layer's FLOPs and bytes were counted there and divided by nominal rates",
+    "    (pipesched.partition.estimate.RATES); they rank the layers, the step time is a guess",
+)
+"""What the table says under the simulated step when its times are estimates."""
 
 
 @dataclass(frozen=True)
@@ -79,6 +86,9 @@ class Partition:
             prediction of compute only: the table says what it leaves out
             (:data:`SIMULATED_NOTE`).
         memory_budget: bytes per worker the cuts had to fit, if any.
+        estimated: the times are estimates, not measurements: the model was
+            on the meta device (FLOPs and bytes counted there, at nominal
+            rates: :mod:`pipesched.partition.estimate`).
     """
 
     balance: str
@@ -87,6 +97,7 @@ class Partition:
     stages: tuple[StagePlan, ...]
     simulated: Timeline | None = None
     memory_budget: float | None = None
+    estimated: bool = False
 
     @property
     def counts(self) -> tuple[int, ...]:
@@ -100,6 +111,8 @@ class Partition:
         )
         if self.memory_budget is not None:
             head += f", memory budget {_bytes(self.memory_budget)} per worker"
+        if self.estimated:
+            head += ", times ESTIMATED (meta-device model: FLOPs and bytes, nothing run)"
         rows = [
             (
                 "stage",
@@ -141,7 +154,7 @@ class Partition:
                 f"simulated step: {_ms(t.makespan)} ms, bubble {100 * t.bubble_fraction:.1f}% "
                 "(micro-batches of the example's size)"
             )
-            lines += SIMULATED_NOTE
+            lines += ESTIMATED_NOTE if self.estimated else SIMULATED_NOTE
         elif all(stage.forward_time is None for stage in self.stages):
             lines.append(
                 "simulated step: none, times not measured (balance='time' or 'schedule' "

@@ -21,6 +21,8 @@ and buffers, looked up by name at every call (see
   with detached outputs (:mod:`pipesched.partition.grad_regions`), and each
   input's sizes the trace holds for are kept to check calls against
   (:mod:`pipesched.partition.sizes`).
+- A model on the meta device is traced on meta copies of the example: its
+  parameters hold no data, and export's fake tensors need one device.
 - A failed trace becomes a :class:`~pipesched.errors.PartitionError` naming
   the line of the model that could not be traced and the ways around it.
 """
@@ -43,6 +45,7 @@ from torch.export.graph_signature import InputKind, OutputKind
 from pipesched.call import Call
 from pipesched.errors import ConfigTypeError, PartitionError
 from pipesched.internals import pytree
+from pipesched.materialize import on_meta
 from pipesched.partition.grad_regions import inline_grad_regions
 from pipesched.partition.sizes import Dims, input_dims, refusal
 
@@ -197,6 +200,10 @@ def trace_model(model: nn.Module, example_inputs: tuple[Any, ...] | Call) -> Tra
             f"{type(example_inputs).__name__}; write example_inputs=(x,)"
         )
     call = Call.of(example_inputs)
+    if on_meta(model):  # the parameters hold no data: the example need not either
+        call = pytree.tree_map(
+            lambda v: v.detach().to("meta") if isinstance(v, torch.Tensor) else v, call
+        )
     # A batch of one would be specialized (torch.export fixes sizes 0 and 1): trace two rows.
     call = pytree.tree_map(
         lambda v: torch.cat([v, v]) if isinstance(v, torch.Tensor) and v.shape[:1] == (1,) else v,
