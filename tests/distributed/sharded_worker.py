@@ -9,7 +9,9 @@ with WORLD_SIZE unset for one process. Scenarios:
   once more and saves ``OUT/drop`` again, rank 1 dying halfway through
   writing its shards (the previous version must stay loadable).
 - ``resume-<model>-<pp>x<dp>``: loads ``OUT/<model>`` at that layout and
-  trains the remaining steps (every rank writes its parameters to ``OUT``).
+  trains the remaining steps (every rank writes its parameters to ``OUT``);
+  ``meta<model>``: the model built on the meta device, each rank allocating
+  only its stages (``init_weights="skip"``) and filling them from the load.
 - ``weights``: pp=2 loads the plain model's weights with ``load_model``, from
   ``OUT/plain.pt`` and from ``OUT/plain``; then where rank 1's last layer is
   wider, every rank refuses.
@@ -92,7 +94,10 @@ def batch(step: int, replica: int = 0, replicas: int = 1) -> tuple[torch.Tensor,
 
 
 def model(name: str) -> nn.Module:
-    """The model a checkpoint's name stands for."""
+    """The model a checkpoint's name stands for; "meta<name>": built on the meta device."""
+    if name.startswith("meta"):
+        with torch.device("meta"):
+            return model(name[len("meta") :])
     return tied_lm() if name == "traced" else mlp(0.1 if name == "drop" else 0.0)
 
 
@@ -106,19 +111,29 @@ def accumulator(pipe: nn.Module) -> GradientAccumulator:
 
 def pipeline(model: nn.Module, pp: int, mesh: object | None) -> Pipeline:
     devices = None if mesh is not None else ["cpu"] * pp
+    if next(model.parameters()).is_meta:  # each rank allocates its stages, for the load
+        return _pipeline(model, pp, mesh, devices, init_weights="skip")
+    return _pipeline(model, pp, mesh, devices)
+
+
+def _pipeline(
+    model: nn.Module, pp: int, mesh: object | None, devices: list[str] | None, **more: object
+) -> Pipeline:
     if isinstance(model, TiedLM):
         split = {1: [], 2: ["fc2"]}[pp]
         example = (tokens(0)[0][:2],)
         return Pipeline(
             model, 2, split_points=split, devices=devices, mesh=mesh, example_inputs=example,
-            num_stages=None if mesh is None else pp, schedule="1f1b",
+            num_stages=None if mesh is None else pp, schedule="1f1b", **more,
         )  # fmt: skip
-    return Pipeline(model, 2, balance=BALANCE[pp], devices=devices, schedule="1f1b", mesh=mesh)
+    return Pipeline(
+        model, 2, balance=BALANCE[pp], devices=devices, schedule="1f1b", mesh=mesh, **more
+    )
 
 
 def train(acc: GradientAccumulator, steps: range, replica: int, replicas: int) -> None:
     for step in steps:
-        if isinstance(acc.pipe._model[0], TiedLM):
+        if isinstance(acc.pipe._model[0], TiedLM):  # (built on meta or not)
             x, y = tokens(step, replica, replicas)
             acc.step(x, y, loss_fn=token_sum, num_items=int((y != -100).sum()))
         else:
@@ -169,7 +184,7 @@ def main(scenario: str, out: Path) -> None:
         _, name, _ = scenario.split("-")
         torch.manual_seed(99)  # whatever the generator holds, the checkpoint's state wins
         acc = accumulator(pipeline(model(name), pp, mesh))
-        acc.load(str(out / name))
+        acc.load(str(out / name.removeprefix("meta")))
         replica = 0 if mesh is None else mesh.get_local_rank("dp")
         train(acc, range(SAVE_AT, TOTAL), replica, dp)
         results["params"] = own_parameters(acc.pipe)
