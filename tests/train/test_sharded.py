@@ -245,3 +245,29 @@ def test_a_sharded_save_onto_a_file_is_refused_naming_it(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(CheckpointError, match="cannot save the checkpoint to .*file"):
         acc.save(str(tmp_path / "file"), sharded=True)
+
+
+def test_a_loss_scaler_resumes_with_its_scale_and_growth(tmp_path):
+    def make() -> GradientAccumulator:
+        pipe = Pipeline(_model(), 2, balance=[3, 3], devices=["cpu", "cpu"])
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=2)
+        return GradientAccumulator(
+            pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), accumulation_steps=STEPS,
+            scaler=scaler,
+        )  # fmt: skip
+
+    data = _data(9)
+    torch.manual_seed(1)
+    whole = make()
+    _train(whole, data)
+    torch.manual_seed(1)
+    saver = make()
+    _train(saver, data[:5])  # two windows (the scale grew once) and one step
+    saver.save(str(tmp_path / "ckpt"), sharded=True)
+    resumed = make()
+    resumed.load(str(tmp_path / "ckpt"))
+    assert resumed.loss_scale.value() == saver.loss_scale.value() != 2.0**10
+    _train(resumed, data[5:])
+    assert resumed.loss_scale.value() == whole.loss_scale.value()
+    expected = _params(whole)
+    assert all(torch.equal(v, expected[n]) for n, v in _params(resumed).items())
