@@ -41,8 +41,9 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
 
     Each worker holds up to ``2p + 1`` stage micro-batches (``p + 1/2`` whole
     shares), half a share more than ZB-V. With equal costs and ``m >= 2p``
-    the only idle time is ZB-V's ramp (``p - 1`` stage passes per worker),
-    so the makespan is ZB-V's. torch needs ``m >= 2p``; here any ``m`` runs
+    each worker idles ``p - 1`` stage passes, as in ZB-V, so the makespan is
+    ZB-V's (though worker ``w`` waits ``p-1-w`` of them between its first and
+    last action, where ZB-V waits at the end). torch needs ``m >= 2p``; here any ``m`` runs
     (the order for ``2p`` micro-batches with the absent ones removed).
 
     Example (4 stages on 2 workers, m=4; worker rows):
