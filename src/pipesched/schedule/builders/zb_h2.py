@@ -25,11 +25,12 @@ def zb_h2(num_stages: int, num_microbatches: int) -> Schedule:
     ``F = B = W`` each stage then works without a gap from its first action
     to its last: its only idle time is the ramp, ``s`` forwards at the start
     and ``p - 1 - s`` at the end, so the makespan is ``3m + p - 1`` and the
-    bubble ``(p-1)/(3m+p-1)`` for any ``m`` (ZB-H1: ``3(p-1)`` idle per
-    stage). The paper counts the bubble with the optimizer step
-    post-validated, i.e. each stage's span from its first to its last
-    action, and that is 0 here. The price: every stage peaks at
-    ``min(2p - 1, m)`` micro-batches, against ZB-H1's ``p``.
+    bubble ``(p-1)/(3m+p-1)`` for ``m >= p``. The paper counts the bubble
+    with the optimizer step post-validated, i.e. within each stage's span
+    from its first to its last action, and that is 0 here (ZB-H1 idles as
+    long at equal costs, but inside its span; with B longer than F, ZB-H2
+    is also faster). The price: every stage peaks at ``min(2p - 1, m)``
+    micro-batches, against ZB-H1's ``p``.
 
     Example (p=2, m=3; worker rows):
         >>> print(zb_h2(2, 3).to_csv(), end="")
