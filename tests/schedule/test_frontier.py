@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import pytest
 
+from pipesched import ConfigError
 from pipesched.schedule import Schedule, Timeline, get_schedule
 from pipesched.schedule.compare import Comparison
 
@@ -139,3 +140,12 @@ def test_dualpipev_below_2p_is_the_2p_order_without_the_absent(p, m):
     full = get_schedule("dualpipev", 2 * p, 2 * p)
     ours = get_schedule("dualpipev", 2 * p, m)
     assert ours.actions == tuple(tuple(a for a in r if a.microbatch < m) for r in full.actions)
+
+
+@pytest.mark.parametrize("name", ["v-half", "v-min"])
+def test_squeezes_past_a_minute_are_refused_before_building(name):
+    # About p^2 m squeeze steps: 64 workers x 512 micro-batches build (in ~30 s), 128 do not.
+    with pytest.raises(ConfigError, match=rf"{name}: building 128 workers x 512 micro-batches"):
+        get_schedule(name, 256, 512)
+    with pytest.raises(ConfigError, match="p\\^2 m = 4000768 steps, more than 4000000"):
+        get_schedule(name, 2 * 32, 3907)

@@ -32,8 +32,10 @@ from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
 from pipesched.schedule.builders._args import check_count, check_schedule_size
 from pipesched.schedule.schedule import Schedule
 
-__all__ = ["v_half", "v_min"]
+__all__ = ["MAX_SQUEEZE", "check_squeeze_work", "v_half", "v_min"]
 
+MAX_SQUEEZE = 4_000_000
+"""The most squeeze steps (``p^2 m``) v-half and v-min take on: about a minute."""
 _PERIOD = 6  # slots per building block: the six passes of one micro-batch on a worker
 # Type t of the reference on worker w: (stage on the down (0) or up (1) side, kind).
 _TYPES = ((0, FORWARD), (1, FORWARD), (1, BACKWARD), (0, BACKWARD), (1, WEIGHT), (0, WEIGHT))
@@ -84,6 +86,33 @@ def v_min(num_stages: int, num_microbatches: int) -> Schedule:
     return _build("v-min", num_stages, num_microbatches, _v_min_block)
 
 
+def check_squeeze_work(name: str, num_stages: int, num_microbatches: int) -> None:
+    """A ConfigError when squeezing the building blocks would take more than about a minute.
+
+    The squeeze re-measures a worker's whole memory profile (``O(m)``) for
+    each pass it moves, and it moves the passes of the ramps, ``O(p)`` per
+    worker: about ``p^2 m`` steps, 10-15 us each on a 2-core machine (29 s
+    for V-Half at 64 workers x 512 micro-batches). Past :data:`MAX_SQUEEZE`
+    steps it refuses rather than run for minutes.
+
+    Example:
+        >>> check_squeeze_work("v-half", 128, 512)  # 64 workers: 2.1M steps
+        >>> check_squeeze_work("v-half", 256, 512)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        pipesched.errors.ConfigError: v-half: building 128 workers x 512 micro-batches ...
+    """
+    p = num_stages // 2
+    work = p * p * num_microbatches
+    if work > MAX_SQUEEZE:
+        raise ConfigError(
+            f"{name}: building {p} workers x {num_microbatches} micro-batches squeezes "
+            f"about p^2 m = {work} steps, more than {MAX_SQUEEZE} (about a minute); use fewer "
+            "workers or micro-batches per step (accumulate gradients over several steps), "
+            "or zb-v"
+        )
+
+
 def _v_min_block(p: int) -> list[list[int]]:
     e = 2 if p % 3 == 0 else 0
     return [[w, 2 * p - w - 1, 2 * p + e + w, 4 * p + e - w - 1] for w in range(p)]
@@ -106,6 +135,7 @@ def _build(
             f"use num_stages={n - 1 or 2} or {n + 1}"
         )
     check_schedule_size(name, n, m, 3)
+    check_squeeze_work(name, n, m)
     p = n // 2
     slots = [[list(range(x, x + _PERIOD * m, _PERIOD)) for x in offsets] for offsets in block(p)]
     squeezed = _squeeze(slots, with_weights=True)
