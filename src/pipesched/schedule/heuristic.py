@@ -163,11 +163,14 @@ class Policy:
     lookahead: float
 
 
-POLICIES: tuple[Policy, ...] = tuple(
-    Policy(rank, later, look)
-    for rank in ((1, 0, 2), (0, 1, 2), (1, 0, 1))
-    for later in (True, False)
-    for look in (0.0, 0.5, 1.0)
+POLICIES: tuple[Policy, ...] = (
+    Policy((1, 0, 2), True, 0.0),
+    Policy((1, 0, 2), True, 0.5),
+    Policy((0, 1, 2), True, 0.0),
+    Policy((0, 1, 2), True, 0.5),
+    Policy((1, 0, 1), True, 0.0),
+    Policy((1, 0, 1), True, 0.5),
+    Policy((1, 0, 1), True, 1.0),
 )
 """The policies :func:`list_schedule` is run with; the synthesizer keeps the best order."""
 

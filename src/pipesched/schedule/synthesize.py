@@ -44,7 +44,7 @@ def synthesize(
     memory_limit: float | None = None,
     solver: Solver = "heuristic",
     time_limit: float = 10.0,
-    effort: int = 400,
+    effort: int = 1500,
 ) -> Schedule:
     """A schedule for these costs that holds at most ``memory_limit`` micro-batches per worker.
 
@@ -101,7 +101,7 @@ def synthesize(
             found.append((makespan, rows))
     found.sort(key=lambda c: c[0])
     best_makespan, best = found[0]  # a policy with B first always fits (see list_schedule)
-    for seed, (_, rows) in enumerate(found[:3]):
+    for seed, (_, rows) in enumerate(found[:2]):
         improved, makespan = improve(player, rows, effort, seed)
         if makespan < best_makespan:
             best_makespan, best = makespan, improved

@@ -1,0 +1,159 @@
+"""Synthesized schedules against the lower bound, the built-ins and the exact solver.
+
+Run: PYTHONPATH=src .venv/bin/python benchmarks/synthesize.py [--profiles 200] [--effort 400]
+     [--exact-cases 12] [--exact-time 10] [--seed 0]
+
+Random cost profiles: p in {4, 8}, m in {2p, 3p}, a worker share's F, B, W
+each drawn from [0.5, 2], no send latency, memory limit = 1F1B's peak (p
+micro-batches of a whole share per worker). Each profile is synthesized on
+both placements (one stage per worker, and a V of two half-share stages per
+worker) and the faster kept. Reported: the gap of each placement's schedule
+to its lower bound; the win over the fastest built-in that fits the limit
+(of zb-h1, zb-v, dualpipev: whichever exist in SCHEDULES when this runs)
+and how many profiles came out slower than it; the seconds per synthesize
+call; and, where OR-Tools is installed, the exact solver's optimum on the
+first ``--exact-cases`` profiles with p = 4, m = 8 (one stage per worker),
+each within ``--exact-time`` seconds. Then the same with a heavy last stage
+(an LM head: the model's last half-share chunk costs 2-3x).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+from pipesched.schedule import SCHEDULES, Costs, get_schedule, lower_bound, stages_per_worker
+from pipesched.schedule.bound import stage_costs, synth_placement
+from pipesched.schedule.heuristic import Player, Problem
+from pipesched.schedule.schedule import Schedule
+from pipesched.schedule.synthesize import peak_memory, synthesize
+
+BUILT_INS = ("zb-h1", "zb-v", "dualpipev")
+
+
+def chunk_costs(p: int, rng: random.Random, heavy: bool) -> list[tuple[float, float, float]]:
+    """F, B, W of each of the model's 2p half-share chunks."""
+    f, b, w = (rng.uniform(0.5, 2.0) for _ in range(3))
+    chunks = [(f / 2, b / 2, w / 2)] * (2 * p)
+    if heavy:
+        k = rng.uniform(2.0, 3.0)
+        chunks[-1] = (k * f / 2, k * b / 2, k * w / 2)
+    return chunks
+
+
+def costs_for(chunks: list[tuple[float, float, float]], v: int) -> Costs:
+    """Per-stage Costs when each stage is ``2 / v`` consecutive chunks."""
+    per = 2 // v
+    stages = [
+        tuple(sum(c[k] for c in chunks[s * per : (s + 1) * per]) for k in range(3))
+        for s in range(len(chunks) // per)
+    ]
+    return Costs(*([s[k] for s in stages] for k in range(3)))
+
+
+def best_built_in(p: int, m: int, chunks: list[tuple[float, float, float]], limit: float) -> float:
+    """The fastest built-in of BUILT_INS that exists and fits ``limit``."""
+    best = float("inf")
+    for name in BUILT_INS:
+        if name not in SCHEDULES:
+            continue
+        v = stages_per_worker(name)
+        schedule = get_schedule(name, p * v, m)
+        costs = costs_for(chunks, v)
+        if max(peak_memory(schedule, costs)) <= limit:
+            best = min(best, schedule.simulate(costs).makespan)
+    return best
+
+
+def rows_of(schedule: Schedule, problem: Problem) -> list[list[int]]:
+    """A Schedule as the heuristic's integer-coded rows."""
+    return [[problem.number(s, "FBW".index(k), i) for s, k, i in row] for row in schedule.actions]
+
+
+def run(args: argparse.Namespace, heavy: bool) -> None:
+    rng = random.Random(args.seed + (1 if heavy else 0))
+    gaps: dict[int, list[float]] = {1: [], 2: []}
+    wins, above, seconds = [], 0, []
+    exact_done, exact_tried, exact_gaps, exact_vs_builtin = 0, 0, [], []
+    for _ in range(args.profiles):
+        p = rng.choice((4, 8))
+        m = rng.choice((2 * p, 3 * p))
+        chunks = chunk_costs(p, rng, heavy)
+        limit = p
+        made = {}
+        for v in (1, 2):
+            costs = costs_for(chunks, v)
+            t0 = time.perf_counter()
+            schedule = synthesize(
+                p, m, costs, stages_per_worker=v, memory_limit=limit, effort=args.effort
+            )
+            seconds.append(time.perf_counter() - t0)
+            makespan = schedule.simulate(costs).makespan
+            bound = lower_bound(p, m, costs, stages_per_worker=v)
+            gaps[v].append(makespan / bound - 1)
+            made[v] = (makespan, schedule, costs)
+        ours = min(made[1][0], made[2][0])
+        theirs = best_built_in(p, m, chunks, limit)
+        wins.append(1 - ours / theirs)
+        above += ours > theirs * (1 + 1e-12)
+        if args.exact_cases and exact_tried < args.exact_cases and p == 4 and m == 8:
+            from pipesched.schedule.exact import available, solve
+
+            if available():
+                exact_tried += 1
+                heur, schedule, costs = made[1]
+                problem = Problem(synth_placement(p, 1), m, stage_costs(costs, p), limit)
+                result = solve(problem, time_limit=args.exact_time, hint=rows_of(schedule, problem))
+                if result is not None and result.optimal:
+                    exact_done += 1
+                    optimum = Player(problem).makespan(result.rows)
+                    exact_gaps.append(heur / optimum - 1)
+                    zb_h1 = get_schedule("zb-h1", p, m).simulate(costs).makespan
+                    exact_vs_builtin.append(zb_h1 / optimum - 1)
+    title = "heavy last stage (last chunk x2-3)" if heavy else "equal stages"
+    print(f"\n== {title}: {args.profiles} profiles, memory limit = 1F1B's peak (p) ==")
+    for v in (1, 2):
+        print(
+            f"gap to lower bound, {v} stage(s)/worker: mean {100 * statistics.mean(gaps[v]):.2f}%"
+            f", max {100 * max(gaps[v]):.2f}%"
+        )
+    print(
+        f"win over best fitting built-in ({', '.join(n for n in BUILT_INS if n in SCHEDULES)}): "
+        f"mean {100 * statistics.mean(wins):.2f}%, max {100 * max(wins):.2f}%, "
+        f"cases above it: {above}/{len(wins)}"
+    )
+    print(
+        f"solve time per synthesize call: mean {statistics.mean(seconds):.2f} s, "
+        f"max {max(seconds):.2f} s"
+    )
+    if exact_tried:
+        print(
+            f"exact (CP-SAT, p=4 m=8, 1 stage/worker, {args.exact_time:g} s each): "
+            f"{exact_done}/{exact_tried} proved optimal"
+        )
+        if exact_gaps:
+            print(
+                f"  heuristic's gap to optimum: mean {100 * statistics.mean(exact_gaps):.2f}%, "
+                f"max {100 * max(exact_gaps):.2f}%; best built-in's gap to optimum: mean "
+                f"{100 * statistics.mean(exact_vs_builtin):.2f}%"
+            )
+    elif args.exact_cases:
+        print("exact: OR-Tools not installed (pip install 'pipesched[solver]'), skipped")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profiles", type=int, default=200)
+    parser.add_argument("--effort", type=int, default=400, help="local-search moves")
+    parser.add_argument("--exact-cases", type=int, default=12)
+    parser.add_argument("--exact-time", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    for heavy in (False, True):
+        run(args, heavy)
+
+
+if __name__ == "__main__":
+    main()
