@@ -1,10 +1,10 @@
 """The exact synthesis model for OR-Tools CP-SAT (the optional ``solver`` extra).
 
 Every action is an interval of its duration; a worker's actions do not
-overlap (``AddNoOverlap``); each action starts after its data predecessor
+overlap (``add_no_overlap``); each action starts after its data predecessor
 ends, plus the send latency across workers; and each stage's hold of a
 micro-batch, an interval from the start of its F to the end of its W, uses
-one slot of its worker's ``slots`` (``AddCumulative``: an interval is
+one slot of its worker's ``slots`` (``add_cumulative``: an interval is
 ``[start, end)``, so a release and an acquire at one instant share a slot,
 as the Timeline counts). The objective is the makespan. Micro-batches are
 interchangeable, so they are numbered in the order their first forward
@@ -70,43 +70,44 @@ def solve(
     dur = [round(d * SCALE) for d in dur_f]
     send = round(problem.costs.send * SCALE)
     horizon = _horizon(dur, send, n, m)
-    start = [model.NewIntVar(0, horizon, f"s{a}") for a in range(len(dur))]
-    end = [model.NewIntVar(0, horizon, f"e{a}") for a in range(len(dur))]
+    start = [model.new_int_var(0, horizon, f"s{a}") for a in range(len(dur))]
+    end = [model.new_int_var(0, horizon, f"e{a}") for a in range(len(dur))]
     per_worker: list[list[Any]] = [[] for _ in range(p)]
     for a in range(len(dur)):
-        per_worker[worker[a]].append(model.NewIntervalVar(start[a], dur[a], end[a], f"i{a}"))
+        per_worker[worker[a]].append(model.new_interval_var(start[a], dur[a], end[a], f"i{a}"))
         if pred[a] >= 0:
-            model.Add(start[a] >= end[pred[a]] + (send if worker[pred[a]] != worker[a] else 0))
+            model.add(start[a] >= end[pred[a]] + (send if worker[pred[a]] != worker[a] else 0))
     holds: list[list[Any]] = [[] for _ in range(p)]
     for s in range(n):
         for i in range(m):
             f, w = problem.number(s, 0, i), problem.number(s, 2, i)
-            size = model.NewIntVar(0, horizon, f"h{s}_{i}")
-            holds[placement[s]].append(model.NewIntervalVar(start[f], size, end[w], f"h{s}_{i}"))
-    makespan = model.NewIntVar(0, horizon, "makespan")
+            size = model.new_int_var(0, horizon, f"h{s}_{i}")
+            holds[placement[s]].append(model.new_interval_var(start[f], size, end[w], f"h{s}_{i}"))
+    makespan = model.new_int_var(0, horizon, "makespan")
     for w in range(p):
-        model.AddNoOverlap(per_worker[w])
+        model.add_no_overlap(per_worker[w])
         if problem.slots < n // p * m:
-            model.AddCumulative(holds[w], [1] * len(holds[w]), problem.slots)
+            model.add_cumulative(holds[w], [1] * len(holds[w]), problem.slots)
     for i in range(m - 1):
-        model.Add(start[problem.number(0, 0, i)] <= start[problem.number(0, 0, i + 1)])
-    model.AddMaxEquality(makespan, end)
-    model.Minimize(makespan)
+        model.add(start[problem.number(0, 0, i)] <= start[problem.number(0, 0, i + 1)])
+    model.add_max_equality(makespan, end)
+    model.minimize(makespan)
     if hint is not None:
         _add_hint(model, problem, hint, start)
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_search_workers = workers
-    status = solver.Solve(model)
+    status = solver.solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    rows = [sorted(range_of(problem, w), key=lambda a: (solver.Value(start[a]), a))
-            for w in range(p)]
+    rows = [
+        sorted(range_of(problem, w), key=lambda a: (solver.value(start[a]), a)) for w in range(p)
+    ]
     return ExactResult(
         rows,
         status == cp_model.OPTIMAL,
-        solver.ObjectiveValue() / SCALE,
-        solver.BestObjectiveBound() / SCALE,
+        solver.objective_value / SCALE,
+        solver.best_objective_bound / SCALE,
     )
 
 
@@ -135,4 +136,4 @@ def _add_hint(model: Any, problem: Problem, hint: Rows, start: list[Any]) -> Non
     if played is None:
         return
     for a, t in enumerate(played[1]):
-        model.AddHint(start[a], round(t * SCALE))
+        model.add_hint(start[a], round(t * SCALE))

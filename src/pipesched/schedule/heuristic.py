@@ -132,9 +132,7 @@ class Player:
         """The most slots any worker holds at once (a release first at equal times)."""
         held, peak = self.held, 0
         for row in rows:
-            changes = sorted(
-                (start[a], 1) if held[a] > 0 else (end[a], -1) for a in row if held[a]
-            )
+            changes = sorted((start[a], 1) if held[a] > 0 else (end[a], -1) for a in row if held[a])
             level = 0
             for _, delta in changes:
                 level += delta
@@ -276,7 +274,7 @@ def improve(player: Player, rows: Rows, budget: int, seed: int = 0) -> tuple[Row
             continue
         trial = list(row)
         trial.insert(to, trial.pop(j))
-        candidate = best[:w] + [trial] + best[w + 1 :]
+        candidate = [*best[:w], trial, *best[w + 1 :]]
         played = player.play(candidate)
         if played is None:
             continue

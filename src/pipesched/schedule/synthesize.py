@@ -158,8 +158,9 @@ def _candidates(problem: Problem) -> list[Rows]:
         except (PipeschedError, TypeError):  # a builder that cannot run these counts
             continue
         if built.placement == problem.placement and built.split_backward:
-            out.append([[problem.number(s, "FBW".index(k), i) for s, k, i in row]
-                        for row in built.actions])
+            out.append(
+                [[problem.number(s, "FBW".index(k), i) for s, k, i in row] for row in built.actions]
+            )
     return out
 
 
