@@ -1,7 +1,7 @@
 """Synthesized schedules against the lower bound, the built-ins and the exact solver.
 
 Run: PYTHONPATH=src .venv/bin/python benchmarks/synthesize.py [--profiles 200] [--effort 400]
-     [--exact-cases 12] [--exact-time 10] [--seed 0]
+     [--exact-cases 8] [--exact-time 8] [--seed 0]
 
 Random cost profiles: p in {4, 8}, m in {2p, 3p}, a worker share's F, B, W
 each drawn from [0.5, 2], no send latency, memory limit = 1F1B's peak (p
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace, heavy: bool) -> None:
         if exact_gaps:
             print(
                 f"  heuristic's gap to optimum: mean {100 * statistics.mean(exact_gaps):.2f}%, "
-                f"max {100 * max(exact_gaps):.2f}%; best built-in's gap to optimum: mean "
+                f"max {100 * max(exact_gaps):.2f}%; zb-h1's gap to optimum: mean "
                 f"{100 * statistics.mean(exact_vs_builtin):.2f}%"
             )
     elif args.exact_cases:
@@ -147,8 +147,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", type=int, default=200)
     parser.add_argument("--effort", type=int, default=400, help="local-search moves")
-    parser.add_argument("--exact-cases", type=int, default=12)
-    parser.add_argument("--exact-time", type=float, default=10.0)
+    parser.add_argument("--exact-cases", type=int, default=8)
+    parser.add_argument("--exact-time", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     for heavy in (False, True):

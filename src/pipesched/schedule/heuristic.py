@@ -154,11 +154,16 @@ class Policy:
         later_stage_first: among equal kinds and micro-batches, the later stage first.
         lookahead: wait for a better-ranked action arriving within this
             fraction of the chosen one's duration rather than start it.
+        headroom: on a V, None makes an F on the way down take the slot of
+            its way up too (never deadlocks); a number ``h`` lets each F take
+            one slot, an F on the way down only while ``h`` more stay free
+            (more forwards in flight; may deadlock, and is then dropped).
     """
 
     rank: tuple[int, int, int]
     later_stage_first: bool
     lookahead: float
+    headroom: int | None = None
 
 
 POLICIES: tuple[Policy, ...] = (
@@ -169,6 +174,7 @@ POLICIES: tuple[Policy, ...] = (
     Policy((1, 0, 1), True, 0.0),
     Policy((1, 0, 1), True, 0.5),
     Policy((1, 0, 1), True, 1.0),
+    *(Policy(rank, True, 0.5, h) for rank in ((1, 0, 2), (1, 0, 1)) for h in (1, 2, 3)),
 )
 """The policies :func:`list_schedule` is run with; the synthesizer keeps the best order."""
 
@@ -181,14 +187,17 @@ def list_schedule(problem: Problem, policy: Policy) -> Rows | None:
     best-ranked ready action (or waits for a better one by ``lookahead``).
     An F on the way down a V takes two slots, its own and the one its way up
     on the same worker will need, so held micro-batches can always finish:
-    no deadlock.
+    no deadlock (unless ``policy.headroom`` trades that guarantee for more
+    forwards in flight).
     """
     m, placement, slots = problem.num_microbatches, problem.placement, problem.slots
     n, p = len(placement), problem.num_workers
     dur, pred, worker = problem.tables()
     send = problem.costs.send
     stages = [[s for s in range(n) if placement[s] == w] for w in range(p)]
-    need = [1 if n == p else (2 if s < p else 0) for s in range(n)]  # slots an F takes
+    vee, h = n > p, policy.headroom
+    need = [1 if not vee or h is not None else (2 if s < p else 0) for s in range(n)]
+    extra = [h if vee and h is not None and s < p else 0 for s in range(n)]  # kept free
     nxt = [[0, 0, 0] for _ in range(n)]
     end = [-1.0] * len(dur)
     free = [0.0] * p
@@ -211,7 +220,7 @@ def list_schedule(problem: Problem, policy: Policy) -> Rows | None:
                     if end[q] < 0:
                         continue
                     ready = max(ready, end[q] + (send if worker[q] != w else 0.0))
-                over = used[w] + need[s] - slots if k == 0 else 0
+                over = used[w] + need[s] + extra[s] - slots if k == 0 else 0
                 if over > 0:  # wait for the earliest releases that make room
                     if over > len(releases[w]):
                         continue
