@@ -261,10 +261,11 @@ def list_schedule(problem: Problem, policy: Policy) -> Rows | None:
 
 
 def improve(player: Player, rows: Rows, budget: int, seed: int = 0) -> tuple[Rows, float]:
-    """Local search: moves one action a few places in its worker's order, keeps improvements.
+    """Local search: moves one action up to six places in its worker's order, keeps improvements.
 
-    Ties in makespan are broken by the sum of the workers' end times, so the
-    search can cross plateaus. Returns the best order and its makespan.
+    Ties in makespan are broken by the sum of all actions' end times (earlier
+    is better), so the search can cross plateaus. Returns the best order and
+    its makespan.
     """
     rng = random.Random(seed)
     best = [list(r) for r in rows]
@@ -278,7 +279,7 @@ def improve(player: Player, rows: Rows, budget: int, seed: int = 0) -> tuple[Row
         if len(row) < 2:
             continue
         j = rng.randrange(len(row))
-        to = min(len(row) - 1, max(0, j + rng.choice((-3, -2, -1, 1, 2, 3))))
+        to = min(len(row) - 1, max(0, j + rng.choice(_STEPS)))
         if to == j:
             continue
         trial = list(row)
@@ -293,6 +294,10 @@ def improve(player: Player, rows: Rows, budget: int, seed: int = 0) -> tuple[Row
     return best, best_key[0]
 
 
+_STEPS = (-6, -4, -3, -2, -1, 1, 2, 3, 4, 6)
+"""How far :func:`improve` moves an action in its worker's order."""
+
+
 def _spread(rows: Rows, end: list[float]) -> float:
-    """Sum over workers of their last end: the tie-break of :func:`improve`."""
-    return sum(end[row[-1]] for row in rows if row)
+    """Sum of all actions' end times: the tie-break of :func:`improve`."""
+    return sum(end[a] for row in rows for a in row)
