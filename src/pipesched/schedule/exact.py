@@ -21,10 +21,11 @@ to it, and it is maintained by Google as a wheel for every platform.
 from __future__ import annotations
 
 import importlib.util
+import math
 from dataclasses import dataclass
 from typing import Any
 
-from pipesched.schedule.heuristic import Problem, Rows
+from pipesched.schedule.heuristic import Player, Problem, Rows
 
 __all__ = ["SCALE", "ExactResult", "available", "solve"]
 
@@ -70,6 +71,11 @@ def solve(
     dur = [round(d * SCALE) for d in dur_f]
     send = round(problem.costs.send * SCALE)
     horizon = _horizon(dur, send, n, m)
+    scaled = Player(problem)  # plays the hint with the solver's integer durations
+    scaled.dur, scaled.send = [float(d) for d in dur], float(send)
+    played = scaled.play(hint) if hint is not None else None
+    if played is not None:  # nothing slower than the hint is wanted
+        horizon = min(horizon, math.ceil(played[0]))
     start = [model.new_int_var(0, horizon, f"s{a}") for a in range(len(dur))]
     end = [model.new_int_var(0, horizon, f"e{a}") for a in range(len(dur))]
     per_worker: list[list[Any]] = [[] for _ in range(p)]
@@ -92,8 +98,9 @@ def solve(
         model.add(start[problem.number(0, 0, i)] <= start[problem.number(0, 0, i + 1)])
     model.add_max_equality(makespan, end)
     model.minimize(makespan)
-    if hint is not None:
-        _add_hint(model, problem, hint, start)
+    if played is not None:
+        for a, t in enumerate(played[1]):
+            model.add_hint(start[a], round(t))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_search_workers = workers
@@ -126,14 +133,3 @@ def range_of(problem: Problem, worker: int) -> list[int]:
 def _horizon(dur: list[int], send: int, n: int, m: int) -> int:
     """A time every schedule can finish by: everything in series, with every send."""
     return sum(dur) + send * 2 * n * m + 1
-
-
-def _add_hint(model: Any, problem: Problem, hint: Rows, start: list[Any]) -> None:
-    """Hints each start at its time when ``hint`` is played with the scaled costs."""
-    from pipesched.schedule.heuristic import Player
-
-    played = Player(problem).play(hint)
-    if played is None:
-        return
-    for a, t in enumerate(played[1]):
-        model.add_hint(start[a], round(t * SCALE))
