@@ -158,3 +158,21 @@ def test_exact_solver_lies_between_the_bound_and_the_heuristic(p, m, f, b, w, li
         assert exact <= heuristic.simulate(costs).makespan
     best = synthesize(p, m, costs, memory_limit=limit, effort=EFFORT, solver="exact")
     assert best.simulate(costs).makespan <= heuristic.simulate(costs).makespan
+
+
+def test_the_docs_example_beats_zb_v_and_meets_the_bound():
+    costs = Costs(0.5, 0.5, 1.0)  # per stage: half of a worker's share of F=1, B=1, W=2
+    ours = synthesize(4, 8, costs, stages_per_worker=2, memory_limit=4)
+    assert ours.name == "synthesized"
+    assert ours.simulate(costs).makespan == 33.5 == lower_bound(4, 8, costs, stages_per_worker=2)
+    assert get_schedule("zb-v", 8, 8).simulate(costs).makespan == 34.5
+    assert max(peak_memory(ours, costs)) == 4
+
+
+def test_per_stage_lists_and_a_list_of_costs_mean_the_same():
+    listed = Costs([1, 1, 2], [1, 2, 2], [1, 1, 0.5], send=0.25)
+    each = [Costs(1, 1, 1, 0.25), Costs(1, 2, 1, 0.25), Costs(2, 2, 0.5, 0.25)]
+    assert lower_bound(3, 6, listed) == lower_bound(3, 6, each)
+    a = synthesize(3, 6, listed, memory_limit=3, effort=EFFORT)
+    b = synthesize(3, 6, each, memory_limit=3, effort=EFFORT)
+    assert a.simulate(listed).makespan == b.simulate(listed).makespan

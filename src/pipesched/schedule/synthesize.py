@@ -18,7 +18,7 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from pipesched.errors import ConfigError, ConfigTypeError, PipeschedError
+from pipesched.errors import ConfigError, ConfigTypeError, PipeschedError, ScheduleError
 from pipesched.schedule.action import Action
 from pipesched.schedule.bound import stage_costs, synth_placement
 from pipesched.schedule.builders import SCHEDULES
@@ -99,8 +99,10 @@ def synthesize(
         makespan = player.makespan(rows)
         if makespan < math.inf:
             found.append((makespan, rows))
+    if not found:  # cannot happen: the reserving policies never deadlock within 1 share
+        raise ScheduleError(f"synthesize found no order within {slots} slots per worker")
     found.sort(key=lambda c: c[0])
-    best_makespan, best = found[0]  # a policy with B first always fits (see list_schedule)
+    best_makespan, best = found[0]
     for seed, (_, rows) in enumerate(found[:2]):
         improved, makespan = improve(player, rows, effort, seed)
         if makespan < best_makespan:
@@ -111,8 +113,21 @@ def synthesize(
         if solver == "exact" or available():
             exact = solve(problem, time_limit=time_limit, hint=best)
             if exact is not None and player.makespan(exact.rows) < best_makespan:
-                best = exact.rows
-    return _schedule(problem, best)
+                best_makespan, best = player.makespan(exact.rows), exact.rows
+    return _checked(_schedule(problem, best), resolved.as_costs(), best_makespan, slots)
+
+
+def _checked(schedule: Schedule, costs: Costs, makespan: float, slots: int) -> Schedule:
+    """``schedule``, once the real simulator agrees with the fast model on time and memory."""
+    timeline = schedule.simulate(costs)
+    v = schedule.virtual_stages
+    peak = max(peak_memory(schedule, costs))
+    if timeline.makespan > makespan or peak * v > slots:
+        raise ScheduleError(
+            f"synthesize: the simulator gives makespan {timeline.makespan} and peak {peak} for "
+            f"an order planned at {makespan} within {slots / v}; please report this"
+        )
+    return schedule
 
 
 def peak_memory(schedule: Schedule, costs: Costs | None = None) -> tuple[float, ...]:
