@@ -176,3 +176,14 @@ def test_per_stage_lists_and_a_list_of_costs_mean_the_same():
     a = synthesize(3, 6, listed, memory_limit=3, effort=EFFORT)
     b = synthesize(3, 6, each, memory_limit=3, effort=EFFORT)
     assert a.simulate(listed).makespan == b.simulate(listed).makespan
+
+
+def test_effort_time_limit_and_odd_limits_are_checked():
+    with pytest.raises(ConfigError, match="effort must be an integer >= 0"):
+        synthesize(2, 4, Costs(), effort=-1)
+    with pytest.raises(ConfigError, match="time_limit must be a positive number"):
+        synthesize(2, 4, Costs(), time_limit=0)
+    with pytest.raises(ConfigError, match="memory_limit is NaN"):
+        synthesize(2, 4, Costs(), memory_limit=float("nan"))
+    unlimited = synthesize(2, 4, Costs(), memory_limit=float("inf"), effort=0)
+    assert unlimited.simulate().makespan == synthesize(2, 4, Costs(), effort=0).simulate().makespan

@@ -92,6 +92,10 @@ def synthesize(
     slots = _slots(memory_limit, stages_per_worker, m)
     if solver not in ("auto", "heuristic", "exact"):
         raise ConfigError(f"solver must be 'auto', 'heuristic' or 'exact', got {solver!r}")
+    if isinstance(effort, bool) or not isinstance(effort, int) or effort < 0:
+        raise ConfigError(f"effort must be an integer >= 0 (local-search moves), got {effort!r}")
+    if not isinstance(time_limit, int | float) or not 0 < time_limit < math.inf:
+        raise ConfigError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
     problem = Problem(placement, m, resolved, slots)
     player = Player(problem)
     found: list[tuple[float, Rows]] = []
@@ -154,7 +158,11 @@ def _slots(memory_limit: object, stages_per_worker: int, m: int) -> int:
         raise ConfigTypeError(
             f"memory_limit must be a number of micro-batches or None, got {memory_limit!r}"
         )
-    if not math.isfinite(memory_limit) or memory_limit < 1:
+    if math.isnan(memory_limit):
+        raise ConfigError("memory_limit is NaN; give a number of micro-batches >= 1, or None")
+    if math.isinf(memory_limit):
+        return stages_per_worker * m
+    if memory_limit < 1:
         raise ConfigError(
             f"memory_limit={memory_limit!r} is below the minimum feasible, 1 micro-batch per "
             "worker: each stage holds a micro-batch from its F to its W, and on a V the "
