@@ -27,6 +27,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from pipesched.errors import ConfigError
 from pipesched.schedule import SCHEDULES, Costs, get_schedule, lower_bound, stages_per_worker
 from pipesched.schedule.bound import stage_costs, synth_placement
 from pipesched.schedule.heuristic import Player, Problem
@@ -63,7 +64,10 @@ def best_built_in(p: int, m: int, chunks: list[tuple[float, float, float]], limi
         if name not in SCHEDULES:
             continue
         v = stages_per_worker(name)
-        schedule = get_schedule(name, p * v, m)
+        try:
+            schedule = get_schedule(name, p * v, m)
+        except ConfigError:  # a built-in that cannot run these counts
+            continue
         costs = costs_for(chunks, v)
         if max(peak_memory(schedule, costs)) <= limit:
             best = min(best, schedule.simulate(costs).makespan)

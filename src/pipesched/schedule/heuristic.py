@@ -4,10 +4,11 @@
 orders. Actions are numbered ``(stage * 3 + kind) * m + microbatch`` (kind 0
 F, 1 B, 2 W) so that an order is a list of ints and one play of it, the
 same arithmetic as :func:`pipesched.schedule.simulate` (start = the later of
-the worker's last end and the input's arrival), costs a few microseconds an
-action. Why not Schedule.simulate: local search plays thousands of orders,
-and building a Schedule, its graph and a Timeline for each is a hundred
-times slower. The synthesizer checks its final answer with the real
+the worker's last end and the input's arrival), costs about a microsecond
+an action. Why not Schedule.simulate: local search plays thousands of
+orders, and building a Schedule, validating it and simulating it is about
+15 times slower (1.2 ms against 18 ms for zb-v's order on 8 workers x 24
+micro-batches). The synthesizer checks its final answer with the real
 simulator.
 
 Memory is counted in *slots*: one stage holding one micro-batch, from the
