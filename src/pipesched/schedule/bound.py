@@ -162,10 +162,25 @@ def lower_bound(
 
     Valid for every split-backward schedule (F, B, W actions) whose stage
     ``s`` runs on ``synth_placement(num_workers, stages_per_worker)[s]``,
-    built-in or synthesized, with or without a memory limit. The proof is
-    in this module's docstring: per worker, for every set ``S`` of its
-    actions, ``min head + total duration + min tail``, maximized over the
-    sets cut by a head and a tail threshold.
+    built-in or synthesized, with or without a memory limit (unsplit
+    schedules too: their B is a B with its W right after).
+
+    Proof: every action ``a`` has a *head* ``r(a)``, the longest chain of
+    data predecessors (F down the stages, the last F into the last B, B back
+    up, B into W, with a send wherever two consecutive stages sit on
+    different workers) that must end before it starts, and a *tail*
+    ``q(a)``, the longest such chain that must run after it ends; neither
+    depends on any worker's order. Take any set ``S`` of one worker's
+    actions. The first of them to start starts at ``>= min r``; the worker
+    runs them one at a time, so the last ends at ``>= min r + sum of their
+    durations``; its tail follows, so the makespan is ``>= min r + sum +
+    min q``. Heads and tails depend only on (stage, kind), so a worker has
+    at most ``3 x stages_per_worker`` classes of ``m`` equal actions; the
+    bound is the largest such sum over the sets of classes with head and
+    tail above two thresholds. That includes the worker's whole work after
+    the ramp that reaches it first (all its classes: ``min q = 0`` from
+    its Ws), the work before its last B's chain back to stage 0 (its F and
+    B classes), and the critical path of one micro-batch.
 
     Args:
         num_workers: workers (devices).

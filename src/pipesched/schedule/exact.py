@@ -62,7 +62,13 @@ def solve(
     Raises:
         ImportError: OR-Tools is not installed.
     """
-    from ortools.sat.python import cp_model
+    try:
+        from ortools.sat.python import cp_model
+    except ImportError as error:
+        raise ImportError(
+            "the exact schedule synthesizer needs OR-Tools: pip install 'pipesched[solver]' "
+            f"(or ortools), or use solver='heuristic' ({error})"
+        ) from error
 
     model = cp_model.CpModel()
     m, placement = problem.num_microbatches, problem.placement
