@@ -20,9 +20,11 @@ with WORLD_SIZE unset for one process. Scenarios:
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -162,6 +164,17 @@ def main(scenario: str, out: Path) -> None:
         pp = world // dp
         mesh = init_mesh(pp=pp, dp=dp, timeout=30)
         rank = dist.get_rank()
+    run(scenario, out, mesh, rank, pp, dp)  # its pipelines are freed when it returns
+    if mesh is not None:
+        # Collected before the group goes: a gloo work freed at exit aborts the process
+        # ("terminate called without an active exception", pytorch/pytorch#190489).
+        gc.collect()
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def run(scenario: str, out: Path, mesh: Any, rank: int, pp: int, dp: int) -> None:
+    """Runs ``scenario`` on this rank and writes its results under ``out``."""
     results: dict[str, object] = {}
     if scenario == "save":
         for name in ("traced", "drop", "plain"):
@@ -225,9 +238,6 @@ def main(scenario: str, out: Path) -> None:
         torch.save(results, out / f"misfit-rank{rank}.pt")
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
-    if mesh is not None:
-        dist.barrier()
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
