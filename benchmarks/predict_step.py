@@ -13,8 +13,13 @@ rank's, and predict() runs on both ranks, which must agree).
 Each round steps every pipeline once, alternating, after one warm-up step:
 measured is the median wall time of ``pipe.step``; predicted the median of
 ``pipe.predict().step_time`` called after each of those steps (each from that
-one step's measured actions). The machine's cores may be shared (the load
-average is printed): a step's own noise is what the error shows first.
+one step's measured actions); error compares the two medians. Two columns
+say why a row misses: "step err", the median of each step's prediction
+against that same step's wall time, and "spread", the median over steps of
+the mean coefficient of variation of like actions' durations (same stage,
+kind, checkpointing) within a step. The prediction plays the means; when
+like actions vary (other processes on the cores), a step takes longer than
+its means say. The machine's cores may be shared (the load average is printed).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from mlp_bench import BATCH, CHUNKS, LAYERS, WIDTH, loss_fn, mlp
 from torch import nn
 
 from pipesched import Pipeline
-from pipesched.schedule import SCHEDULES, get_schedule, stages_per_worker
+from pipesched.schedule import SCHEDULES, Timeline, get_schedule, stages_per_worker
 
 D_MODEL, HEADS, FFN, BLOCKS, TOKENS, ROWS = 256, 4, 1024, 4, 64, 32
 
@@ -90,15 +95,43 @@ def pipelines(mesh: Any = None) -> dict[tuple[str, str], tuple[Pipeline, Any, An
     return made
 
 
+Result = tuple[float, float, float, float]
+
+
+def spread(timeline: Timeline | None, stop: int) -> float:
+    """The mean coefficient of variation of the durations of like actions in one step.
+
+    Like: the same stage and kind, checkpointed or not. The prediction uses
+    their means; a step whose like actions vary takes longer than its means
+    say (the slowest of each wait decides).
+    """
+    if timeline is None:
+        return float("nan")
+    groups: dict[tuple[int, str, bool], list[float]] = {}
+    for e in timeline.events:
+        groups.setdefault((e.action.stage, e.action.kind, e.action.microbatch < stop), []).append(
+            e.duration
+        )
+    cvs = [
+        statistics.pstdev(d) / statistics.mean(d)
+        for d in groups.values()
+        if len(d) > 1 and statistics.mean(d) > 1e-3
+    ]
+    return statistics.mean(cvs) if cvs else 0.0
+
+
 def measure(
     made: dict[tuple[str, str], tuple[Pipeline, Any, Any]],
     rounds: int,
     wall_of: Callable[[float], float] = lambda t: t,
     barrier: Callable[[], None] = lambda: None,
-) -> dict[tuple[str, str], tuple[float, float]]:
-    """(median predicted, median measured) seconds per pipeline."""
+) -> dict[tuple[str, str], Result]:
+    """Per pipeline, the medians over its steps of: predicted and measured seconds, each
+    step's own error (its prediction against its wall time), and the spread of its actions.
+    """
     walls: dict[tuple[str, str], list[float]] = {key: [] for key in made}
     predicted: dict[tuple[str, str], list[float]] = {key: [] for key in made}
+    spreads: dict[tuple[str, str], list[float]] = {key: [] for key in made}
     for r in range(rounds + 1):
         for key, (pipe, x, y) in made.items():
             barrier()
@@ -109,22 +142,35 @@ def measure(
             if r:  # the first round warms up
                 walls[key].append(wall)
                 predicted[key].append(pipe.predict().step_time)
-    return {key: (statistics.median(predicted[key]), statistics.median(walls[key])) for key in made}
+                stop = CHUNKS - 1  # checkpoint="except_last"
+                spreads[key].append(spread(pipe.gather_timeline(), stop))
+    return {
+        key: (
+            statistics.median(predicted[key]),
+            statistics.median(walls[key]),
+            statistics.median(p / w - 1 for p, w in zip(predicted[key], walls[key], strict=True)),
+            statistics.median(spreads[key]),
+        )
+        for key in made
+    }
 
 
-def rows(runtime: str, results: dict[tuple[str, str], tuple[float, float]]) -> list[str]:
+def rows(runtime: str, results: dict[tuple[str, str], Result]) -> list[str]:
     lines = []
-    for (model, schedule), (predicted, measured) in results.items():
+    for (model, schedule), (predicted, measured, own, cv) in results.items():
         error = 100 * (predicted - measured) / measured
         flag = "" if abs(error) <= 10 else "  MISSED"
         lines.append(
             f"{model:12} {runtime:12} {schedule:17} {1e3 * predicted:9.1f} "
-            f"{1e3 * measured:9.1f} {error:+7.1f}%{flag}"
+            f"{1e3 * measured:9.1f} {error:+7.1f}% {100 * own:+9.1f}% {100 * cv:6.0f}%{flag}"
         )
     return lines
 
 
-HEADER = f"{'model':12} {'runtime':12} {'schedule':17} {'pred ms':>9} {'meas ms':>9} {'error':>8}"
+HEADER = (
+    f"{'model':12} {'runtime':12} {'schedule':17} {'pred ms':>9} {'meas ms':>9} {'error':>8} "
+    f"{'step err':>10} {'spread':>7}"
+)
 
 
 def local(rounds: int) -> None:
@@ -154,7 +200,7 @@ def distributed_worker(rounds: int) -> None:
         return float(elapsed)
 
     results = measure(made, rounds, slowest, dist.barrier)
-    mine = {key: round(p, 9) for key, (p, _) in results.items()}
+    mine = {key: round(p, 9) for key, (p, *_) in results.items()}
     everyone: list[Any] = [None] * 2
     dist.all_gather_object(everyone, mine)
     if dist.get_rank() == 0:

@@ -10,8 +10,13 @@ step's timeline (every rank's, gathered, on a mesh), the model of a step
   (its forward, run again), by the same split;
 - overhead: per worker, the median gap before an action whose input was
   already there (taking the input, seeding, bookkeeping);
-- transfers: the median time from a producer's end to the start of its
-  consumer on another worker, over consumers that waited for it;
+- transfers: the mean time from a producer's end to the start of its
+  consumer on another worker, over consumers that waited for it (negative
+  ones, where a producer was preempted after sending, count as 0);
+- variability: how like actions' durations spread around their mean. The
+  step returned is the median (by makespan) of 31 played with durations
+  drawn from the measured spread, seeded: a step whose passes vary waits
+  for its slowest producers, and takes longer than its means say;
 - outside: ``pipe.step``'s wall time minus the actions' makespan (the
   micro-batches cut, the transaction's snapshot and commit, threads started;
   the slowest rank's on a mesh).

@@ -148,3 +148,25 @@ def test_a_bad_breakdown_in_json_is_refused():
         Timeline.from_json(text)
     with pytest.raises(ConfigError, match="keys"):
         Breakdown.from_dict({"ideal": 1.0})
+
+
+def test_varying_like_actions_are_played_from_their_spread_reproducibly():
+    measured = _measured()
+    uneven = Timeline(  # the same step, each worker's second F and first B 40% longer
+        tuple(
+            e._replace(end=e.start + 1.4 * e.duration) if e.action.microbatch == 1 else e
+            for e in measured.events
+        ),
+        measured.placement,
+    )
+    model = StepModel.measure(uneven, checkpoint_stop=0)
+    assert sorted(model.spread["F"][0]) == pytest.approx([2 / 2.4, 2.8 / 2.4])
+    first = predict(get_schedule("1f1b", 2, 6), model, checkpoint_stop=0)
+    again = predict(get_schedule("1f1b", 2, 6), model, checkpoint_stop=0)
+    assert first == again  # seeded: every rank of a mesh gets the same step
+    b = first.breakdown
+    assert b is not None and b.variability != 0
+    assert b.idle == pytest.approx(sum(first.idle))
+    steady = StepModel(model.passes, model.recompute, model.overhead, model.latency)
+    plain = predict(get_schedule("1f1b", 2, 6), steady, checkpoint_stop=0)
+    assert plain.breakdown is not None and plain.breakdown.variability == 0

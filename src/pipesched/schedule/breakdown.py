@@ -10,7 +10,7 @@ from pipesched.errors import ConfigError
 
 __all__ = ["PARTS", "Breakdown"]
 
-PARTS = ("ideal", "imbalance", "recomputation", "communication", "overhead")
+PARTS = ("ideal", "imbalance", "recomputation", "communication", "overhead", "variability")
 """The parts of the bubble, in the order they are added (see :class:`Breakdown`)."""
 
 
@@ -24,7 +24,9 @@ class Breakdown:
     costs; ``imbalance`` the stages' unequal costs; ``recomputation`` the
     checkpointed micro-batches' forwards run again in backward;
     ``communication`` the latency of transfers between workers; ``overhead``
-    the runtime's gap before each action. The parts sum to the timeline's
+    the runtime's gap before each action; ``variability`` the spread of like
+    actions' durations (a step whose passes vary waits longer than one whose
+    passes all take their mean: the slowest producer decides). The parts sum to the timeline's
     total idle time exactly; a part can be negative (more work on one stage
     can fill another's wait).
 
@@ -40,6 +42,7 @@ class Breakdown:
     recomputation: float = 0.0
     communication: float = 0.0
     overhead: float = 0.0
+    variability: float = 0.0
     outside: float = 0.0
     source: str = ""
 

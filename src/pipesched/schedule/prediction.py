@@ -20,10 +20,11 @@ per-pass costs and one send latency cannot say.
 from __future__ import annotations
 
 import itertools
+import random
 import statistics
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
 from pipesched.schedule.breakdown import Breakdown
@@ -53,6 +54,9 @@ class StepModel:
         latency: from a producer's end to its consumer's start on another worker.
         outside: step time before the first action and after the last.
         source: what the costs come from, in words.
+        spread: per kind, each stage's measured durations divided by their
+            mean (for its checkpointed or kept micro-batches): how like
+            actions vary. Empty: they do not.
     """
 
     passes: Mapping[str, tuple[float, ...]]
@@ -61,6 +65,7 @@ class StepModel:
     latency: float = 0.0
     outside: float = 0.0
     source: str = "measured step"
+    spread: Mapping[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
 
     @classmethod
     def measure(
@@ -79,7 +84,7 @@ class StepModel:
         micro-batches, B's recomputation is taken to be the stage's forward.
         Overhead: per worker, the median gap between an action and the one
         before it when its input was ready before that one ended. Latency:
-        the median time from a producer's end to its consumer's start on
+        the mean time from a producer's end to its consumer's start on
         another worker, over the consumers that waited for it.
         """
         n = timeline.num_stages
@@ -113,6 +118,11 @@ class StepModel:
             ):
                 recompute[BACKWARD][s] = forward
         overhead, latency = _gaps(timeline)
+        ratios: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in _KINDS}
+        for (kind, s, _), durations in samples.items():
+            average = sum(durations) / len(durations)
+            if average > 0:
+                ratios[kind][s] += [d / average for d in durations]
         return cls(
             {k: tuple(v) for k, v in passes.items()},
             {k: tuple(v) for k, v in recompute.items()},
@@ -120,6 +130,7 @@ class StepModel:
             latency,
             outside,
             source,
+            {k: tuple(tuple(r) for r in v) for k, v in ratios.items()},
         )
 
     @classmethod
@@ -178,15 +189,56 @@ def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int) -> Timel
     ]
     with paused_gc():
         played = [_play(schedule, checkpoint_stop, *level) for level in levels]
+        played.append(_typical(schedule, checkpoint_stop, model, played[-1]))
     idle = [sum(t.idle) for t in played]
-    ideal, imbalance, recomputation, communication, overhead = (
-        idle[0],
-        *(b - a for a, b in itertools.pairwise(idle)),
-    )
+    parts = [idle[0], *(b - a for a, b in itertools.pairwise(idle))]
+    ideal, imbalance, recomputation, communication, overhead, variability = parts
     breakdown = Breakdown(
-        ideal, imbalance, recomputation, communication, overhead, model.outside, model.source
+        ideal,
+        imbalance,
+        recomputation,
+        communication,
+        overhead,
+        variability,
+        model.outside,
+        model.source,
     )
     return replace(played[-1], breakdown=breakdown)
+
+
+SAMPLES = 31
+"""Steps played with durations drawn from the measured spread; the median one is returned."""
+
+
+def _typical(schedule: Schedule, stop: int, model: StepModel, steady: Timeline) -> Timeline:
+    """The step of median makespan among :data:`SAMPLES` played with durations drawn from
+    ``model.spread`` (seeded: the same model gives the same step); ``steady`` without a spread.
+    """
+    spread = model.spread
+    if not any(r for rows in spread.values() for r in rows):
+        return steady
+    rng = random.Random(0)
+    order: list[Action] = schedule._cache["order"]  # type: ignore[assignment]
+    plays = []
+    for _ in range(SAMPLES):
+        factor = {}
+        for a in order:
+            rows = spread.get(a.kind, ())
+            choices = rows[a.stage] if a.stage < len(rows) else ()
+            factor[a] = rng.choice(choices) if choices else 1.0
+        plays.append(
+            _play(
+                schedule,
+                stop,
+                model.passes,
+                model.recompute,
+                model.latency,
+                model.overhead,
+                factor,
+            )
+        )
+    plays.sort(key=lambda t: t.makespan)
+    return plays[len(plays) // 2]
 
 
 def _play(
@@ -196,6 +248,7 @@ def _play(
     recompute: Mapping[str, tuple[float, ...]],
     latency: float,
     overhead: tuple[float, ...],
+    factor: Mapping[Action, float] | None = None,
 ) -> Timeline:
     order: list[Action] = schedule._cache["order"]  # type: ignore[assignment]
     placement, n = schedule.placement, schedule.num_stages
@@ -210,13 +263,15 @@ def _play(
         if need is not None and placement[need[0]] != w:
             start = max(start, end[need] + latency)
         duration = passes[kind][s] + (recompute[kind][s] if i < stop else 0.0)
+        if factor is not None:
+            duration *= factor[action]
         end[action] = free[w] = start + duration
         events.append(Event(action, w, start, start + duration))
     return Timeline(tuple(events), placement)
 
 
 def _gaps(timeline: Timeline) -> tuple[tuple[float, ...], float]:
-    """Per worker the median overhead before an action, and the median transfer latency."""
+    """Per worker the median overhead before an action, and the mean transfer latency."""
     ends: dict[tuple[int, str, int], float] = {
         (e.action.stage, e.action.kind, e.action.microbatch): e.end for e in timeline.events
     }
@@ -235,4 +290,4 @@ def _gaps(timeline: Timeline) -> tuple[tuple[float, ...], float]:
                 gaps.append(e.start - previous.end)
             previous = e
         overhead.append(max(0.0, statistics.median(gaps)) if gaps else 0.0)
-    return tuple(overhead), max(0.0, statistics.median(waits)) if waits else 0.0
+    return tuple(overhead), statistics.mean(max(0.0, w) for w in waits) if waits else 0.0
