@@ -141,9 +141,15 @@ def measure(
             pipe.zero_grad()
             if r:  # the first round warms up
                 walls[key].append(wall)
-                predicted[key].append(pipe.predict().step_time)
+                prediction = pipe.predict()  # a collective on a mesh: every rank calls it
+                predicted[key].append(prediction.step_time)
                 stop = CHUNKS - 1  # checkpoint="except_last"
-                spreads[key].append(spread(pipe.gather_timeline(), stop))
+                whole = pipe.gather_timeline()
+                spreads[key].append(spread(whole, stop))
+                if whole is not None and DETAIL:
+                    DETAIL.setdefault(key, []).append(
+                        (predicted[key][-1], wall, whole.makespan, prediction.makespan)
+                    )
     return {
         key: (
             statistics.median(predicted[key]),
@@ -164,8 +170,16 @@ def rows(runtime: str, results: dict[tuple[str, str], Result]) -> list[str]:
             f"{model:12} {runtime:12} {schedule:17} {1e3 * predicted:9.1f} "
             f"{1e3 * measured:9.1f} {error:+7.1f}% {100 * own:+9.1f}% {100 * cv:6.0f}%{flag}"
         )
+        for p, w, span, pred_span in DETAIL.get((model, schedule), []) if flag else []:
+            lines.append(
+                f"    step: predicted {1e3 * p:.1f} ms, wall {1e3 * w:.1f} ms; makespan "
+                f"predicted {1e3 * pred_span:.1f} ms, measured {1e3 * span:.1f} ms"
+            )
     return lines
 
+
+DETAIL: dict[tuple[str, str], list[tuple[float, float, float, float]]] = {}
+"""With --detail: per missed row, each step's predicted and measured step and makespan."""
 
 HEADER = (
     f"{'model':12} {'runtime':12} {'schedule':17} {'pred ms':>9} {'meas ms':>9} {'error':>8} "
@@ -214,8 +228,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--only", choices=("local", "distributed"))
+    parser.add_argument("--detail", action="store_true", help="each step of a missed row")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.detail:
+        DETAIL[("", "")] = []  # non-empty: record
     if args.worker:
         distributed_worker(args.rounds)
         return
@@ -224,7 +241,8 @@ def main() -> None:
     if args.only != "local":
         if args.only == "distributed":
             print(HEADER)
-        code = under_torchrun(__file__, ["--worker", "--rounds", str(args.rounds)], timeout=900)
+        argv = ["--worker", "--rounds", str(args.rounds)] + (["--detail"] if args.detail else [])
+        code = under_torchrun(__file__, argv, timeout=900)
         if code:
             sys.exit(code)
 
