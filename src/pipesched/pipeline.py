@@ -388,9 +388,8 @@ class Pipeline(Pinned):
     def predict(self, num_microbatches: int | None = None) -> Timeline:
         """This pipeline's step simulated with its own measured costs (see its ``summary()``).
 
-        After a step, from its measured actions (all ranks': a collective on a mesh); before
-        any, from the partition's times. ``num_microbatches``: predict for that many (default:
-        as measured). See :mod:`pipesched.prediction`; ``step_time`` predicts ``pipe.step``.
+        From the last step's actions (a collective on a mesh), else the partition's times, for
+        ``num_microbatches`` (default: as measured); :mod:`pipesched.prediction` says more.
         """
         return predict_step(self, num_microbatches)
 
