@@ -67,6 +67,35 @@ def test_step_gradients_equal_the_plain_model(schedule, workers, chunks, batch):
     )
 
 
+@pytest.mark.parametrize("chunks", [8, 12])
+@pytest.mark.parametrize("schedule", ["zb-h2", "dualpipev", "v-half", "v-min"])
+def test_frontier_schedules_train_like_the_plain_model(schedule, chunks):
+    # 4 workers, m = 2p and 3p: the full orders (dualpipev's overlapped pairs, zb-h2's deferred
+    # Ws, the V schedules' squeezed blocks), two steps of SGD against the plain model.
+    workers = 4
+    num_stages = workers * stages_per_worker(schedule)
+    plain, piped = _model(num_stages), _model(num_stages)
+    pipe = Pipeline(
+        piped,
+        chunks,
+        balance=[1] * num_stages,
+        devices=["cpu"] * workers,
+        schedule=schedule,
+    )
+    sgd_pipe = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    sgd_plain = torch.optim.SGD(plain.parameters(), lr=0.1)
+    for _ in range(2):
+        x, y = torch.randn(chunks * 2, 6), torch.randn(chunks * 2, 6)
+        for optimizer in (sgd_pipe, sgd_plain):
+            optimizer.zero_grad()
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        nn.functional.mse_loss(plain(x), y).backward()
+        _assert_close(_grads(pipe), _grads(plain))
+        sgd_pipe.step()
+        sgd_plain.step()
+    assert pipe.schedule_for(chunks).name == schedule
+
+
 @pytest.mark.parametrize("schedule", list(SCHEDULES))
 @pytest.mark.parametrize("batch", [3, 10])
 def test_forward_is_autograd_transparent(schedule, batch):

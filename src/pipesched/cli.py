@@ -30,8 +30,8 @@ from pipesched.schedule.limits import MAX_ACTIONS, limit_text
 __all__ = ["main"]
 
 _WORKERS_HELP = (
-    "pipeline depth in workers (devices); interleaved-1f1b and zb-v cut each worker's "
-    "share of the model into 2 stages"
+    "pipeline depth in workers (devices); interleaved-1f1b and the V schedules (zb-v, "
+    "dualpipev, v-half, v-min) cut each worker's share of the model into 2 stages"
 )
 _COSTS_HELP = (
     "durations F,B,W[,SEND] of one worker's share of the model on one micro-batch "

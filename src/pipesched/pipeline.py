@@ -62,8 +62,9 @@ class Pipeline(Pinned):
             ``["cpu", "cpu"]`` gives two workers that run in parallel.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``:
             which micro-batches recompute their forward in backward.
-        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``
-            or ``"zb-v"`` (schedules with several stages per worker need
+        schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``,
+            ``"zb-h2"``, or the V schedules ``"zb-v"``, ``"dualpipev"``,
+            ``"v-half"``, ``"v-min"`` (schedules with several stages per worker need
             ``len(balance)`` to be that many times ``len(devices)``); or a
             :class:`~pipesched.Schedule` of your own (from CSV, or built
             action by action), validated here, for ``chunks`` micro-batches.

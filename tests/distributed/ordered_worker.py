@@ -34,8 +34,12 @@ from pipesched.runtime import fused_linear, interpreter
 from pipesched.schedule.transfers import Item, Recv
 
 SCENARIOS = {"pp2": (2, 1), "pp2dp2": (2, 2), "pp4": (4, 1), "pp4dp2": (4, 2)}
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v", "csv")
-VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2}  # stages per worker; the others 1
+SCHEDULES = (
+    *("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"),
+    *("zb-h2", "dualpipev", "v-half", "v-min", "csv"),
+)
+# Stages per worker; the others 1.
+VIRTUAL = {"interleaved-1f1b": 2, "zb-v": 2, "dualpipev": 2, "v-half": 2, "v-min": 2}
 WINDOWS, STEPS, CHUNKS = 2, 2, 4
 ROWS = (10, 7)  # rows per step of replica 0 and replica 1: uneven micro-batches
 MISORDERED = ("interleaved-1f1b", 8)  # the misordered scenario's schedule and rows

@@ -171,7 +171,7 @@ def test_validate_of_a_sparse_schedule_under_the_cap_lists_missing_actions_in_li
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_builders_refuse_before_allocating(name):
     v = stages_per_worker(name)
-    kinds = 3 if name.startswith("zb") else 2
+    kinds = 3 if get_schedule(name, 2 * v, 1).split_backward else 2
     total = 10**6 * 4 * v * kinds
     message = refused(ConfigError, lambda: get_schedule(name, 4 * v, 10**6))
     assert message.startswith(f"{name}: a schedule of 1000000 micro-batches x {4 * v} stages")

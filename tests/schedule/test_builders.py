@@ -48,6 +48,29 @@ TABLES = {
         0F0,0F1,0F2,3F0,3B0,3W0,3F1,3B1,3W1,0B0,0W0,3F2,3B2,3W2,0B1,0W1,0B2,0W2
         1F0,2F0,1F1,2F1,2B0,2W0,1F2,1B0,1W0,2F2,2B1,2W1,1B1,2B2,1B2,1W1,2W2,1W2
     """,
+    # Warm-up up to 2p-1 forwards; Ws run where no B or F can, the last ones at the tail.
+    ("zb-h2", 3, 4): """
+        0F0,0F1,0F2,0F3,0B0,0W0,0B1,0W1,0B2,0W2,0B3,0W3
+        1F0,1F1,1F2,1B0,1F3,1B1,1W0,1B2,1W1,1B3,1W2,1W3
+        2F0,2B0,2F1,2B1,2F2,2B2,2F3,2B3,2W0,2W1,2W2,2W3
+    """,
+    # torch's ScheduleDualPipeV order, its overlapped F&B run as F, B, W (test_against_torch).
+    ("dualpipev", 4, 4): """
+        0F0,0F1,0F2,3F0,3B0,3W0,3F1,0F3,3B1,3W1,3F2,0B0,0W0,3B2,3W2,3F3,0B1,0W1,3B3,3W3,0B2,0W2,0B3,0W3
+        1F0,2F0,1F1,2F1,1F2,2B0,2W0,2F2,1B0,1W0,1F3,2B1,2W1,2F3,1B1,1W1,2B2,2W2,1B2,1W2,2B3,1B3,2W3,1W3
+    """,
+    # The controllable-memory reference's orders (zbv_greedy.py, 'half' and 'min' for 3 ranks
+    # and 3 micro-batches), ranks' types F f B b W w mapped onto stages w and 2p-1-w.
+    ("v-half", 6, 3): """
+        0F0,0F1,0F2,5F0,5B0,5W0,5F1,5B1,5W1,0B0,0W0,5F2,5B2,0B1,5W2,0W1,0B2,0W2
+        1F0,1F1,4F0,4F1,4B0,4W0,1F2,4B1,1B0,4W1,1W0,4F2,1B1,4B2,4W2,1W1,1B2,1W2
+        2F0,3F0,2F1,3F1,3B0,3W0,2B0,2W0,2F2,3F2,3B1,2B1,3W1,2W1,3B2,2B2,3W2,2W2
+    """,
+    ("v-min", 6, 3): """
+        0F0,0F1,0F2,5F0,5B0,5W0,5F1,5B1,5W1,0B0,0W0,5F2,0B1,5B2,5W2,0W1,0B2,0W2
+        1F0,1F1,4F0,4F1,4B0,4W0,1B0,1W0,4B1,1F2,4W1,4F2,1B1,1W1,4B2,4W2,1B2,1W2
+        2F0,3F0,2F1,3F1,3B0,2B0,3W0,2W0,3B1,2F2,3F2,2B1,3W1,2W1,3B2,2B2,3W2,2W2
+    """,
 }
 
 
@@ -105,12 +128,23 @@ def test_virtual_stages_must_divide_stages():
         get_schedule("interleaved-1f1b", 8, 4, virtual_stages=0)
 
 
-def test_zb_v_needs_an_even_number_of_stages():
+@pytest.mark.parametrize("name", ["zb-v", "dualpipev", "v-half", "v-min"])
+def test_v_schedules_need_an_even_number_of_stages(name):
     with pytest.raises(ConfigError, match="num_stages must be even, got 5; use num_stages=4 or 6"):
-        get_schedule("zb-v", 5, 4)
+        get_schedule(name, 5, 4)
 
 
-@pytest.mark.parametrize(("name", "v"), [("1f1b", 2), ("gpipe", 3), ("zb-h1", 2), ("zb-v", 3)])
+@pytest.mark.parametrize("name", ["dualpipev", "v-half", "v-min"])
+def test_v_placement(name):
+    schedule = get_schedule(name, 6, 3)
+    assert schedule.placement == (0, 1, 2, 2, 1, 0)
+    assert stages_per_worker(name) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "v"),
+    [("1f1b", 2), ("gpipe", 3), ("zb-h1", 2), ("zb-v", 3), ("zb-h2", 2), ("dualpipev", 3)],
+)
 def test_fixed_virtual_stages_are_checked(name, v):
     with pytest.raises(ConfigError, match=f"virtual_stages={v}.*interleaved-1f1b"):
         get_schedule(name, 6, 4, virtual_stages=v)

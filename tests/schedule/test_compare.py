@@ -10,7 +10,10 @@ from pipesched.schedule.compare import format_comparison
 
 def test_same_model_same_work_per_worker():
     rows = {r.name: r for r in compare(4, 8, Costs(1, 1, 1))}
-    assert set(rows) == {"gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"}
+    assert set(rows) == {
+        *("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"),
+        *("zb-h2", "dualpipev", "v-half", "v-min"),
+    }
     for r in rows.values():
         # Every schedule does the same work per worker: 8 micro-batches x (F+B+W).
         assert r.timeline.busy == pytest.approx((24.0,) * 4)

@@ -1,6 +1,7 @@
 """Pipeline schedules as pure data: build, validate, simulate, render. Imports no torch."""
 
 from pipesched.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Kind
+from pipesched.schedule.bound import lower_bound
 from pipesched.schedule.builders import SCHEDULES, get_schedule, stages_per_worker
 from pipesched.schedule.compare import Comparison, compare
 from pipesched.schedule.costs import Costs
@@ -8,6 +9,7 @@ from pipesched.schedule.dataflow import Message, data_predecessor, message_in, m
 from pipesched.schedule.limits import MAX_ACTIONS
 from pipesched.schedule.schedule import Schedule
 from pipesched.schedule.simulate import simulate
+from pipesched.schedule.synthesize import synthesize
 from pipesched.schedule.text import render_schedule, render_timeline
 from pipesched.schedule.timeline import Event, Timeline
 from pipesched.schedule.transfers import Recv, Send, transfer_plan
@@ -32,11 +34,13 @@ __all__ = [
     "compare",
     "data_predecessor",
     "get_schedule",
+    "lower_bound",
     "message_in",
     "message_out",
     "render_schedule",
     "render_timeline",
     "simulate",
     "stages_per_worker",
+    "synthesize",
     "transfer_plan",
 ]

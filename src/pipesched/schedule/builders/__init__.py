@@ -5,10 +5,17 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.schedule.builders._args import check_count, check_schedule_size
+from pipesched.schedule.builders._args import (
+    check_count,
+    check_padded_work,
+    check_schedule_size,
+)
+from pipesched.schedule.builders.dualpipe_v import dualpipe_v
 from pipesched.schedule.builders.gpipe import gpipe
 from pipesched.schedule.builders.interleaved import interleaved_1f1b
 from pipesched.schedule.builders.one_f_one_b import one_f_one_b
+from pipesched.schedule.builders.v_memory import v_half, v_min
+from pipesched.schedule.builders.zb_h2 import zb_h2
 from pipesched.schedule.builders.zero_bubble import check_zb_v_work, zb_h1, zb_v
 from pipesched.schedule.gc_pause import paused_gc
 from pipesched.schedule.schedule import Schedule
@@ -16,12 +23,16 @@ from pipesched.schedule.schedule import Schedule
 __all__ = [
     "SCHEDULES",
     "check_size_of",
+    "dualpipe_v",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",
     "one_f_one_b",
     "stages_per_worker",
+    "v_half",
+    "v_min",
     "zb_h1",
+    "zb_h2",
     "zb_v",
 ]
 
@@ -31,11 +42,34 @@ SCHEDULES: dict[str, Callable[..., Schedule]] = {
     "interleaved-1f1b": interleaved_1f1b,
     "zb-h1": zb_h1,
     "zb-v": zb_v,
+    "zb-h2": zb_h2,
+    "dualpipev": dualpipe_v,
+    "v-half": v_half,
+    "v-min": v_min,
 }
 """Builder of each built-in schedule, by name."""
 
-_FIXED_VIRTUAL_STAGES = {"gpipe": 1, "1f1b": 1, "zb-h1": 1, "zb-v": 2}
-_KINDS = {"gpipe": 2, "1f1b": 2, "interleaved-1f1b": 2, "zb-h1": 3, "zb-v": 3}
+_FIXED_VIRTUAL_STAGES = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "zb-h1": 1,
+    "zb-v": 2,
+    "zb-h2": 1,
+    "dualpipev": 2,
+    "v-half": 2,
+    "v-min": 2,
+}
+_KINDS = {
+    "gpipe": 2,
+    "1f1b": 2,
+    "interleaved-1f1b": 2,
+    "zb-h1": 3,
+    "zb-v": 3,
+    "zb-h2": 3,
+    "dualpipev": 3,
+    "v-half": 3,
+    "v-min": 3,
+}
 
 
 def _canonical(name: object) -> str:
@@ -83,6 +117,8 @@ def check_size_of(name: str, num_stages: int, num_microbatches: int) -> None:
     check_schedule_size(key, num_stages, num_microbatches, _KINDS[key])
     if key == "zb-v":
         check_zb_v_work(num_stages, num_microbatches)
+    if key == "dualpipev" and num_stages % 2 == 0:
+        check_padded_work(key, num_stages, num_microbatches, num_stages)
 
 
 def get_schedule(name: str, num_stages: int, num_microbatches: int, **options: object) -> Schedule:
@@ -90,13 +126,15 @@ def get_schedule(name: str, num_stages: int, num_microbatches: int, **options: o
 
     Args:
         name: one of ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``,
-            ``"zb-h1"``, ``"zb-v"`` (case and ``_`` vs ``-`` do not matter).
+            ``"zb-h1"``, ``"zb-v"``, ``"zb-h2"``, ``"dualpipev"``,
+            ``"v-half"``, ``"v-min"`` (case and ``_`` vs ``-`` do not matter).
         num_stages: model stages. Schedules with several stages per worker
             run on ``num_stages // virtual_stages`` workers.
         num_microbatches: micro-batches per step.
         **options: ``virtual_stages`` (stages per worker): default 2 for
-            interleaved-1f1b; 2 for zb-v and 1 for the others, where it may be
-            given only with that value.
+            interleaved-1f1b; 2 for the V schedules (zb-v, dualpipev, v-half,
+            v-min) and 1 for the others, where it may be given only with
+            that value.
 
     Raises:
         ConfigError: unknown name or option, or counts the schedule cannot run.

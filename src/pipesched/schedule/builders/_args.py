@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.schedule.limits import check_size
+from pipesched.schedule.limits import MAX_ACTIONS, check_size, limit_text
 
-__all__ = ["check_count", "check_schedule_size", "check_virtual_stages"]
+__all__ = ["check_count", "check_padded_work", "check_schedule_size", "check_virtual_stages"]
 
 
 def check_count(name: str, value: object) -> int:
@@ -41,3 +41,20 @@ def check_schedule_size(schedule: str, num_stages: int, num_microbatches: int, k
         kinds: 2 (F, B) or 3 (F, B, W: the zero-bubble schedules).
     """
     check_size(num_stages, num_microbatches, kinds, error=ConfigError, prefix=f"{schedule}: ")
+
+
+def check_padded_work(schedule: str, num_stages: int, num_microbatches: int, built: int) -> None:
+    """A ConfigError when an order built for ``built`` micro-batches exceeds MAX_ACTIONS.
+
+    Some builders make their order for at least ``built`` micro-batches and
+    then remove those past ``num_microbatches``; with few micro-batches on
+    many stages that intermediate order is larger than the schedule kept.
+    """
+    work = 3 * num_stages * built
+    if num_microbatches < built and work > MAX_ACTIONS:
+        raise ConfigError(
+            f"{schedule}: the order for {num_stages} stages is built for {built} micro-batches "
+            f"(those past {num_microbatches} are then removed): {built} micro-batches x "
+            f"{num_stages} stages x 3 kinds = {work} actions exceeds {limit_text()}; use fewer "
+            "stages or another schedule"
+        )

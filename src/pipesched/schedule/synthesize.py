@@ -1,0 +1,196 @@
+"""Schedules made for given costs and a memory limit: list scheduling, local search, a solver.
+
+:func:`synthesize` returns an ordinary :class:`Schedule` (split backward, F
+B W actions) for ``num_workers`` workers with one stage each, or two in a V
+as zb-v. It keeps the best of: list scheduling under several priority
+policies (:mod:`pipesched.schedule.heuristic`), every built-in schedule of
+the same placement that fits the memory limit, and local search from the
+best few; with ``solver="exact"`` (or ``"auto"`` on small cases) also
+OR-Tools CP-SAT (:mod:`pipesched.schedule.exact`, the optional ``solver``
+extra). Because the built-ins are among the candidates, the result is never
+slower than any of them that fits. :func:`pipesched.schedule.lower_bound`
+says how far from optimal it can be at most.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Literal
+
+from pipesched.errors import ConfigError, ConfigTypeError, PipeschedError, ScheduleError
+from pipesched.schedule.action import Action
+from pipesched.schedule.bound import stage_costs, synth_placement
+from pipesched.schedule.builders import SCHEDULES
+from pipesched.schedule.builders._args import check_count
+from pipesched.schedule.costs import Costs
+from pipesched.schedule.heuristic import POLICIES, Player, Problem, Rows, improve, list_schedule
+from pipesched.schedule.limits import check_size
+from pipesched.schedule.schedule import Schedule
+
+__all__ = ["peak_memory", "synthesize"]
+
+Solver = Literal["auto", "heuristic", "exact"]
+AUTO_EXACT_ACTIONS = 72
+"""``solver="auto"`` tries the exact solver up to this many actions (3 x stages x m)."""
+
+
+def synthesize(
+    num_workers: int,
+    num_microbatches: int,
+    costs: Costs | Sequence[Costs],
+    *,
+    stages_per_worker: int = 1,
+    memory_limit: float | None = None,
+    solver: Solver = "heuristic",
+    time_limit: float = 10.0,
+    effort: int = 1500,
+) -> Schedule:
+    """A schedule for these costs that holds at most ``memory_limit`` micro-batches per worker.
+
+    Args:
+        num_workers: workers (devices).
+        num_microbatches: micro-batches per step.
+        costs: per-stage durations: one :class:`Costs` (numbers or per-stage
+            lists) or a list of ``Costs``, one per stage
+            (``num_workers x stages_per_worker`` stages).
+        stages_per_worker: 1 (stage ``s`` on worker ``s``) or 2 (a V:
+            worker ``w`` runs stages ``w`` and ``2p-1-w``, as zb-v).
+        memory_limit: most activations a worker may hold at once, in
+            micro-batches of its whole share: per worker, its stages'
+            held micro-batches summed at each instant over
+            ``stages_per_worker``, as :attr:`Comparison.peak_memory`
+            measures a simulated Timeline (a stage holds a micro-batch from
+            the start of its F to the end of its W). None: no limit.
+        solver: ``"heuristic"``; ``"exact"`` also runs CP-SAT for up to
+            ``time_limit`` seconds (needs ``pip install pipesched[solver]``);
+            ``"auto"`` does so when installed and the schedule has at most
+            :data:`AUTO_EXACT_ACTIONS` actions.
+        time_limit: seconds the exact solver may run.
+        effort: local-search moves per candidate order.
+
+    Returns:
+        A valid Schedule named ``"synthesized"``.
+
+    Raises:
+        ConfigError: a count, the costs or the placement do not fit, or
+            ``memory_limit`` is below 1, the least any schedule can hold
+            (each micro-batch is held on a stage from its F to its W).
+        ImportError: ``solver="exact"`` without OR-Tools installed.
+
+    Example:
+        >>> s = synthesize(2, 4, Costs(1, 1, 1), memory_limit=2)
+        >>> s.validate().simulate(Costs(1, 1, 1)).makespan
+        13.0
+    """
+    check_count("num_workers", num_workers)
+    m = check_count("num_microbatches", num_microbatches)
+    placement = synth_placement(num_workers, stages_per_worker)
+    n = len(placement)
+    check_size(n, m, 3, error=ConfigError, prefix="synthesize: ")
+    resolved = stage_costs(costs, n)
+    slots = _slots(memory_limit, stages_per_worker, m)
+    if solver not in ("auto", "heuristic", "exact"):
+        raise ConfigError(f"solver must be 'auto', 'heuristic' or 'exact', got {solver!r}")
+    if isinstance(effort, bool) or not isinstance(effort, int) or effort < 0:
+        raise ConfigError(f"effort must be an integer >= 0 (local-search moves), got {effort!r}")
+    if not isinstance(time_limit, int | float) or not 0 < time_limit < math.inf:
+        raise ConfigError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
+    problem = Problem(placement, m, resolved, slots)
+    player = Player(problem)
+    found: list[tuple[float, Rows]] = []
+    for rows in _candidates(problem):
+        makespan = player.makespan(rows)
+        if makespan < math.inf:
+            found.append((makespan, rows))
+    if not found:  # cannot happen: the reserving policies never deadlock within 1 share
+        raise ScheduleError(f"synthesize found no order within {slots} slots per worker")
+    found.sort(key=lambda c: c[0])
+    best_makespan, best = found[0]
+    for seed, (_, rows) in enumerate(found[:2]):
+        improved, makespan = improve(player, rows, effort, seed)
+        if makespan < best_makespan:
+            best_makespan, best = makespan, improved
+    if solver == "exact" or (solver == "auto" and 3 * n * m <= AUTO_EXACT_ACTIONS):
+        from pipesched.schedule.exact import available, solve
+
+        if solver == "exact" or available():
+            exact = solve(problem, time_limit=time_limit, hint=best)
+            if exact is not None and player.makespan(exact.rows) < best_makespan:
+                best_makespan, best = player.makespan(exact.rows), exact.rows
+    return _checked(_schedule(problem, best), resolved.as_costs(), best_makespan, slots)
+
+
+def _checked(schedule: Schedule, costs: Costs, makespan: float, slots: int) -> Schedule:
+    """``schedule``, once the real simulator agrees with the fast model on time and memory."""
+    timeline = schedule.simulate(costs)
+    v = schedule.virtual_stages
+    peak = max(peak_memory(schedule, costs))
+    if timeline.makespan > makespan or peak * v > slots:
+        raise ScheduleError(
+            f"synthesize: the simulator gives makespan {timeline.makespan} and peak {peak} for "
+            f"an order planned at {makespan} within {slots / v}; please report this"
+        )
+    return schedule
+
+
+def peak_memory(schedule: Schedule, costs: Costs | None = None) -> tuple[float, ...]:
+    """Per worker, the most activations it holds at once, in micro-batches of its whole share.
+
+    The measure ``memory_limit`` bounds: :attr:`Comparison.peak_memory` of
+    the simulated timeline.
+
+    Example:
+        >>> from pipesched.schedule import get_schedule
+        >>> peak_memory(get_schedule("zb-v", 4, 8))
+        (2.0, 2.0)
+    """
+    from pipesched.schedule.compare import Comparison
+
+    return Comparison(schedule.name, schedule, schedule.simulate(costs)).peak_memory
+
+
+def _slots(memory_limit: object, stages_per_worker: int, m: int) -> int:
+    """The memory limit in stage-micro-batch slots per worker; a ConfigError below 1 share."""
+    if memory_limit is None:
+        return stages_per_worker * m
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float):
+        raise ConfigTypeError(
+            f"memory_limit must be a number of micro-batches or None, got {memory_limit!r}"
+        )
+    if math.isnan(memory_limit):
+        raise ConfigError("memory_limit is NaN; give a number of micro-batches >= 1, or None")
+    if math.isinf(memory_limit):
+        return stages_per_worker * m
+    if memory_limit < 1:
+        raise ConfigError(
+            f"memory_limit={memory_limit!r} is below the minimum feasible, 1 micro-batch per "
+            "worker: each stage holds a micro-batch from its F to its W, and on a V the "
+            "turn holds both of a worker's stages; use memory_limit >= 1 or None"
+        )
+    return min(stages_per_worker * m, int(memory_limit * stages_per_worker + 1e-9))
+
+
+def _candidates(problem: Problem) -> list[Rows]:
+    """Orders to start from: list scheduling under each policy, then the built-ins that fit."""
+    out = [rows for policy in POLICIES if (rows := list_schedule(problem, policy)) is not None]
+    n, m = len(problem.placement), problem.num_microbatches
+    for builder in SCHEDULES.values():
+        try:
+            built = builder(n, m)
+        except (PipeschedError, TypeError):  # a builder that cannot run these counts
+            continue
+        if built.placement == problem.placement and built.split_backward:
+            out.append(
+                [[problem.number(s, "FBW".index(k), i) for s, k, i in row] for row in built.actions]
+            )
+    return out
+
+
+def _schedule(problem: Problem, rows: Rows) -> Schedule:
+    """The Schedule of integer-coded ``rows``."""
+    kinds = "FBW"
+    actions = tuple(
+        tuple(Action(s, kinds[k], i) for s, k, i in map(problem.action, row)) for row in rows
+    )
+    return Schedule(actions, problem.placement, problem.num_microbatches, "synthesized")
