@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pipesched.schedule import Action, Costs, Event, Schedule, Timeline, get_schedule
+from pipesched.schedule import (
+    SCHEDULES,
+    Action,
+    Costs,
+    Event,
+    Schedule,
+    Timeline,
+    get_schedule,
+)
 from pipesched.schedule.breakdown import PARTS, Breakdown
 from pipesched.schedule.prediction import StepModel, predict
 
@@ -96,7 +104,7 @@ def _model(num_stages: int, num_workers: int, *, split: bool, gaps: bool) -> Ste
     return model
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("name", list(SCHEDULES))
 @pytest.mark.parametrize("m", [2, 4, 8])
 def test_without_overhead_predict_scales_as_the_simulator(name, m):
     schedule = _schedule(name, m)
@@ -110,7 +118,7 @@ def test_without_overhead_predict_scales_as_the_simulator(name, m):
     assert predicted.makespan == pytest.approx(schedule.simulate(costs).makespan)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v"])
+@pytest.mark.parametrize("name", list(SCHEDULES))
 def test_the_bubble_breakdown_sums_to_the_idle_time(name):
     schedule = _schedule(name, 6)
     model = _model(4, schedule.num_workers, split=schedule.split_backward, gaps=True)
