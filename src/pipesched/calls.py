@@ -7,6 +7,7 @@ cut's stepper (one transaction, seeded), and gathers what comes back.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -16,14 +17,16 @@ from pipesched.batches import StepBatches
 from pipesched.batchnorm_warning import warn_micro_batch_norm
 from pipesched.call import Call, one_call
 from pipesched.checkpoint import checkpoint_stop
+from pipesched.errors import ConfigError
 from pipesched.microbatch import batch_size, join_outputs, scatter
-from pipesched.runtime.distributed import broadcast_loss
+from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.passes import StepInputs
+from pipesched.schedule import Timeline
 
 if TYPE_CHECKING:
     from pipesched.pipeline import Pipeline
 
-__all__ = ["run_forward", "run_training"]
+__all__ = ["gather_timeline", "run_forward", "run_training"]
 
 
 def run_forward(pipe: Pipeline, batch: Any) -> Any:
@@ -63,7 +66,9 @@ def run_training(
 
     Micro-batch i's loss weighs ``scale`` (``loss_fn`` returns a sum) or
     ``scale * rows_i`` (a mean). Returns the weighted sum, on every rank.
+    Sets ``pipe.last_timeline`` and ``pipe.last_step_seconds`` (this call's wall time).
     """
+    begin = time.perf_counter()
     m = len(batches.inputs)
     assembly = pipe._assembly_for(one_call(batches.inputs), batches.inputs)
     warn_micro_batch_norm(pipe, batches.rows)
@@ -82,5 +87,21 @@ def run_training(
     run = assembly.stepper.run(pipe.schedule_for, make_step, detach=True)
     pipe.last_timeline = run.timeline
     if pipe.mesh is None:
-        return torch.stack([run.losses[i] for i in range(m)]).sum()
-    return broadcast_loss(run.losses, m, pipe.placement[-1], pipe.mesh)
+        total = torch.stack([run.losses[i] for i in range(m)]).sum()
+    else:
+        total = broadcast_loss(run.losses, m, pipe.placement[-1], pipe.mesh)
+    pipe.last_step_seconds = time.perf_counter() - begin
+    return total
+
+
+def gather_timeline(pipe: Pipeline, *, everywhere: bool = False) -> Timeline | None:
+    """The last step's timeline with every rank's actions (see :meth:`Pipeline.gather_timeline`).
+
+    ``everywhere``: on every pp rank, not only on rank 0.
+    """
+    if pipe.mesh is None or pipe.last_timeline is None:
+        return pipe.last_timeline
+    runtime = pipe._runtime
+    if not isinstance(runtime, DistributedRuntime):  # pragma: no cover - set together
+        raise ConfigError("gather_timeline needs the distributed runtime")
+    return runtime.gather_timeline(pipe.last_timeline, everywhere=everywhere)

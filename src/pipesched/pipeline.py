@@ -15,7 +15,7 @@ from pipesched.assembly import Assemblies, Assembly, register_model
 from pipesched.batches import StepBatches, step_batches
 from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.call import Call, call_key, stage_input, with_cache_off
-from pipesched.calls import run_forward, run_training
+from pipesched.calls import gather_timeline, run_forward, run_training
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
@@ -25,7 +25,7 @@ from pipesched.layout import Cut, resolve_layout
 from pipesched.materialize import InitWeights, check_meta
 from pipesched.partition import Partition
 from pipesched.pinned import Pinned
-from pipesched.runtime.distributed import DistributedRuntime
+from pipesched.prediction import predict_step
 from pipesched.runtime.gradsync import LocalSync, Sync
 from pipesched.runtime.interpreter import Runtime
 from pipesched.schedule import Schedule, Timeline
@@ -166,6 +166,7 @@ class Pipeline(Pinned):
         self.sync: Sync = LocalSync()
         """The reductions over the mesh's replicas and ranks (the identity locally)."""
         self.last_timeline: Timeline | None = None
+        self.last_step_seconds: float | None = None
         self._assemblies = Assemblies(
             self, module, self._layout, self._cut, self._stage_done, self._commit_batch_norm
         )
@@ -383,12 +384,15 @@ class Pipeline(Pinned):
         over the pipeline's ranks (call it on all of them): pp rank 0 gets
         every rank's measured events, clocks aligned, and the others None.
         """
-        if self.mesh is None or self.last_timeline is None:
-            return self.last_timeline
-        runtime = self._runtime
-        if not isinstance(runtime, DistributedRuntime):  # pragma: no cover - set together
-            raise ConfigError("gather_timeline needs the distributed runtime")
-        return runtime.gather_timeline(self.last_timeline)
+        return gather_timeline(self)
+
+    def predict(self, num_microbatches: int | None = None) -> Timeline:
+        """This pipeline's step simulated with its own measured costs (see its ``summary()``).
+
+        From the last step's actions (a collective on a mesh), else the partition's times, for
+        ``num_microbatches`` (default: as measured); :mod:`pipesched.prediction` says more.
+        """
+        return predict_step(self, num_microbatches)
 
     def _commit_batch_norm(self) -> None:
         if self.training:

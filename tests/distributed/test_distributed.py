@@ -9,6 +9,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipesched.schedule import Action, Timeline
 from tests.distributed import worker
 from tests.distributed.launch import launch
 
@@ -118,6 +119,12 @@ def test_two_windows_equal_the_single_process_reference(scenario, world, tmp_pat
     assert len(first["gathered"]) == own
     assert {worker_index for _, worker_index, _, _ in first["gathered"]} == set(range(world // dp))
     assert 0.0 <= min(begin for _, _, begin, _ in first["gathered"]) < 1.0  # one clock
+    # predict() on each rank of a pipeline: the same whole step, from every rank's actions.
+    predicted = {torch.load(tmp_path / f"rank{r}.pt")["predicted"] for r in range(world // dp)}
+    assert len(predicted) == 1
+    timeline = Timeline.from_json(predicted.pop())
+    assert {e.action for e in timeline.events} == {Action(*a) for a, _, _, _ in first["gathered"]}
+    assert timeline.breakdown is not None and "measured actions" in timeline.breakdown.source
 
 
 def test_a_schedule_read_from_csv_runs_bitwise_as_the_named_one(tmp_path):

@@ -180,6 +180,7 @@ def main() -> None:
         losses.append(result.window_loss)
         norms.append(result.grad_norm)
     whole = pipe.gather_timeline()  # a collective: every rank calls it
+    predicted = pipe.predict()  # a collective too: the whole pipeline's step, on every rank
     own_events = len(pipe.last_timeline.events)
     x = (tokens if scenario in TOKEN_SCENARIOS else data)(WINDOWS, 0, 0)[0]
     try:  # a backward could not follow pipe(x) across ranks: refused before any transfer
@@ -195,6 +196,7 @@ def main() -> None:
             if whole is None
             else [(tuple(e.action), e.worker, e.start, e.end) for e in whole.events],
             "own_events": own_events,
+            "predicted": predicted.to_json(),
             "evaluated": evaluated,
             "refused": refused,
             "balance": pipe.balance,

@@ -86,3 +86,14 @@ def test_argument_errors(tmp_path, measured):
 
 def test_empty_timeline_draws(tmp_path):
     assert gantt(Timeline((), (0, 1)), tmp_path / "empty.png").stat().st_size > 0
+
+
+def test_a_prediction_shows_its_step_and_bubble_by_cause(tmp_path, measured):
+    from pipesched.schedule.breakdown import PARTS
+    from pipesched.schedule.prediction import StepModel, predict
+
+    model = StepModel.measure(measured, checkpoint_stop=3, outside=0.001)
+    predicted = predict(get_schedule("1f1b", 2, 4), model, checkpoint_stop=3)
+    text = gantt(predicted, tmp_path / "predicted.svg", activations=False).read_text()
+    assert "predicted step" in text
+    assert all(part in text for part in PARTS)

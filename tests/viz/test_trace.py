@@ -58,3 +58,30 @@ def test_viz_imports_neither_torch_nor_matplotlib_until_drawing(tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
     )
     assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.parametrize("name", ["gpipe", "zb-v", "interleaved-1f1b"])
+def test_one_flow_pair_per_transfer_between_workers(name):
+    from pipesched.schedule import data_predecessor
+    from pipesched.viz.trace import trace_events
+
+    timeline = get_schedule(name, 4, 4).simulate()
+    placement = timeline.placement
+    crossing = [
+        e
+        for e in timeline.events
+        if (need := data_predecessor(e.action, timeline.num_stages)) is not None
+        and placement[need[0]] != e.worker
+    ]
+    events = trace_events(timeline)["traceEvents"]
+    starts = {e["id"]: e for e in events if e["ph"] == "s"}
+    finishes = {e["id"]: e for e in events if e["ph"] == "f"}
+    assert len(starts) == len(finishes) == len(crossing) > 0
+    assert set(starts) == set(finishes)
+    complete = {(e["pid"], e["ts"]) for e in events if e["ph"] == "X"}
+    ends = {(e["pid"], round(e["ts"] + e["dur"], 3)) for e in events if e["ph"] == "X"}
+    for n, finish in finishes.items():
+        start = starts[n]
+        assert start["pid"] != finish["pid"] and start["ts"] <= finish["ts"]
+        assert (finish["pid"], finish["ts"]) in complete  # the consumer's start
+        assert (start["pid"], start["ts"]) in ends  # the producer's end

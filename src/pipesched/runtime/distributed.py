@@ -229,18 +229,18 @@ class DistributedRuntime:
             del group
             gc.collect()  # the connections close when the last reference goes
 
-    def gather_timeline(self, timeline: Timeline) -> Timeline | None:
+    def gather_timeline(self, timeline: Timeline, *, everywhere: bool = False) -> Timeline | None:
         """Every pp rank's events of ``timeline``'s step, on pp rank 0 (None on the others).
 
-        A collective over the pipeline's ranks. Clocks are aligned by each
-        rank's wall-clock time at the step's start: exact on one machine,
-        within the machines' clock skew (NTP: about a millisecond) across
-        machines.
+        A collective over the pipeline's ranks (``everywhere``: the timeline on
+        every rank). Clocks are aligned by each rank's wall-clock time at the
+        step's start: exact on one machine, within the machines' clock skew
+        (NTP: about a millisecond) across machines.
         """
         mine = (self.last_origin_wall, [tuple(e) for e in timeline.events])
         gathered: list[Any] = [None] * self.info.pp_size
         dist.all_gather_object(gathered, mine, group=self.info.pp_group)
-        if self.info.pp_rank != 0:
+        if self.info.pp_rank != 0 and not everywhere:
             return None
         start = min(origin for origin, _ in gathered)
         events = [

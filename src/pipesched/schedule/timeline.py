@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 from pipesched.errors import ConfigError, ScheduleError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
+from pipesched.schedule.breakdown import Breakdown
 from pipesched.schedule.costs import Costs
 from pipesched.schedule.gc_pause import paused_gc
 from pipesched.schedule.limits import MAX_ACTIONS, limit_text
@@ -51,10 +52,14 @@ class Timeline:
     Args:
         events: every action with its start and end.
         placement: ``placement[s]`` is the worker that ran stage ``s``.
+        breakdown: a prediction's split of its idle time by cause, and the
+            step time outside the actions (:meth:`pipesched.Pipeline.predict`);
+            None for plans and measured runs.
     """
 
     events: tuple[Event, ...]
     placement: tuple[int, ...]
+    breakdown: Breakdown | None = None
     _by_worker: dict[int, list[Event]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -88,6 +93,11 @@ class Timeline:
     def makespan(self) -> float:
         """From the first action's start to the last action's end."""
         return max((e.end for e in self.events), default=0.0) - self.start
+
+    @property
+    def step_time(self) -> float:
+        """The makespan plus the step time outside the actions, where a breakdown says it."""
+        return self.makespan + (self.breakdown.outside if self.breakdown is not None else 0.0)
 
     @cached_property
     def busy(self) -> tuple[float, ...]:
@@ -169,11 +179,18 @@ class Timeline:
         return Costs(mean(FORWARD), mean(BACKWARD), mean(WEIGHT), send=send)
 
     def summary(self) -> str:
-        """One line: makespan, bubble and peak activations."""
+        """One line: makespan, bubble and peak activations; a prediction's breakdown after it."""
         peaks = " ".join(str(n) for n in self.peak_activations)
-        return (
+        line = (
             f"makespan {self.makespan:g}, bubble {100 * self.bubble_fraction:.1f}%, "
             f"peak activations per stage [{peaks}]"
+        )
+        b = self.breakdown
+        if b is None:
+            return line
+        return (
+            f"{line}\npredicted step {self.step_time:g} (makespan + {b.outside:g} outside the "
+            f"actions), from {b.source}\nidle worker-time {sum(self.idle):g} = {b.text()}"
         )
 
     def to_json(self) -> str:
@@ -201,9 +218,13 @@ class Timeline:
         events = ",\n".join(
             json.dumps([str(e.action), e.worker, e.start, e.end]) for e in self.events
         )
+        extra = ""
+        if self.breakdown is not None:
+            extra = f'"breakdown": {json.dumps(self.breakdown.to_dict())},\n'
         return (
             f'{{"format": "{_FORMAT}", "version": {_VERSION}, '
-            f'"placement": {json.dumps(list(self.placement))},\n"events": [\n{events}\n]}}\n'
+            f'"placement": {json.dumps(list(self.placement))},\n{extra}'
+            f'"events": [\n{events}\n]}}\n'
         )
 
     @classmethod
@@ -251,7 +272,12 @@ class Timeline:
             raise ConfigError(f"timeline JSON events must be a list, got {_shown(rows)}")
         if len(rows) > MAX_ACTIONS:
             raise ConfigError(f"timeline JSON has {len(rows)} events, more than {limit_text()}")
-        return cls(tuple(_event(row, placement) for row in rows), tuple(placement))
+        breakdown = data.get("breakdown")
+        return cls(
+            tuple(_event(row, placement) for row in rows),
+            tuple(placement),
+            None if breakdown is None else Breakdown.from_dict(breakdown),
+        )
 
     def save(self, path: str | Path) -> Path:
         """Writes :meth:`to_json` to ``path``; returns the path."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.schedule import Costs, Schedule, Timeline
+from pipesched.schedule.breakdown import PARTS
 from pipesched.viz import _draw
 from pipesched.viz._figure import (
     BOTTOM,
@@ -60,9 +61,11 @@ def gantt(
     One row per worker; each action is a box as wide as its duration,
     coloured by kind (F, B, W; a worker's later stages darker), with its
     micro-batch number inside where it fits (``stage:micro-batch`` when a
-    worker runs several stages). Idle time is hatched grey and each row's idle
-    share is written at its right. The title gives makespan and bubble. A
-    second panel shows each stage's held activations over time.
+    worker runs several stages). A prediction (:meth:`pipesched.Pipeline.predict`)
+    has its step time and its bubble split by cause under the title. Idle
+    time is hatched grey and each row's idle share is written at its right.
+    The title gives makespan and bubble. A second panel shows each stage's
+    held activations over time.
 
     Args:
         timeline_or_schedule: a Timeline (``pipe.last_timeline``,
@@ -170,6 +173,13 @@ def _gantt_figure(
             f"measured: {lines[0]}   |   plan (lighter rows): makespan "
             f"{u.format(overlay.makespan)}, bubble {overlay.bubble_fraction:.1%}"
         ]
+    elif timeline.breakdown is not None:  # a prediction: its step time and bubble by cause
+        b = timeline.breakdown
+        parts = ", ".join(f"{name} {u.format(getattr(b, name))}" for name in PARTS)
+        lines[0] = (
+            f"predicted step {u.format(timeline.step_time)}, bubble "
+            f"{timeline.bubble_fraction:.1%} of worker-time: {parts}"
+        )
     else:
         lines[0] += f", peak activations per stage [{some(timeline.peak_activations)}]"
     style_rows(ax, named, row_pt, show_x=True)

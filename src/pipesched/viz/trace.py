@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pipesched.errors import ConfigTypeError
-from pipesched.schedule import Timeline
+from pipesched.schedule import Timeline, data_predecessor
 from pipesched.viz._units import time_unit
 
 __all__ = ["chrome_trace", "trace_events"]
@@ -27,7 +27,8 @@ def chrome_trace(timeline: Timeline, path: str | Path, *, unit: str | None = Non
     per action with ``ts`` and ``dur`` in microseconds from the first action's start,
     its name in the short form (``"2F0"``) and stage, kind and micro-batch in
     ``args``; plus a counter per stage of the micro-batches whose activations
-    it holds.
+    it holds; and a flow arrow (``"ph": "s"`` at the producer's end, ``"f"`` at the
+    consumer's start, one id per pair) for each value that crosses between workers.
 
     Args:
         timeline: measured (seconds) or simulated.
@@ -99,6 +100,7 @@ def trace_events(timeline: Timeline, *, unit: str | None = None) -> dict[str, An
                 "args": {"stage": a.stage, "kind": a.kind, "microbatch": a.microbatch},
             }
         )
+    events += _flows(timeline, micros)
     for stage, points in enumerate(timeline.activations_over_time):
         for t, held in points:
             events.append(
@@ -120,3 +122,21 @@ def trace_events(timeline: Timeline, *, unit: str | None = None) -> dict[str, An
             "bubble fraction": timeline.bubble_fraction,
         },
     }
+
+
+def _flows(timeline: Timeline, micros: Any) -> list[dict[str, Any]]:
+    """A flow pair per transfer between workers: from the producer's end to the consumer's start."""
+    producers = {tuple(e.action): e for e in timeline.events}
+    flows: list[dict[str, Any]] = []
+    for e in sorted(timeline.events, key=lambda e: (e.start, e.worker)):
+        need = data_predecessor(e.action, timeline.num_stages)
+        source = producers.get(need) if need is not None else None
+        if source is None or source.worker == e.worker:
+            continue
+        n = len(flows) // 2
+        common = {"name": "transfer", "cat": "transfer", "id": n, "tid": 0}
+        flows += [
+            {**common, "ph": "s", "pid": source.worker, "ts": micros(source.end)},
+            {**common, "ph": "f", "bp": "e", "pid": e.worker, "ts": micros(e.start)},
+        ]
+    return flows

@@ -1,0 +1,293 @@
+"""A step predicted from what a run really spends: passes, recomputation, transfers, overhead.
+
+:func:`simulate` plays a schedule with per-stage pass costs and nothing
+else. A measured step also spends time between its actions: the runtime's
+own work before each action (taking the input, bookkeeping), the latency of
+a value crossing to another worker, the forwards that checkpointed
+micro-batches run again in backward, and the step's work before its first
+action and after its last. :class:`StepModel` measures each of these from a
+measured :class:`Timeline` (or takes a profile's pass costs before any run),
+and :func:`predict` plays a schedule with all of them, returning a Timeline
+whose :class:`~pipesched.schedule.breakdown.Breakdown` splits the idle time
+by cause.
+
+Why a loop of its own and not :func:`simulate` with larger costs: the
+overhead sits before an action on its worker, and a transfer's latency
+overlaps that overhead (both are measured from the same start), which
+per-pass costs and one send latency cannot say.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import statistics
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+
+from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
+from pipesched.schedule.breakdown import Breakdown
+from pipesched.schedule.dataflow import data_predecessor
+from pipesched.schedule.gc_pause import paused_gc
+from pipesched.schedule.schedule import Schedule
+from pipesched.schedule.timeline import Event, Timeline
+
+__all__ = ["StepModel", "predict"]
+
+_KINDS = (FORWARD, BACKWARD, WEIGHT)
+Costs = Mapping[str, tuple[float, ...]]
+
+
+@dataclass(frozen=True)
+class StepModel:
+    """What each part of a step costs, in seconds (or any unit).
+
+    Args:
+        passes: per kind ("F", "B", "W"), each stage's duration of one
+            micro-batch's pass without recomputation (the last stage's F
+            includes the loss). A schedule that does not split backward has
+            its whole backward in B and W 0.
+        recompute: per kind, what a checkpointed micro-batch adds to that
+            pass on each stage (its forward, run again).
+        overhead: per worker, the gap before each action whose input is there.
+        latency: from a producer's end to its consumer's start on another worker.
+        outside: step time before the first action and after the last.
+        source: what the costs come from, in words.
+        spread: per kind, each stage's measured durations divided by their
+            mean (for its checkpointed or kept micro-batches): how like
+            actions vary. Empty: they do not.
+    """
+
+    passes: Mapping[str, tuple[float, ...]]
+    recompute: Mapping[str, tuple[float, ...]]
+    overhead: tuple[float, ...]
+    latency: float = 0.0
+    outside: float = 0.0
+    source: str = "measured step"
+    spread: Mapping[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
+
+    @classmethod
+    def measure(
+        cls,
+        timeline: Timeline,
+        checkpoint_stop: int,
+        *,
+        outside: float = 0.0,
+        source: str = "measured step",
+    ) -> StepModel:
+        """The costs of the measured step ``timeline``.
+
+        Passes: each stage's mean duration of each kind, apart for the
+        micro-batches ``i < checkpoint_stop`` (checkpointed) and the others;
+        the difference is the recomputation. With only checkpointed
+        micro-batches, B's recomputation is taken to be the stage's forward.
+        Overhead: per worker, the median gap between an action and the one
+        before it when its input was ready before that one ended. Latency:
+        the mean time from a producer's end to its consumer's start on
+        another worker, over the consumers that waited for it.
+        """
+        n = timeline.num_stages
+        samples: dict[tuple[str, int, bool], list[float]] = defaultdict(list)
+        for e in timeline.events:
+            s, kind, i = e.action
+            samples[kind, s, i < checkpoint_stop].append(e.duration)
+
+        def mean(kind: str, s: int, checkpointed: bool) -> float | None:
+            got = samples.get((kind, s, checkpointed))
+            return sum(got) / len(got) if got else None
+
+        passes: dict[str, list[float]] = {k: [0.0] * n for k in _KINDS}
+        recompute: dict[str, list[float]] = {k: [0.0] * n for k in _KINDS}
+        for kind in _KINDS:
+            for s in range(n):
+                plain, checkpointed = mean(kind, s, False), mean(kind, s, True)
+                if plain is not None:
+                    passes[kind][s] = plain
+                    if checkpointed is not None:
+                        recompute[kind][s] = checkpointed - plain
+                elif checkpointed is not None:
+                    passes[kind][s] = checkpointed
+        for s in range(n):  # one class of micro-batch only: B recomputes the forward
+            forward = passes[FORWARD][s]
+            if mean(BACKWARD, s, False) is None and mean(BACKWARD, s, True) is not None:
+                recompute[BACKWARD][s] = min(forward, passes[BACKWARD][s])
+                passes[BACKWARD][s] -= recompute[BACKWARD][s]
+            elif mean(BACKWARD, s, True) is None and not any(
+                mean(k, s, True) is not None for k in _KINDS
+            ):
+                recompute[BACKWARD][s] = forward
+        overhead, latency = _gaps(timeline)
+        ratios: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in _KINDS}
+        for (kind, s, _), durations in samples.items():
+            average = sum(durations) / len(durations)
+            if average > 0:
+                ratios[kind][s] += [d / average for d in durations]
+        return cls(
+            {k: tuple(v) for k, v in passes.items()},
+            {k: tuple(v) for k, v in recompute.items()},
+            overhead,
+            latency,
+            outside,
+            source,
+            {k: tuple(tuple(r) for r in v) for k, v in ratios.items()},
+        )
+
+    @classmethod
+    def from_stage_times(
+        cls,
+        forward: Sequence[float],
+        backward: Sequence[float],
+        num_workers: int,
+        *,
+        split_backward: bool,
+        source: str,
+    ) -> StepModel:
+        """Costs from a profile's per-stage forward and backward times: no overhead, no latency.
+
+        A split backward is cut in equal halves (B and W), as the partition's
+        own simulation does; checkpointed micro-batches add the forward to B.
+        """
+        half = tuple(b / 2 for b in backward)
+        passes: dict[str, tuple[float, ...]] = {
+            FORWARD: tuple(forward),
+            BACKWARD: half if split_backward else tuple(backward),
+            WEIGHT: half if split_backward else (0.0,) * len(backward),
+        }
+        zero = (0.0,) * len(forward)
+        recompute: dict[str, tuple[float, ...]] = {
+            FORWARD: zero,
+            BACKWARD: tuple(forward),
+            WEIGHT: zero,
+        }
+        return cls(passes, recompute, (0.0,) * num_workers, source=source)
+
+
+def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int) -> Timeline:
+    """``schedule`` played with ``model``'s costs; micro-batches ``i < checkpoint_stop`` recompute.
+
+    Each action starts when its worker has finished its previous action and
+    spent its overhead, and its input has arrived (plus ``model.latency``
+    from another worker). The returned Timeline's breakdown splits its idle
+    time by cause (:class:`~pipesched.schedule.breakdown.Breakdown`): the
+    same schedule is played five times, switching on one cause after another.
+
+    Raises:
+        ScheduleError: the schedule cannot run.
+    """
+    schedule.validate()
+    n, workers = schedule.num_stages, schedule.num_workers
+    mean: Costs = {k: (sum(v) / len(v),) * n for k, v in model.passes.items()}
+    zero: Costs = {k: (0.0,) * n for k in _KINDS}
+    no_gap = (0.0,) * workers
+    levels: list[tuple[Costs, Costs, float, tuple[float, ...]]] = [
+        (mean, zero, 0.0, no_gap),
+        (model.passes, zero, 0.0, no_gap),
+        (model.passes, model.recompute, 0.0, no_gap),
+        (model.passes, model.recompute, model.latency, no_gap),
+        (model.passes, model.recompute, model.latency, model.overhead),
+    ]
+    with paused_gc():
+        played = [_play(schedule, checkpoint_stop, *level) for level in levels]
+        played.append(_typical(schedule, checkpoint_stop, model, played[-1]))
+    idle = [sum(t.idle) for t in played]
+    parts = [idle[0], *(b - a for a, b in itertools.pairwise(idle))]
+    ideal, imbalance, recomputation, communication, overhead, variability = parts
+    breakdown = Breakdown(
+        ideal,
+        imbalance,
+        recomputation,
+        communication,
+        overhead,
+        variability,
+        model.outside,
+        model.source,
+    )
+    return replace(played[-1], breakdown=breakdown)
+
+
+SAMPLES = 31
+"""Steps played with durations drawn from the measured spread; the median one is returned."""
+
+
+def _typical(schedule: Schedule, stop: int, model: StepModel, steady: Timeline) -> Timeline:
+    """The step of median makespan among :data:`SAMPLES` played with durations drawn from
+    ``model.spread`` (seeded: the same model gives the same step); ``steady`` without a spread.
+    """
+    spread = model.spread
+    if not any(r for rows in spread.values() for r in rows):
+        return steady
+    rng = random.Random(0)
+    order: list[Action] = schedule._cache["order"]  # type: ignore[assignment]
+    plays = []
+    for _ in range(SAMPLES):
+        factor = {}
+        for a in order:
+            rows = spread.get(a.kind, ())
+            choices = rows[a.stage] if a.stage < len(rows) else ()
+            factor[a] = rng.choice(choices) if choices else 1.0
+        plays.append(
+            _play(
+                schedule,
+                stop,
+                model.passes,
+                model.recompute,
+                model.latency,
+                model.overhead,
+                factor,
+            )
+        )
+    plays.sort(key=lambda t: t.makespan)
+    return plays[len(plays) // 2]
+
+
+def _play(
+    schedule: Schedule,
+    stop: int,
+    passes: Mapping[str, tuple[float, ...]],
+    recompute: Mapping[str, tuple[float, ...]],
+    latency: float,
+    overhead: tuple[float, ...],
+    factor: Mapping[Action, float] | None = None,
+) -> Timeline:
+    order: list[Action] = schedule._cache["order"]  # type: ignore[assignment]
+    placement, n = schedule.placement, schedule.num_stages
+    end: dict[tuple[int, str, int], float] = {}
+    free = [0.0] * schedule.num_workers
+    events = []
+    for action in order:
+        s, kind, i = action
+        w = placement[s]
+        start = free[w] + overhead[w]
+        need = data_predecessor(action, n)
+        if need is not None and placement[need[0]] != w:
+            start = max(start, end[need] + latency)
+        duration = passes[kind][s] + (recompute[kind][s] if i < stop else 0.0)
+        if factor is not None:
+            duration *= factor[action]
+        end[action] = free[w] = start + duration
+        events.append(Event(action, w, start, start + duration))
+    return Timeline(tuple(events), placement)
+
+
+def _gaps(timeline: Timeline) -> tuple[tuple[float, ...], float]:
+    """Per worker the median overhead before an action, and the mean transfer latency."""
+    ends: dict[tuple[int, str, int], float] = {
+        (e.action.stage, e.action.kind, e.action.microbatch): e.end for e in timeline.events
+    }
+    overhead: list[float] = []
+    waits: list[float] = []
+    for w in range(timeline.num_workers):
+        gaps: list[float] = []
+        previous: Event | None = None
+        for e in timeline.worker_events(w):
+            need = data_predecessor(e.action, timeline.num_stages)
+            ready = ends.get(need) if need is not None else None
+            crosses = need is not None and timeline.placement[need[0]] != w
+            if ready is not None and crosses and (previous is None or ready > previous.end):
+                waits.append(e.start - ready)
+            elif previous is not None:
+                gaps.append(e.start - previous.end)
+            previous = e
+        overhead.append(max(0.0, statistics.median(gaps)) if gaps else 0.0)
+    return tuple(overhead), statistics.mean(max(0.0, w) for w in waits) if waits else 0.0
