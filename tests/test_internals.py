@@ -109,6 +109,25 @@ def test_a_step_without_the_private_api_equals_the_plain_model(api: str) -> None
     assert result["fusion"] == fusion
 
 
+def test_probes_see_the_cpu_whatever_device_the_first_import_comes_under() -> None:
+    # The package loads lazily: naming pipesched.Pipeline first inside a meta device
+    # context imports it there. The probes must not run on tensors that hold no values.
+    script = (
+        "import warnings, torch\n"
+        "warnings.simplefilter('error')\n"
+        "import pipesched\n"
+        "with torch.device('meta'), torch.device('meta'):\n"
+        "    pipesched.Pipeline\n"
+        "from pipesched import internals\n"
+        "print(internals.MISSING)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "[]"
+
+
 def test_this_torch_has_them_all() -> None:
     assert internals.MISSING == []
     assert internals.FUSION_SUPPORTED

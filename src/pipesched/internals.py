@@ -114,10 +114,13 @@ def _probe(check: Callable[[], bool]) -> bool:
     """Runs a capability probe: True if it ran and saw what it expected.
 
     Any exception counts as a failed probe (whatever it says): the API is
-    then not used at all, so no error of torch's steers anything later.
+    then not used at all, so no error of torch's steers anything later. It
+    runs on the CPU whatever device the import came under: the package is
+    imported lazily, and a first ``pipesched.Pipeline`` named inside ``with
+    torch.device("meta"):`` would otherwise probe tensors that hold no values.
     """
     try:
-        with torch.inference_mode(False), torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad(), torch.device("cpu"):
             return check()
     except Exception:
         return False

@@ -9,6 +9,7 @@ same model built normally.
 
 from __future__ import annotations
 
+import gc
 import math
 import os
 import sys
@@ -200,6 +201,16 @@ def measure_rss(mesh: object) -> dict[str, float]:
 def main() -> None:
     scenario, out = sys.argv[1], sys.argv[2]
     mesh = init_mesh(pp=PP, timeout=30)
+    run(scenario, out, mesh)  # its pipelines are freed when it returns
+    # Collected before the group goes: a gloo work freed at exit aborts the process
+    # ("terminate called without an active exception", pytorch/pytorch#190489).
+    gc.collect()
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def run(scenario: str, out: str, mesh: object) -> None:
+    """Runs ``scenario`` on this rank and writes its result under ``out``."""
     rank = torch.distributed.get_rank()
     if scenario == "rss":
         result: dict[str, object] = measure_rss(mesh)
@@ -214,7 +225,6 @@ def main() -> None:
             "table": str(pipe.partition),
         }
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
-    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
