@@ -210,6 +210,7 @@ def test_load_model_refuses_misfits_and_extra_tensors_before_writing(tmp_path):
         load_model(acc.pipe, str(tmp_path / "list.pt"))
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_a_plain_dcp_directory_reads_like_a_version(tmp_path):
     state = {f"model/{k}": v for k, v in _model().state_dict().items()}
     dcp.save(state, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
