@@ -272,3 +272,37 @@ def test_a_loss_scaler_resumes_with_its_scale_and_growth(tmp_path):
     assert resumed.loss_scale.value() == whole.loss_scale.value()
     expected = _params(whole)
     assert all(torch.equal(v, expected[n]) for n, v in _params(resumed).items())
+
+
+class _Residual(nn.Module):
+    """Not a Sequential: traced on its first call, so a load may come before any cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b, self.drop = nn.Linear(4, 8), nn.Linear(8, 4), nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.b(self.drop(torch.tanh(self.a(x))))
+
+
+def test_a_traced_model_loads_before_its_first_call_and_resumes_at_another_cut(tmp_path):
+    def make(split: list[str]) -> GradientAccumulator:
+        pipe = Pipeline(_Residual(), 2, devices=["cpu"] * (len(split) + 1), split_points=split)
+        return GradientAccumulator(
+            pipe, torch.optim.AdamW(pipe.parameters(), lr=0.01), accumulation_steps=STEPS
+        )
+
+    data = [(x, x.flip(0)) for x, _ in _data(5)]
+    torch.manual_seed(1)
+    whole = make(["b"])
+    _train(whole, data)
+    torch.manual_seed(1)
+    saver = make(["b"])
+    _train(saver, data[:3])
+    saver.save(str(tmp_path / "ckpt"), sharded=True)
+    resumed = make([])  # one stage, not cut yet: the load comes first
+    resumed.load(str(tmp_path / "ckpt"))
+    _train(resumed, data[3:])
+    expected = _params(whole)
+    assert all(torch.equal(v, expected[n]) for n, v in _params(resumed).items())

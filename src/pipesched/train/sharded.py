@@ -256,9 +256,11 @@ def _aliases(pipe: nn.Module) -> dict[int, list[str]]:
 
 
 def _layout(acc: GradientAccumulator) -> dict[str, Any]:
+    """pp, dp and the balance (None: a traced model not cut yet, before its first call)."""
     mesh = acc.pipe.mesh
     pp, dp = (1, 1) if mesh is None else (mesh.pp_size, mesh.dp_size)
-    return {"pp": pp, "dp": dp, "balance": list(acc.pipe.balance)}
+    cut = len(acc.pipe._assemblies) > 0
+    return {"pp": pp, "dp": dp, "balance": list(acc.pipe.balance) if cut else None}
 
 
 def _rank(distributed: bool) -> int:
