@@ -18,9 +18,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipesched.batchnorm import DeferredBatchNorm
+from pipesched.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.call import Call, call_key, describe_change
 from pipesched.distributed.mesh import rank0_value
+from pipesched.distributed.placement import stage_parameters
 from pipesched.errors import ConfigError, RetraceWarning, warn_user
 from pipesched.layout import Cut, Layout
 from pipesched.materialize import materialize_stages, on_meta
@@ -227,20 +228,10 @@ class Assemblies:
             holds an nn.Sequential's layers and the mesh's reductions).
         model: the model.
         layout, cut: where stages run and how to cut.
-        on_stage_done, finish: see :func:`assemble`.
     """
 
-    def __init__(
-        self,
-        pipe: Pipeline,
-        model: nn.Module,
-        layout: Layout,
-        cut: Cut,
-        on_stage_done: Callable[[int], None],
-        finish: Callable[[], None],
-    ) -> None:
+    def __init__(self, pipe: Pipeline, model: nn.Module, layout: Layout, cut: Cut) -> None:
         self._pipe, self._model, self._layout, self._cut = pipe, model, layout, cut
-        self._on_stage_done, self._finish = on_stage_done, finish
         self._all: list[Assembly] = []
         self._current: Assembly | None = None
 
@@ -273,8 +264,8 @@ class Assemblies:
             example,
             key=key,
             register=self._register_layers,
-            on_stage_done=self._on_stage_done,
-            finish=self._finish,
+            on_stage_done=self._stage_done,
+            finish=self._commit_batch_norm,
         )
         if layout.mesh is not None:
             own = {s: assembly.stages[s] for s in assembly.own}
@@ -282,6 +273,16 @@ class Assemblies:
         self._all.append(assembly)
         self._current = assembly
         return assembly
+
+    def _stage_done(self, stage: int) -> None:
+        """A stage's gradients are final for this step: its replicas may start summing them."""
+        assembly = self.current
+        assembly.stepper.commit_early(stage_parameters(assembly.stages[stage]))
+        self._pipe.sync.stage_done(stage)
+
+    def _commit_batch_norm(self) -> None:
+        if self._pipe.training:
+            commit_all(self._pipe)
 
     def for_call(self, call: Call | None, inputs: Sequence[Any]) -> Assembly:
         """The cut that runs ``inputs`` (micro-batches of ``call``), cut now if none fits.

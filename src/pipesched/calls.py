@@ -33,7 +33,16 @@ def run_forward(pipe: Pipeline, batch: Any) -> Any:
     """``pipe``'s output on ``batch`` (stage 0's input), micro-batch by micro-batch.
 
     With a mesh: the output on the last stage's rank, None on the others.
+
+    Raises:
+        ConfigError: a mesh with gradients enabled (train with ``step``).
     """
+    if pipe.mesh is not None and torch.is_grad_enabled():
+        raise ConfigError(
+            "with a mesh, pipe(x) runs forward only: call it under torch.no_grad() "
+            "(evaluation), and train with pipe.step or GradientAccumulator.step, whose "
+            "backward crosses the ranks"
+        )
     micro = scatter(batch, pipe.chunks)
     assembly = pipe._assembly_for(batch if isinstance(batch, Call) else None, micro)
     rows = [batch_size(m) for m in micro]

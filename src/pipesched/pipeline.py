@@ -13,18 +13,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from pipesched.arguments import check_loss, check_pipeline
 from pipesched.assembly import Assemblies, Assembly, register_model
 from pipesched.batches import StepBatches, step_batches
-from pipesched.batchnorm import DeferredBatchNorm, commit_all
+from pipesched.batchnorm import DeferredBatchNorm
 from pipesched.call import Call, call_key, stage_input, with_cache_off
 from pipesched.calls import gather_timeline, run_forward, run_training
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
-from pipesched.distributed.placement import stage_parameters
-from pipesched.errors import ConfigError
 from pipesched.layout import Cut, resolve_layout
 from pipesched.materialize import InitWeights, check_meta
 from pipesched.partition import Partition
 from pipesched.pinned import Pinned
+from pipesched.planning import Planning, plan_auto
 from pipesched.prediction import predict_step
 from pipesched.runtime.gradsync import LocalSync, Sync
 from pipesched.runtime.interpreter import Runtime
@@ -61,13 +60,16 @@ class Pipeline(Pinned):
         devices: the device of each worker. None: every CUDA device, or CPU.
             ``["cpu", "cpu"]`` gives two workers that run in parallel.
         checkpoint: ``"always"``, ``"except_last"`` or ``"never"``:
-            which micro-batches recompute their forward in backward.
+            which micro-batches recompute their forward in backward. None:
+            ``"except_last"``, or the planner's choice under ``schedule="auto"``.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``,
             ``"zb-h2"``, or the V schedules ``"zb-v"``, ``"dualpipev"``,
             ``"v-half"``, ``"v-min"`` (schedules with several stages per worker need
             ``len(balance)`` to be that many times ``len(devices)``); or a
             :class:`~pipesched.Schedule` of your own (from CSV, or built
-            action by action), validated here, for ``chunks`` micro-batches.
+            action by action), validated here, for ``chunks`` micro-batches; or
+            ``"auto"``: :mod:`pipesched.planning` measures the model on ``example_inputs``,
+            picks schedule, cut and checkpoint mode (those not given) within ``memory_budget``.
         deferred_batch_norm: replace BatchNorm layers by DeferredBatchNorm,
             whose running statistics equal BatchNorm's on the whole mini-batch.
         example_inputs: one call's positional arguments (best one
@@ -78,29 +80,18 @@ class Pipeline(Pinned):
         num_stages: stages to cut when ``devices`` is not given.
         split_points: instead of ``balance``: the names of the modules that
             begin stages 1, 2, ... (``["transformer.h.2"]``).
-        memory_budget: bytes per worker that ``balance="time"`` or
-            ``"schedule"`` must fit (parameters, gradients, held activations).
+        memory_budget: bytes per worker that ``balance="time"`` or ``"schedule"``
+            (or ``schedule="auto"``) must fit (parameters, gradients, held activations).
         mesh: the ("dp", "pp") device mesh of a torchrun job
             (:func:`pipesched.distributed.init_mesh`): this process runs its
             pp rank's stages and syncs gradients with its dp replicas.
-        fuse_weight_grads: in :meth:`step` and :meth:`accumulate`, accumulate
-            the weight gradients of ``linear`` layers into ``.grad`` inside
-            the GEMM, as Megatron-LM does: the same sums, 30-40% less backward
-            time for small micro-batches on CPU. Weights under 2 MiB (where
-            it would lose), parameters shared between stages, with hooks, or
-            under autocast always take the ordinary path
-            (:mod:`pipesched.runtime.fused_linear`).
-        init_weights: for a model built under ``torch.device("meta")``, which
-            is cut without being materialized, each process allocating only
-            its own stages: how they are initialized. None: each module's
-            ``reset_parameters()`` (and ``reset_running_stats()``); a callable
-            ``init_weights(name, module)``: called after those, for every
-            module (under the model's own name) that directly holds a tensor
-            of this process's stages; ``"skip"``: left as allocated, for a
-            checkpoint load right after. Each module's generator is seeded
-            by its name and ``torch.initial_seed()`` (rank 0's on a mesh):
-            the weights are those of ``pipesched.materialize.initialize(model,
-            init_weights)`` whatever the cut. A tensor left unset raises
+        fuse_weight_grads: accumulate ``linear`` weight gradients into ``.grad``
+            inside the GEMM in steps, as Megatron-LM does (same sums, less time;
+            see :mod:`pipesched.runtime.fused_linear` for when it applies).
+        init_weights: for a model built under ``torch.device("meta")`` (each
+            process allocates only its stages): None (``reset_parameters()``),
+            a callable ``init_weights(name, module)`` or ``"skip"`` (a checkpoint
+            load follows); the weights are the same whatever the cut
             (:mod:`pipesched.materialize`).
 
     Attributes:
@@ -108,6 +99,8 @@ class Pipeline(Pinned):
             operations with their costs (:mod:`pipesched.partition.graph`).
         partition: the per-stage table of layers, parameters, time and
             activation memory; ``print(pipe.partition)``.
+        plan: under ``schedule="auto"``, every candidate the planner compared
+            and its pick (``print(pipe.plan)``); else None.
 
     Raises:
         ConfigTypeError: an argument has the wrong type (also a ``TypeError``).
@@ -131,7 +124,7 @@ class Pipeline(Pinned):
         *,
         balance: Sequence[int] | str | None = None,
         devices: Sequence[Device] | None = None,
-        checkpoint: str = "except_last",
+        checkpoint: str | None = None,
         schedule: str | Schedule = "gpipe",
         deferred_batch_norm: bool = False,
         example_inputs: tuple[Any, ...] | None = None,
@@ -144,13 +137,30 @@ class Pipeline(Pinned):
     ) -> None:
         super().__init__()
         check_pipeline(module, chunks, balance, num_stages, memory_budget)
-        checkpoint_stop(checkpoint, 1)  # checks the mode's name
+        checkpoint_stop(checkpoint or "never", 1)  # checks the mode's name
+        info = None if mesh is None else MeshInfo.of(mesh)
+        self.plan: Planning | None = None  # what schedule="auto" compared and picked
+        if schedule == "auto":  # the planner's pick stands for the arguments it chose
+            auto = plan_auto(
+                module,
+                chunks,
+                balance,
+                devices,
+                checkpoint,
+                example_inputs,
+                info,
+                memory_budget=memory_budget,
+                num_stages=num_stages,
+            )
+            schedule, balance, checkpoint, devices, self.plan = auto.arguments(devices)
+            memory_budget = num_stages = None
+        checkpoint = checkpoint or "except_last"
         schedule = check_spec(schedule, chunks)
         sequential = isinstance(module, nn.Sequential)
         if deferred_batch_norm and sequential:
             DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
-        info = None if mesh is None else MeshInfo.of(mesh)
         self._layout = resolve_layout(schedule, devices, balance, num_stages, split_points, info)
+        meta = check_meta(module, example_inputs, init_weights)
         self._cut = Cut(
             chunks,
             balance,
@@ -158,7 +168,7 @@ class Pipeline(Pinned):
             memory_budget,
             deferred_batch_norm,
             fuse_weight_grads,
-            check_meta(module, example_inputs, init_weights),
+            meta,
         )
         self._model = (module,)  # a tuple: its layers are registered, not the model itself
         self.chunks = chunks
@@ -167,9 +177,7 @@ class Pipeline(Pinned):
         """The reductions over the mesh's replicas and ranks (the identity locally)."""
         self.last_timeline: Timeline | None = None
         self.last_step_seconds: float | None = None
-        self._assemblies = Assemblies(
-            self, module, self._layout, self._cut, self._stage_done, self._commit_batch_norm
-        )
+        self._assemblies = Assemblies(self, module, self._layout, self._cut)
         if sequential:
             self._assemblies.add(example_inputs, None)
         else:  # the whole model's children, its own parameters and buffers, from now on
@@ -264,12 +272,6 @@ class Pipeline(Pinned):
         follow the output across ranks: train with :meth:`step`) and returns
         the output on the last stage's rank, None on the others.
         """
-        if self.mesh is not None and torch.is_grad_enabled():
-            raise ConfigError(
-                "with a mesh, pipe(x) runs forward only: call it under torch.no_grad() "
-                "(evaluation), and train with pipe.step or GradientAccumulator.step, whose "
-                "backward crosses the ranks"
-            )
         return run_forward(self, self._batch(args, kwargs))
 
     def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -371,12 +373,6 @@ class Pipeline(Pinned):
             microbatches = [self._batch((x,), {}) for x in microbatches]
         return step_batches(inputs, target, microbatches, targets, chunks=self.chunks)
 
-    def _stage_done(self, stage: int) -> None:
-        """A stage's gradients are final for this step: its replicas may start summing them."""
-        assembly = self._built()
-        assembly.stepper.commit_early(stage_parameters(assembly.stages[stage]))
-        self.sync.stage_done(stage)
-
     def gather_timeline(self) -> Timeline | None:
         """The last step's timeline with every rank's actions, on pipeline rank 0.
 
@@ -393,7 +389,3 @@ class Pipeline(Pinned):
         ``num_microbatches`` (default: as measured); :mod:`pipesched.prediction` says more.
         """
         return predict_step(self, num_microbatches)
-
-    def _commit_batch_norm(self) -> None:
-        if self.training:
-            commit_all(self)

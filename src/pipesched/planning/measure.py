@@ -1,0 +1,199 @@
+"""From a model to a plan: its layers profiled on one micro-batch, then searched; ``"auto"``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from pipesched.call import Call, with_cache_off
+from pipesched.checkpoint import CHECKPOINT_MODES, checkpoint_stop
+from pipesched.devices import Device
+from pipesched.distributed.mesh import MeshInfo, rank0_value
+from pipesched.errors import ConfigError
+from pipesched.layout import resolve_layout
+from pipesched.partition import plan_partition
+from pipesched.partition.graph import layers
+from pipesched.planning.candidate import LayerCost, Planning
+from pipesched.planning.search import plan_layers
+from pipesched.schedule import Schedule
+
+__all__ = ["Auto", "layer_costs", "plan_auto", "plan_model"]
+
+
+def layer_costs(
+    module: nn.Module,
+    example_inputs: tuple[Any, ...],
+    *,
+    device: Device = "cpu",
+    num_threads: int | None = None,
+    repeats: int = 3,
+) -> tuple[list[LayerCost], bool]:
+    """Each cut unit's measured costs on one micro-batch ``example_inputs``, and whether estimated.
+
+    An ``nn.Sequential`` is profiled layer by layer; any other model is traced
+    first (as ``Pipeline`` does). A model on the meta device gets estimated
+    times (:mod:`pipesched.partition.estimate`).
+    """
+    if not isinstance(module, nn.Sequential):  # traced as Pipeline traces it: caching off
+        example_inputs = with_cache_off(module, Call.of(example_inputs))
+    plan = plan_partition(
+        module,
+        num_stages=1,
+        devices=[torch.device(device)],
+        schedule="gpipe",
+        num_microbatches=1,
+        balance="time",
+        example_inputs=example_inputs,
+        num_threads=num_threads,
+        repeats=repeats,
+    )
+    graph = plan.graph
+    units = layers(graph)
+    crossing = [0.0] * (len(units) + 1)  # a difference array over cut positions
+    for node, data in graph.nodes(data=True):
+        if data.get("kind") == "output":
+            continue
+        unit = -1 if data.get("kind") == "input" else data.get("unit")
+        if unit is None:
+            continue
+        ends = [graph.nodes[b].get("unit", len(units)) for b in graph.successors(node)]
+        last = min(
+            max((len(units) if e is None else e for e in ends), default=unit), len(units) - 1
+        )
+        if last > unit:  # this tensor is in every stage input from unit + 1 up to its last use
+            crossing[unit + 1] += float(data.get("output_bytes") or 0)
+            crossing[last + 1] -= float(data.get("output_bytes") or 0)
+    result, running = [], 0.0
+    for k, u in enumerate(units):
+        running += crossing[k]
+        result.append(
+            LayerCost(
+                u.name,
+                float(u.forward_time or 0.0),
+                float(u.backward_time or 0.0),
+                float(u.activation_bytes or 0),
+                float(u.param_bytes),
+                running,
+            )
+        )
+    return result, plan.partition.estimated
+
+
+def plan_model(
+    module: nn.Module,
+    example_inputs: tuple[Any, ...],
+    num_workers: int,
+    chunks: int,
+    *,
+    device: Device = "cpu",
+    num_threads: int | None = None,
+    memory_budget: float | None = None,
+    schedules: Sequence[str] | None = None,
+    checkpoints: Sequence[str] = CHECKPOINT_MODES,
+    counts: Sequence[int] | None = None,
+    synthesized: bool = True,
+) -> Planning:
+    """Profiles ``module`` on one micro-batch and plans it for ``num_workers`` and ``chunks``.
+
+    See :func:`~pipesched.planning.search.plan_layers` for the arguments
+    after ``chunks`` and what is compared.
+    """
+    costs, estimated = layer_costs(module, example_inputs, device=device, num_threads=num_threads)
+    kind = "estimated (meta-device model)" if estimated else "profiled"
+    return plan_layers(
+        costs,
+        num_workers,
+        chunks,
+        memory_budget=memory_budget,
+        schedules=schedules,
+        checkpoints=checkpoints,
+        counts=counts,
+        synthesized=synthesized,
+        source=f"{kind} on {torch.device(device)}, {len(costs)} layers",
+    )
+
+
+@dataclass(frozen=True)
+class Auto:
+    """What ``Pipeline(schedule="auto")`` builds with: the planner's pick, agreed by every rank.
+
+    Args:
+        schedule: a built-in's name, or the synthesized Schedule.
+        balance: layers per stage.
+        checkpoint: the checkpoint mode.
+        devices: the workers' devices.
+        planning: everything compared (rank 0's, on a mesh).
+    """
+
+    schedule: str | Schedule
+    balance: list[int]
+    checkpoint: str
+    devices: list[torch.device] | None
+    planning: Planning
+
+    def arguments(
+        self, devices: Sequence[Device] | None
+    ) -> tuple[str | Schedule, list[int], str, Sequence[Device] | None, Planning]:
+        """``(schedule, balance, checkpoint, devices, planning)`` for the Pipeline to build with."""
+        chosen = devices if self.devices is None else self.devices
+        return self.schedule, self.balance, self.checkpoint, chosen, self.planning
+
+
+def plan_auto(
+    module: nn.Module,
+    chunks: int,
+    balance: Sequence[int] | str | None,
+    devices: Sequence[Device] | None,
+    checkpoint: str | None,
+    example_inputs: Any,
+    mesh: MeshInfo | None,
+    *,
+    memory_budget: float | None,
+    num_stages: int | None,
+) -> Auto:
+    """Resolves ``schedule="auto"``: profile, plan, and (on a mesh) take rank 0's pick.
+
+    Raises:
+        ConfigError: no example to measure, a balance mode other than the
+            searched ones, or nothing fits ``memory_budget``.
+    """
+    if example_inputs is None:
+        raise ConfigError(
+            "schedule='auto' measures the model to choose its schedule and cut: pass "
+            "example_inputs=(x,) with x one micro-batch of input"
+        )
+    if isinstance(balance, str) and balance not in ("time", "schedule"):
+        raise ConfigError(
+            f"schedule='auto' searches the cut itself; balance={balance!r} does not apply "
+            "(leave it out, or give layers per stage)"
+        )
+    counts = None if balance is None or isinstance(balance, str) else list(balance)
+    workers = num_stages if counts is None else None
+    layout = resolve_layout("1f1b", devices, None, workers, None, mesh)
+    planning = plan_model(
+        module,
+        example_inputs,
+        len(layout.devices),
+        chunks,
+        device=layout.devices[0],
+        num_threads=layout.cpu_threads,
+        memory_budget=memory_budget,
+        checkpoints=CHECKPOINT_MODES if checkpoint is None else (checkpoint,),
+        counts=counts,
+    )
+    pick = planning.pick
+    if mesh is not None:  # measured costs can differ between ranks: rank 0's plan wins
+        planning = rank0_value(planning)
+        pick = planning.pick
+    checkpoint_stop(pick.checkpoint, chunks)
+    return Auto(
+        pick.spec,
+        list(pick.counts),
+        pick.checkpoint,
+        None if mesh is not None else list(layout.devices),
+        planning,
+    )

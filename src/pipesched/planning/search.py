@@ -1,0 +1,397 @@
+"""The planner's search: every schedule x checkpoint mode, each with its best cut, predicted.
+
+Pure Python over per-layer numbers (:class:`~pipesched.planning.candidate.LayerCost`),
+like the schedule core it drives; :mod:`pipesched.planning.measure` gets those
+numbers from a model.
+
+For each built-in schedule and checkpoint mode the cut points are searched by
+simulating the schedule (:func:`~pipesched.partition.balance.search_schedule`,
+as ``balance="schedule"``), within the memory budget. Then, for the best cut
+of each placement (one stage per worker, and two in a V), a schedule is
+synthesized for those stage costs and the budget
+(:func:`~pipesched.schedule.synthesize`). Every candidate is scored the same
+way: its step played by :func:`~pipesched.schedule.prediction.predict` (a
+checkpointed micro-batch's backward runs its forward again), and its memory
+swept over that timeline:
+
+- a worker holds its stages' parameters and their gradients (twice the
+  parameter bytes; the optimizer's state is not counted);
+- a micro-batch kept whole holds its stage's input and activations from the
+  start of its forward to the end of its backward (W where backward is
+  split); a checkpointed one holds only the input until its backward starts
+  and recomputes the rest, which it then holds until that backward ends.
+
+The costs are per micro-batch as measured on one device: every worker is
+taken to be as fast as that one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from pipesched.checkpoint import CHECKPOINT_MODES, checkpoint_stop
+from pipesched.errors import ConfigError, PartitionError, PipeschedError
+from pipesched.partition.balance import min_max_counts, search_schedule
+from pipesched.partition.cuts import prefix_sums
+from pipesched.planning.candidate import Candidate, LayerCost, Planning
+from pipesched.schedule import (
+    BACKWARD,
+    FORWARD,
+    WEIGHT,
+    Costs,
+    Schedule,
+    Timeline,
+    get_schedule,
+    stages_per_worker,
+    synthesize,
+)
+from pipesched.schedule.builders import SCHEDULES
+from pipesched.schedule.prediction import StepModel, predict
+
+__all__ = ["MARGIN", "peak_bytes", "plan_layers"]
+
+MARGIN = 0.01
+"""A synthesized schedule is picked only when predicted this much faster than every built-in
+that fits: a built-in's order is known (drawn in the docs) and its memory closed-form."""
+
+
+class _Table:
+    """Prefix sums of the layers' costs, and what a stage of layers ``[i, j)`` costs."""
+
+    def __init__(self, layers: Sequence[LayerCost], checkpoint: str, chunks: int) -> None:
+        self.forward = prefix_sums(x.forward for x in layers)
+        self.backward = prefix_sums(x.backward for x in layers)
+        self.activation = prefix_sums(x.activation_bytes for x in layers)
+        self.params = prefix_sums(x.param_bytes for x in layers)
+        self.input = [x.input_bytes for x in layers]
+        self.stop = checkpoint_stop(checkpoint, chunks)
+        self.kept = chunks - self.stop
+
+    def times(self, i: int, j: int) -> tuple[float, float]:
+        return self.forward[j] - self.forward[i], self.backward[j] - self.backward[i]
+
+    def held(self, i: int, j: int) -> tuple[float, float]:
+        """(bytes of a checkpointed micro-batch before its backward, of a kept one)."""
+        return self.input[i], self.input[i] + self.activation[j] - self.activation[i]
+
+    def search_passes(self, k: int, i: int, j: int) -> tuple[float, float, float]:
+        """For the cut search: (F, B with recomputation, bytes per held micro-batch)."""
+        forward, backward = self.times(i, j)
+        checkpointed, kept = self.held(i, j)
+        if self.stop == 0:
+            return forward, backward, kept
+        return forward, backward + forward, checkpointed
+
+    def fixed(self, k: int, i: int, j: int) -> float:
+        """Parameters and gradients, and the kept micro-batch where others are checkpointed."""
+        extra = 0.0
+        if self.stop and self.kept:
+            extra = self.activation[j] - self.activation[i]
+        return float(2.0 * (self.params[j] - self.params[i]) + extra)
+
+
+def plan_layers(
+    layers: Sequence[LayerCost],
+    num_workers: int,
+    chunks: int,
+    *,
+    memory_budget: float | None = None,
+    schedules: Sequence[str] | None = None,
+    checkpoints: Sequence[str] = CHECKPOINT_MODES,
+    counts: Sequence[int] | None = None,
+    synthesized: bool = True,
+    overhead: float = 0.0,
+    source: str = "profiled layer costs",
+) -> Planning:
+    """Compares schedule x checkpoint mode x cut for ``layers`` and picks the fastest that fits.
+
+    Args:
+        layers: the model's cut units in order, with their costs.
+        num_workers: workers (devices or pipeline ranks).
+        chunks: micro-batches per step.
+        memory_budget: bytes per worker; None: no limit.
+        schedules: built-in schedules to compare (default: all of them).
+        checkpoints: checkpoint modes to compare.
+        counts: layers per stage, fixed (only schedules of that many stages
+            are compared); None: searched for each schedule.
+        synthesized: also compare schedules synthesized for the costs.
+        overhead: seconds the runtime spends before each action.
+        source: what the costs come from (shown by ``print``).
+
+    Raises:
+        ConfigError: no candidate fits the budget (the message gives the
+            smallest peak seen and the fixes), or an argument is out of range.
+    """
+    if num_workers < 1 or chunks < 1 or not layers:
+        raise ConfigError(
+            f"planning needs at least 1 worker, 1 micro-batch and 1 layer, got "
+            f"num_workers={num_workers}, chunks={chunks} and {len(layers)} layers"
+        )
+    names = list(SCHEDULES) if schedules is None else list(schedules)
+    found: list[Candidate] = []
+    skipped: list[tuple[str, str]] = []
+    for name in names:
+        stages = num_workers * stages_per_worker(name)
+        why = _unfit(name, stages, len(layers), counts)
+        if why is None:
+            try:
+                get_schedule(name, stages, chunks)
+            except PipeschedError as error:
+                why = str(error)
+        if why is not None:
+            skipped.append((name, why))
+            continue
+        for mode in checkpoints:
+            plan = get_schedule(name, stages, chunks)
+            found.append(_best_cut(plan, layers, mode, memory_budget, counts, overhead))
+    if synthesized:
+        found += _synthesized(found, layers, num_workers, chunks, memory_budget, overhead)
+    fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step, c.peak_bytes))
+    if not fitting:
+        if not found:
+            raise ConfigError(
+                f"no schedule can cut {len(layers)} layers for {num_workers} workers: "
+                + "; ".join(f"{n}: {w}" for n, w in skipped)
+            )
+        least = min(found, key=lambda c: c.peak_bytes)
+        raise ConfigError(
+            f"no plan fits memory_budget={memory_budget:.4g} bytes per worker; the least "
+            f"memory any needs is {least.peak_bytes:.4g} bytes ({least.schedule}, "
+            f"checkpoint={least.checkpoint!r}, balance {list(least.counts)}): raise the "
+            "budget, use more workers, or fewer/smaller micro-batches"
+        )
+    pick = fitting[0]
+    if pick.table is not None:  # a synthesized table must beat the built-ins by a margin
+        near = [c for c in fitting if c.table is None and c.step <= pick.step * (1 + MARGIN)]
+        pick = near[0] if near else pick
+    others = sorted((c for c in found if not c.fits), key=lambda c: c.step)
+    baseline = _baseline(layers, num_workers, chunks, checkpoints, memory_budget, counts, overhead)
+    return Planning(
+        tuple(fitting + others),
+        pick,
+        num_workers,
+        memory_budget,
+        tuple(skipped),
+        baseline,
+        source,
+    )
+
+
+def peak_bytes(
+    timeline: Timeline,
+    stop: int,
+    held: Sequence[tuple[float, float]],
+    fixed: Sequence[float],
+) -> float:
+    """The fullest worker's memory over ``timeline`` (see the module docstring).
+
+    Args:
+        timeline: a step, planned or predicted.
+        stop: micro-batches ``i < stop`` are checkpointed.
+        held: per stage, (bytes of a checkpointed micro-batch before its
+            backward, bytes of a whole one).
+        fixed: per worker, bytes held all step.
+    """
+    last = WEIGHT if any(e.action.kind == WEIGHT for e in timeline.events) else BACKWARD
+    changes: list[list[tuple[float, int, float]]] = [[] for _ in fixed]
+    for e in timeline.events:
+        s, kind, i = e.action
+        light, whole = held[s]
+        delta = changes[e.worker]
+        if kind == FORWARD:
+            delta.append((e.start, 1, light if i < stop else whole))
+        if kind == BACKWARD and i < stop:
+            delta.append((e.start, 1, whole - light))
+        if kind == last:
+            delta.append((e.end, 0, -whole))
+    peak = 0.0
+    for w, delta in enumerate(changes):
+        level = top = fixed[w]
+        for _, _, change in sorted(delta):  # at one instant, frees (0) before takes (1)
+            level += change
+            top = max(top, level)
+        peak = max(peak, top)
+    return peak
+
+
+def _unfit(name: str, stages: int, num_layers: int, counts: Sequence[int] | None) -> str | None:
+    if counts is not None and len(counts) != stages:
+        return f"it runs {stages} stages, the balance given has {len(counts)}"
+    if stages > num_layers:
+        return f"it needs {stages} stages, the model has {num_layers} layers"
+    return None
+
+
+def _best_cut(
+    schedule: Schedule,
+    layers: Sequence[LayerCost],
+    mode: str,
+    budget: float | None,
+    counts: Sequence[int] | None,
+    overhead: float,
+) -> Candidate:
+    """The schedule with the cut that simulates fastest within the budget (or the least memory)."""
+    table = _Table(layers, mode, schedule.num_microbatches)
+    chosen = list(counts) if counts is not None else None
+    if chosen is None:
+        start = min_max_counts(
+            len(layers), schedule.num_stages, lambda k, i, j: sum(table.search_passes(k, i, j)[:2])
+        )
+        try:
+            chosen = list(
+                search_schedule(
+                    schedule,
+                    len(layers),
+                    table.search_passes,
+                    table.fixed,
+                    start=start,
+                    memory_budget=budget,
+                ).counts
+            )
+        except PartitionError:  # nothing fits: score the fastest cut anyway, shown over budget
+            chosen = list(
+                search_schedule(
+                    schedule, len(layers), table.search_passes, table.fixed, start=start
+                ).counts
+            )
+    return _score(schedule, schedule.name, chosen, table, budget, overhead)
+
+
+def _score(
+    schedule: Schedule,
+    name: str,
+    counts: Sequence[int],
+    table: _Table,
+    budget: float | None,
+    overhead: float,
+    note: str = "",
+) -> Candidate:
+    bounds = prefix_sums(counts)
+    spans = list(itertools.pairwise(bounds))
+    times = [table.times(i, j) for i, j in spans]
+    model = StepModel.from_stage_times(
+        [f for f, _ in times],
+        [b for _, b in times],
+        schedule.num_workers,
+        split_backward=schedule.split_backward,
+        source="planner",
+    )
+    if overhead:
+        model = replace(model, overhead=(overhead,) * schedule.num_workers)
+    timeline = predict(schedule, model, table.stop)
+    fixed = [0.0] * schedule.num_workers
+    for k, (i, j) in enumerate(spans):
+        fixed[schedule.placement[k]] += 2.0 * (table.params[j] - table.params[i])
+    peak = peak_bytes(timeline, table.stop, [table.held(i, j) for i, j in spans], fixed)
+    return Candidate(
+        name,
+        _mode_of(table, schedule.num_microbatches),
+        tuple(counts),
+        schedule.num_microbatches,
+        timeline.makespan,
+        peak,
+        budget is None or peak <= budget,
+        schedule if name == "synthesized" else None,
+        note,
+    )
+
+
+def _mode_of(table: _Table, chunks: int) -> str:
+    for mode in CHECKPOINT_MODES:
+        if checkpoint_stop(mode, chunks) == table.stop:
+            return mode
+    return "never"  # pragma: no cover - every stop comes from a mode
+
+
+def _synthesized(
+    found: Sequence[Candidate],
+    layers: Sequence[LayerCost],
+    num_workers: int,
+    chunks: int,
+    budget: float | None,
+    overhead: float,
+) -> list[Candidate]:
+    """A schedule synthesized for the best cut of each placement and checkpoint mode."""
+    result = []
+    for v in (1, 2):
+        for mode in dict.fromkeys(c.checkpoint for c in found):
+            same = [
+                c
+                for c in found
+                if c.checkpoint == mode
+                and stages_per_worker(c.schedule) == v
+                and c.schedule != "interleaved-1f1b"  # not a V: its cut does not transfer
+            ]
+            if not same:
+                continue
+            base = min(same, key=lambda c: (not c.fits, c.step))
+            table = _Table(layers, mode, chunks)
+            bounds = prefix_sums(base.counts)
+            spans = list(itertools.pairwise(bounds))
+            costs = []
+            for k, (i, j) in enumerate(spans):
+                forward, backward, _ = table.search_passes(k, i, j)
+                plain = table.times(i, j)[1]
+                costs.append(Costs(forward, backward - plain / 2, plain / 2))
+            limit = _held_limit(table, spans, num_workers, v, budget)
+            if limit is not None and limit < 1:
+                continue
+            try:
+                made = synthesize(
+                    num_workers, chunks, costs, stages_per_worker=v, memory_limit=limit
+                )
+            except PipeschedError:
+                continue
+            result.append(
+                _score(
+                    made,
+                    "synthesized",
+                    base.counts,
+                    table,
+                    budget,
+                    overhead,
+                    note=f"(for {base.schedule}'s cut)",
+                )
+            )
+    return result
+
+
+def _held_limit(
+    table: _Table, spans: Sequence[tuple[int, int]], workers: int, v: int, budget: float | None
+) -> float | None:
+    """Micro-batches of its whole share each worker can hold within the budget (the least)."""
+    if budget is None:
+        return None
+    limit = math.inf
+    for w in range(workers):
+        mine = [spans[w]] if v == 1 else [spans[w], spans[2 * workers - 1 - w]]
+        fixed = sum(table.fixed(0, i, j) for i, j in mine)
+        per = sum(table.search_passes(0, i, j)[2] for i, j in mine)
+        if per > 0:
+            limit = min(limit, (budget - fixed) / per)
+    return None if math.isinf(limit) else math.floor(limit * v) / v
+
+
+def _baseline(
+    layers: Sequence[LayerCost],
+    num_workers: int,
+    chunks: int,
+    checkpoints: Sequence[str],
+    budget: float | None,
+    counts: Sequence[int] | None,
+    overhead: float,
+) -> Candidate | None:
+    """1F1B with time-balanced stages (what ``balance="time"`` gives), for comparison."""
+    if num_workers > len(layers) or (counts is not None and len(counts) != num_workers):
+        return None
+    mode = "never" if "never" in checkpoints else checkpoints[0]
+    table = _Table(layers, mode, chunks)
+    chosen = counts or min_max_counts(
+        len(layers), num_workers, lambda k, i, j: sum(table.times(i, j))
+    )
+    return _score(
+        get_schedule("1f1b", num_workers, chunks), "1f1b", list(chosen), table, budget, overhead
+    )

@@ -1,0 +1,123 @@
+"""``Pipeline(schedule="auto")``: the planner's pick is built, and trains exactly like the model."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from pipesched import Pipeline
+from pipesched.errors import ConfigError
+from pipesched.planning import plan_model
+
+
+def lm_like(width: int = 16, vocab: int = 256, blocks: int = 4) -> nn.Sequential:
+    """Blocks, then a head much heavier than one of them."""
+    torch.manual_seed(0)
+    body = [
+        nn.Sequential(nn.Linear(width, 2 * width), nn.Tanh(), nn.Linear(2 * width, width))
+        for _ in range(blocks)
+    ]
+    return nn.Sequential(nn.Linear(8, width), *body, nn.Linear(width, vocab)).double()
+
+
+class Branchy(nn.Module):
+    """Not an nn.Sequential: traced. A skip connection crosses any cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.out = nn.Linear(16, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = skip = self.inp(x)
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.out(h + skip)
+
+
+def _gradients_equal(pipe: Pipeline, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    loss = pipe.step(x, y, loss_fn=nn.functional.cross_entropy)
+    expected = nn.functional.cross_entropy(model(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    for (name, p), q in zip(pipe.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+
+
+@pytest.mark.parametrize(
+    "make", [lm_like, lambda: Branchy().double()], ids=["sequential", "traced"]
+)
+def test_the_pick_is_built_and_its_gradients_are_the_models(make) -> None:
+    model = make()
+    reference = copy.deepcopy(model)
+    x = torch.randn(24, 8, dtype=torch.float64)
+    y = torch.randint(0, 64, (24,))
+    pipe = Pipeline(model, 6, schedule="auto", devices=["cpu", "cpu"], example_inputs=(x[:4],))
+    plan = pipe.plan
+    assert plan is not None and plan.pick.fits
+    assert pipe.checkpoint == plan.pick.checkpoint
+    assert tuple(pipe.balance) == plan.pick.counts
+    assert pipe.schedule_name == plan.pick.schedule
+    assert len(pipe.devices) == 2
+    _gradients_equal(pipe, reference, x, y)
+
+
+def test_a_budget_a_balance_and_a_checkpoint_mode_given_are_kept() -> None:
+    x = torch.randn(16, 8, dtype=torch.float64)
+    free = plan_model(lm_like(), (x[:2],), 2, 8, num_threads=1)
+    budget = sorted(c.peak_bytes for c in free.candidates)[len(free.candidates) // 3]
+    pipe = Pipeline(
+        lm_like(),
+        8,
+        schedule="auto",
+        devices=["cpu"] * 2,
+        example_inputs=(x[:2],),
+        memory_budget=budget,
+    )
+    assert pipe.plan is not None and pipe.plan.pick.peak_bytes <= budget
+    assert pipe.plan.memory_budget == budget
+    fixed = Pipeline(
+        lm_like(),
+        8,
+        schedule="auto",
+        devices=["cpu"] * 2,
+        example_inputs=(x[:2],),
+        balance=[4, 2],
+        checkpoint="always",
+    )
+    assert fixed.plan is not None and fixed.balance == [4, 2] and fixed.checkpoint == "always"
+    assert {c.checkpoint for c in fixed.plan.candidates} == {"always"}
+    assert {c.counts for c in fixed.plan.candidates} == {(4, 2)}
+
+
+def test_without_auto_the_checkpoint_default_is_except_last() -> None:
+    pipe = Pipeline(lm_like(), 4, devices=["cpu"] * 2)
+    assert pipe.checkpoint == "except_last" and pipe.plan is None
+
+
+def test_auto_needs_an_example_and_a_searchable_balance() -> None:
+    with pytest.raises(ConfigError, match=r"schedule='auto' measures .* example_inputs=\(x,\)"):
+        Pipeline(lm_like(), 4, schedule="auto", devices=["cpu"] * 2)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    with pytest.raises(ConfigError, match=r"balance='params' does not apply"):
+        Pipeline(
+            lm_like(),
+            4,
+            schedule="auto",
+            devices=["cpu"] * 2,
+            example_inputs=(x,),
+            balance="params",
+        )
+    with pytest.raises(ConfigError, match=r"no plan fits memory_budget"):
+        Pipeline(
+            lm_like(),
+            4,
+            schedule="auto",
+            devices=["cpu"] * 2,
+            example_inputs=(x,),
+            memory_budget=100.0,
+        )
