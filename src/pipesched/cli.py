@@ -3,7 +3,8 @@
 The schedule commands (``simulate``, ``show``) import neither torch nor
 matplotlib; the drawing commands (``viz``, ``compare``, ``trace``) import
 :mod:`pipesched.viz`, and matplotlib with it, only when they run;
-``checkpoint`` imports torch only when it runs.
+``checkpoint`` and ``plan`` (:mod:`pipesched.cli_plan`) import torch only
+when they run.
 
 Every number is checked before any work: a count that is not a positive
 integer, or is past what it can mean, is an argparse error naming the
@@ -21,6 +22,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from pipesched.cli_plan import add_plan_parser, run_plan
 from pipesched.errors import ConfigError, PipeschedError
 from pipesched.schedule import Costs, Timeline, get_schedule, render_timeline, stages_per_worker
 from pipesched.schedule.builders import SCHEDULES, check_size_of
@@ -199,6 +201,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     imported.add_argument("state_dict", metavar="STATE.pt", help="torch.save(model.state_dict())")
     imported.add_argument("checkpoint", metavar="CHECKPOINT", help="the directory to write")
+    add_plan_parser(commands, _schedule_count)
     return parser
 
 
@@ -242,6 +245,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _batch(args)
         elif args.command == "checkpoint":
             _checkpoint(args)
+        elif args.command == "plan":
+            run_plan(args)
         elif args.command == "simulate":
             costs: Costs = args.costs
             print(
