@@ -12,12 +12,14 @@ process.
 - baseline: ``Pipeline(model, 8, split_points=["transformer.h.4"],
   schedule="1f1b", checkpoint="never")``: half the blocks per stage, the
   embedding on the first, the head and loss on the last.
-- plan: ``Pipeline(model, 8, schedule="auto", example_inputs=<one
-  micro-batch>, memory_budget=B)`` with B the baseline's own peak memory as
-  the planner estimates it (parameters, their gradients, held activations):
-  the same budget.
+- plan Hx: ``Pipeline(model, 8, schedule="auto", example_inputs=<one
+  micro-batch>, memory_budget=H * B)`` with B the baseline's own peak memory
+  as the planner estimates it (parameters, their gradients, held
+  activations). At 1x the plan must fit exactly what the baseline uses; at
+  1.5x it may use half as much again, as on a device with headroom (the
+  baseline fits either budget).
 
-Each round steps both pipelines once, alternating, after a warm-up step; the
+Each round steps every pipeline once, alternating, after a warm-up step; the
 medians of the rounds are compared. Also printed: the planner's table, and
 each pipeline's predicted step (``pipe.predict()`` after the last step).
 Target: plan >= 15% faster than the baseline (ratio <= 0.85).
@@ -71,6 +73,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument(
+        "--headroom",
+        type=float,
+        nargs="+",
+        default=[1.0, 1.5],
+        help="budgets to plan for, as multiples of the baseline's own peak",
+    )
     args = parser.parse_args()
     logging.set_verbosity_error()
     devices = ["cpu", "cpu"]
@@ -100,21 +109,25 @@ def main() -> None:
         synthesized=False,
     )
     budget = own.pick.peak_bytes
-    started = time.perf_counter()
-    plan = Pipeline(
-        gpt2(args.vocab),
-        CHUNKS,
-        schedule="auto",
-        devices=devices,
-        example_inputs=example,
-        memory_budget=budget,
-    )
-    planning_seconds = time.perf_counter() - started
-    assert plan.plan is not None
-    print(plan.plan, end="\n\n")
-    print(f"planning took {planning_seconds:.1f} s (profiling, search, building the pipeline)\n")
-    times: dict[str, list[float]] = {"baseline": [], "plan": []}
-    pipes = {"baseline": baseline, "plan": plan}
+    pipes = {"baseline": baseline}
+    peaks = {"baseline": budget}
+    for headroom in args.headroom:
+        started = time.perf_counter()
+        plan = Pipeline(
+            gpt2(args.vocab),
+            CHUNKS,
+            schedule="auto",
+            devices=devices,
+            example_inputs=example,
+            memory_budget=headroom * budget,
+        )
+        seconds = time.perf_counter() - started
+        assert plan.plan is not None
+        print(f"budget {headroom:g} x the baseline's peak: planned in {seconds:.1f} s")
+        print(plan.plan, end="\n\n")
+        name = f"plan {headroom:g}x"
+        pipes[name], peaks[name] = plan, plan.plan.pick.peak_bytes
+    times: dict[str, list[float]] = {name: [] for name in pipes}
     for pipe in pipes.values():
         pipe.step(batch(args.vocab, ROWS, 0), loss_fn=loss_fn)  # warm-up
     for r in range(args.rounds):
@@ -125,21 +138,20 @@ def main() -> None:
             times[name].append(time.perf_counter() - started)
     median = {name: statistics.median(t) for name, t in times.items()}
     header = f"{'pipeline':<10} {'schedule':<12} {'checkpoint':<11} {'balance':<22}"
-    print(f"{header} {'predicted':>10} {'measured':>10} {'best':>9} {'peak (est.)':>12}")
-    peaks = {"baseline": budget, "plan": plan.plan.pick.peak_bytes}
+    print(
+        f"{header} {'predicted':>10} {'measured':>10} {'best':>9} {'peak (est.)':>12} {'ratio':>6}"
+    )
     for name, pipe in pipes.items():
         predicted = pipe.predict().step_time
         print(
             f"{name:<10} {pipe.schedule_name:<12} {pipe.checkpoint:<11} {pipe.balance!s:<22} "
             f"{predicted * 1e3:8.1f} ms {median[name] * 1e3:7.1f} ms "
-            f"{min(times[name]) * 1e3:6.1f} ms "
-            f"{peaks[name] / 2**20:8.1f} MiB"
+            f"{min(times[name]) * 1e3:6.1f} ms {peaks[name] / 2**20:8.1f} MiB "
+            f"{median[name] / median['baseline']:6.3f}"
         )
-    ratio = median["plan"] / median["baseline"]
-    verdict = "met" if ratio <= 0.85 else "MISSED"
     print(
-        f"\nplan / baseline (median step): {ratio:.3f} ({(1 - ratio) * 100:.1f}% faster; "
-        f"target >= 15%: {verdict}); budget {budget / 2**20:.1f} MiB per worker"
+        f"\nbaseline peak (the 1x budget): {budget / 2**20:.1f} MiB per worker; target: a plan "
+        ">= 15% faster than the baseline (ratio <= 0.85) within its budget"
     )
 
 

@@ -369,8 +369,9 @@ def _held_limit(
     for w in range(workers):
         mine = [spans[w]] if v == 1 else [spans[w], spans[2 * workers - 1 - w]]
         fixed = sum(table.fixed(0, i, j) for i, j in mine)
-        # Whole micro-batches: a synthesized order may hold a recomputed one from B to W.
-        per = sum(table.held(i, j)[1] for i, j in mine)
+        # In whole micro-batches (an order may hold a recomputed one from B to W) of the
+        # worker's heaviest stage: the limit counts v stage-micro-batches per unit.
+        per = v * max(table.held(i, j)[1] for i, j in mine)
         if per > 0:
             limit = min(limit, (budget - fixed) / per)
     return None if math.isinf(limit) else math.floor(limit * v) / v
