@@ -66,6 +66,9 @@ def test_a_budget_is_kept_and_costs_time_or_recomputation() -> None:
     assert tight.pick.peak_bytes <= budget
     assert tight.pick.step >= free.pick.step
     assert all(c.fits == (c.peak_bytes <= budget) for c in tight.candidates)
+    # A synthesized order is made within the budget, by its held micro-batches.
+    made = [c for c in tight.candidates if c.schedule == "synthesized"]
+    assert made and all(c.fits for c in made)
     assert "over budget" in str(tight)
 
 
