@@ -121,3 +121,33 @@ def test_auto_needs_an_example_and_a_searchable_balance() -> None:
             example_inputs=(x,),
             memory_budget=100.0,
         )
+
+
+def test_planning_times_each_layer_in_the_runtime_and_leaves_the_model_as_it_was() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 16), nn.Linear(16, 4)
+    ).double()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 8, dtype=torch.float64)
+    rng = torch.get_rng_state()
+    pipe = Pipeline(model, 4, schedule="auto", devices=["cpu"] * 2, example_inputs=(x[:2],))
+    assert pipe.plan is not None
+    assert "measured per layer in pipesched's runtime" in pipe.plan.source
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    for name, value in model.state_dict().items():  # BatchNorm statistics untouched
+        torch.testing.assert_close(value, state[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_model_that_cannot_run_per_layer_falls_back_to_the_profile_and_says_so(monkeypatch):
+    import pipesched.planning.measure as measure
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("no")
+
+    monkeypatch.setattr(measure, "run_layer_times", fails)
+    x = torch.randn(4, 8, dtype=torch.float64)
+    with pytest.warns(UserWarning, match="per-operation profile"):
+        pipe = Pipeline(lm_like(), 2, schedule="auto", devices=["cpu"] * 2, example_inputs=(x,))
+    assert pipe.plan is not None and "a run per layer failed: RuntimeError" in pipe.plan.source

@@ -13,12 +13,13 @@ from pipesched.call import Call, with_cache_off
 from pipesched.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo, rank0_value
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, PipeschedWarning, warn_user
 from pipesched.layout import resolve_layout
 from pipesched.partition import plan_partition
 from pipesched.partition.graph import layers
 from pipesched.planning.candidate import LayerCost, Planning
 from pipesched.planning.search import plan_layers
+from pipesched.planning.timing import run_layer_times
 from pipesched.schedule import Schedule
 
 __all__ = ["Auto", "layer_costs", "plan_auto", "plan_model"]
@@ -31,12 +32,15 @@ def layer_costs(
     device: Device = "cpu",
     num_threads: int | None = None,
     repeats: int = 3,
-) -> tuple[list[LayerCost], bool]:
-    """Each cut unit's measured costs on one micro-batch ``example_inputs``, and whether estimated.
+) -> tuple[list[LayerCost], str]:
+    """Each cut unit's costs on one micro-batch ``example_inputs``, and where its times come from.
 
-    An ``nn.Sequential`` is profiled layer by layer; any other model is traced
-    first (as ``Pipeline`` does). A model on the meta device gets estimated
-    times (:mod:`pipesched.partition.estimate`).
+    The stage graph comes from the profile ``Pipeline`` makes (an
+    ``nn.Sequential`` layer by layer; any other model traced first): bytes
+    held, parameters, what crosses each cut. The times are each layer's F
+    and B in pipesched's own runtime (:mod:`pipesched.planning.timing`), or
+    the per-operation profile's where that cannot run; a model on the meta
+    device gets estimated times (:mod:`pipesched.partition.estimate`).
     """
     if not isinstance(module, nn.Sequential):  # traced as Pipeline traces it: caching off
         example_inputs = with_cache_off(module, Call.of(example_inputs))
@@ -67,20 +71,37 @@ def layer_costs(
         if last > unit:  # this tensor is in every stage input from unit + 1 up to its last use
             crossing[unit + 1] += float(data.get("output_bytes") or 0)
             crossing[last + 1] -= float(data.get("output_bytes") or 0)
+    forward = [float(u.forward_time or 0.0) for u in units]
+    backward = [float(u.backward_time or 0.0) for u in units]
+    where = torch.device(device)
+    source = f"profiled per operation on {where}"
+    if plan.partition.estimated:
+        source = "estimated from FLOPs (meta-device model)"
+    else:
+        try:
+            forward, backward = run_layer_times(module, example_inputs, len(units), where)
+            source = f"measured per layer in pipesched's runtime on {where}"
+        except Exception as error:  # the per-operation profile still stands: say so, go on
+            source += f" (a run per layer failed: {type(error).__name__})"
+            warn_user(
+                f"the planner could not time each layer in pipesched's runtime ({error}); it "
+                "plans with the per-operation profile, which can miss per-layer costs",
+                PipeschedWarning,
+            )
     result, running = [], 0.0
     for k, u in enumerate(units):
         running += crossing[k]
         result.append(
             LayerCost(
                 u.name,
-                float(u.forward_time or 0.0),
-                float(u.backward_time or 0.0),
+                forward[k],
+                backward[k],
                 float(u.activation_bytes or 0),
                 float(u.param_bytes),
                 running,
             )
         )
-    return result, plan.partition.estimated
+    return result, source
 
 
 def plan_model(
@@ -102,8 +123,7 @@ def plan_model(
     See :func:`~pipesched.planning.search.plan_layers` for the arguments
     after ``chunks`` and what is compared.
     """
-    costs, estimated = layer_costs(module, example_inputs, device=device, num_threads=num_threads)
-    kind = "estimated (meta-device model)" if estimated else "profiled"
+    costs, source = layer_costs(module, example_inputs, device=device, num_threads=num_threads)
     return plan_layers(
         costs,
         num_workers,
@@ -113,7 +133,7 @@ def plan_model(
         checkpoints=checkpoints,
         counts=counts,
         synthesized=synthesized,
-        source=f"{kind} on {torch.device(device)}, {len(costs)} layers",
+        source=f"{len(costs)} layers, {source}",
     )
 
 
