@@ -119,12 +119,17 @@ class Planning:
                 f"{_ms(best.step)} at {_bytes(best.peak_bytes)}"
             )
         if pick.checkpoint != "never":
-            lines.append(
-                f"  checkpoint={pick.checkpoint!r}: recomputing the forward costs less than "
-                "the memory it frees is worth here"
-                if any(c.checkpoint == "never" and not c.fits for c in self.candidates)
-                else f"  checkpoint={pick.checkpoint!r} was the only mode allowed"
-            )
+            kept = [c for c in self.candidates if c.checkpoint == "never"]
+            fitting = [c for c in kept if c.fits]
+            if not kept:
+                why = "the only mode compared"
+            elif fitting:
+                best = min(fitting, key=lambda c: c.step)
+                slower = _percent(best.step, pick.step)
+                why = f"without recomputation the fastest that fits is {slower} slower"
+            else:
+                why = "nothing without recomputation fits the budget"
+            lines.append(f"  checkpoint={pick.checkpoint!r}: {why}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
