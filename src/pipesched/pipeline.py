@@ -77,7 +77,7 @@ class Pipeline(Pinned):
             a model that is not an ``nn.Sequential`` is traced and cut on it
             at construction instead of on its first call; every balance but
             ``"params"`` measures on it.
-        num_stages: stages to cut when ``devices`` is not given.
+        num_stages: stages to cut when ``devices`` is not given (workers, under ``"auto"``).
         split_points: instead of ``balance``: the names of the modules that
             begin stages 1, 2, ... (``["transformer.h.2"]``).
         memory_budget: bytes per worker that ``balance="time"`` or ``"schedule"``
