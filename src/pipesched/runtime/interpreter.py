@@ -113,23 +113,18 @@ class Interpreter:
         state.origin_wall = time.time()  # the same instant on the wall clock, to align processes
         transport.start(rows, step.inputs)
         threads = ThreadState.capture(self.num_threads)
-        jobs: list[tuple[int, Sequence[Action]]] = [
-            (
-                w,
-                [a for a in schedule.actions[w] if a.kind == FORWARD]
-                if forward_only
-                else schedule.actions[w],
-            )
-            for w in workers
-        ]
+        track_last = self.on_stage_done is not None
+        jobs = [(w, _steps(schedule, w, forward_only, track_last)) for w in workers]
         previous_threads = torch.get_num_threads()
         errors: list[tuple[BaseException, Action, int]] = []
+        self.passes.begin()
         try:
             if len(jobs) == 1:  # one worker (a rank of a mesh): no thread to hand over to
                 self._work(*jobs[0], schedule, state, transport, threads, origin, errors)
             else:
                 self._start_threads(jobs, schedule, state, transport, threads, origin, errors)
         finally:
+            self.passes.end()
             torch.set_num_threads(previous_threads)
         if errors:
             error, action, worker = errors[0]
@@ -142,7 +137,7 @@ class Interpreter:
         state.timeline = Timeline(tuple(state.events), schedule.placement)
         return state
 
-    def _start_threads(self, jobs: list[tuple[int, Sequence[Action]]], *shared: Any) -> None:
+    def _start_threads(self, jobs: list[tuple[int, tuple[Step, ...]]], *shared: Any) -> None:
         """Runs each worker in its own thread and waits for all of them.
 
         Each worker sets an event when it has finished, however. Why not
@@ -152,9 +147,9 @@ class Interpreter:
         """
         transport: Transport = shared[2]
 
-        def work(w: int, actions: Sequence[Action], done: threading.Event) -> None:
+        def work(w: int, steps: tuple[Step, ...], done: threading.Event) -> None:
             try:
-                self._work(w, actions, *shared)
+                self._work(w, steps, *shared)
             finally:
                 done.set()
 
@@ -180,7 +175,7 @@ class Interpreter:
     def _work(
         self,
         w: int,
-        actions: Sequence[Action],
+        steps: tuple[Step, ...],
         schedule: Schedule,
         state: StepState,
         transport: Transport,
@@ -188,28 +183,39 @@ class Interpreter:
         origin: float,
         errors: list[tuple[BaseException, Action, int]],
     ) -> None:
-        events = []
-        handlers, now = self.handlers, time.perf_counter
+        # Why bound up front: each attribute lookup in this loop is paid once per action.
+        handlers, now, stream = self.handlers, time.perf_counter, self.passes.streams[w]
+        take, put, before = transport.take, transport.put, transport.before
         local: dict[Message, Any] = {}  # values between stages of this worker (a V schedule's turn)
-        last = _last_backward(actions) if self.on_stage_done is not None else {}
-        action = actions[0] if actions else Action(0, FORWARD, 0)
+        done = self.on_stage_done
+        times: list[float] = []
+        action = steps[0][0] if steps else Action(0, FORWARD, 0)
         previous, _working.interpreter = getattr(_working, "interpreter", None), self
         try:
             with ExitStack() as stack:
                 threads.enter(stack)
-                stack.enter_context(use_stream(self.passes.streams[w]))
-                for action in actions:
+                stack.enter_context(use_stream(stream))
+                for action, source, inbox, target, outbox, last in steps:
                     if transport.aborted:  # another worker failed, or the caller was interrupted
                         raise Aborted
-                    transport.before(action)
+                    before(action)
+                    if inbox is None:
+                        value = None
+                    elif source == w:
+                        value = local.pop(inbox)
+                    else:
+                        value = take(inbox, source, stream)
                     # Time from when the input is there: waiting is not work.
-                    value = self._take(action, w, schedule, transport, local)
                     start = now()
                     result = handlers[action.kind](action, w, value, state)
-                    self._put(action, w, result, schedule, transport, local)
-                    events.append(Event(action, w, start - origin, now() - origin))
-                    if last.get(action.stage) == action:
-                        self.on_stage_done(action.stage)  # type: ignore[misc]
+                    if outbox is not None:
+                        if target == w:
+                            local[outbox] = result
+                        else:
+                            put(outbox, target, result, stream)
+                    times += (start - origin, now() - origin)
+                    if last:
+                        done(action.stage)  # type: ignore[misc]
         except Aborted:
             pass
         except BaseException as error:  # a stage's failure stops every worker
@@ -221,42 +227,11 @@ class Interpreter:
                 self.on_failure(error, action)
         finally:
             _working.interpreter = previous
+        events = [
+            Event(steps[k][0], w, times[2 * k], times[2 * k + 1]) for k in range(len(times) // 2)
+        ]
         with state.lock:
             state.events += events
-
-    def _take(
-        self,
-        action: Action,
-        w: int,
-        schedule: Schedule,
-        transport: Transport,
-        local: dict[Message, Any],
-    ) -> Any:
-        message = message_in(action, schedule.num_stages)
-        if message is None:
-            return None
-        peer = schedule.placement[message.source]
-        if peer == w:
-            return local.pop(message)
-        return transport.take(message, peer, self.passes.streams[w])
-
-    def _put(
-        self,
-        action: Action,
-        w: int,
-        value: Any,
-        schedule: Schedule,
-        transport: Transport,
-        local: dict[Message, Any],
-    ) -> None:
-        message = message_out(action, schedule.num_stages)
-        if message is None:
-            return
-        peer = schedule.placement[message.stage]
-        if peer == w:
-            local[message] = value
-        else:
-            transport.put(message, peer, value, self.passes.streams[w])
 
     def _forward(self, action: Action, w: int, x: Any, state: StepState) -> Any:
         if action.stage == 0:
@@ -276,6 +251,43 @@ def _forward_only(row: Sequence[Item]) -> tuple[Item, ...]:
         for item in row
         if (item.kind if isinstance(item, Action) else item.message.kind) == FORWARD
     )
+
+
+Step = tuple[Action, int, Message | None, int, Message | None, bool]
+"""One action as a worker runs it: ``(action, source, inbox, target, outbox, last)``: the
+message it takes and the worker it comes from, the message it makes and the worker it
+goes to (None: none), and whether it is its stage's last backward action of the step."""
+
+
+def _steps(schedule: Schedule, w: int, forward_only: bool, track_last: bool) -> tuple[Step, ...]:
+    """Worker ``w``'s actions (only F where ``forward_only``) with their messages.
+
+    Worked out once per schedule (cached on it): a step of m micro-batches
+    runs 2-3 x m x stages actions, and working out each one's messages again
+    every step was a visible share of a tiny stage's action.
+    """
+    key = f"interpreter steps {w} {forward_only} {track_last}"
+    cached = schedule._cache.get(key)
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    num_stages, placement = schedule.num_stages, schedule.placement
+    actions = [a for a in schedule.actions[w] if not forward_only or a.kind == FORWARD]
+    last = _last_backward(actions) if track_last else {}
+    steps: list[Step] = []
+    for action in actions:
+        inbox, outbox = message_in(action, num_stages), message_out(action, num_stages)
+        steps.append(
+            (
+                action,
+                -1 if inbox is None else placement[inbox.source],
+                inbox,
+                -1 if outbox is None else placement[outbox.stage],
+                outbox,
+                last.get(action.stage) == action,
+            )
+        )
+    result = schedule._cache[key] = tuple(steps)
+    return result
 
 
 def _last_backward(actions: Sequence[Action]) -> dict[int, Action]:
