@@ -1,4 +1,4 @@
-"""Workers taking turns (held hand-offs): the same results, no hang, and the measured choice."""
+"""Workers taking turns (held hand-offs) and kept between steps: same results, no hang."""
 
 from __future__ import annotations
 
@@ -113,3 +113,31 @@ def test_a_way_that_became_faster_is_taken_at_its_check():
     turns = Turns()
     _steps(turns, {True: 1.0, False: 2.0}, 13)
     assert _steps(turns, {True: 1.0, False: 0.5}, 3) == "fff"  # the check wins: kept
+
+
+def test_worker_threads_are_kept_between_steps_and_end_with_their_pipeline():
+    import gc
+
+    seen: list[tuple[int, str]] = []
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            me = threading.current_thread()
+            seen.append((me.ident, me.name))
+            return x
+
+    before = set(threading.enumerate())
+    pipe = Pipeline(nn.Sequential(nn.Linear(3, 3), Spy()), 2, balance=[1, 1], devices=["cpu"] * 2)
+    for _ in range(3):
+        pipe.step(torch.randn(4, 3), loss_fn=lambda y: y.sum())
+    assert len({ident for ident, _ in seen}) == 1 and {name for _, name in seen} == {
+        "pipesched-worker-1"
+    }
+    assert not [t for t in threading.enumerate() if t.name.startswith("pipesched-worker")]
+    kept = [t for t in set(threading.enumerate()) - before if t.name == "pipesched-idle"]
+    assert len(kept) == 2
+    del pipe
+    gc.collect()
+    for thread in kept:
+        thread.join(timeout=5)
+        assert not thread.is_alive()
