@@ -155,16 +155,11 @@ class StagePasses:
             x = map_tensors(x, arrive)
         # Fused weight-gradient accumulation only where pipesched runs the backward.
         fused = self.fused[s] if self.fused is not None and state.detach else None
-        stage, seeding = self.stages[s], self.seeding[s]
-        with self.forward_context(s) if self.forward_context else nullcontext():
-            if i < step.checkpoint_stop and torch.is_grad_enabled():
-                # No RNG replay: _Seeded reseeds random operations itself, and torch's
-                # replay sets the process-wide generator unlocked (racing other stages).
-                seeded = _Seeded(stage, seeding, state.seed, i, fused)  # type: ignore[arg-type]
-                y = checkpoint(seeded, x, preserve_rng_state=False)
-            else:  # what _Seeded.forward does, without building a module per micro-batch
-                with seeding.forward(state.seed, i), _fusing(fused):
-                    y = stage(x)  # type: ignore[misc]
+        if self.forward_context is None:
+            y = self._run(s, i, x, state, fused)
+        else:
+            with self.forward_context(s):
+                y = self._run(s, i, x, state, fused)
         if not state.detach and self.seeding[s].recomputes and torch.is_grad_enabled():
             raise ConfigError(
                 f"stage {s} checkpoints itself (torch.utils.checkpoint) around random "
@@ -195,6 +190,21 @@ class StagePasses:
         state.losses[i] = weighted.detach()
         state.saved[s, i] = (x, weighted)
         return None
+
+    def _run(self, s: int, i: int, x: Any, state: StepState, fused: frozenset[int] | None) -> Any:
+        """Stage ``s`` on ``x``: checkpointed or not, seeded as its seeding says, maybe fused."""
+        stage, seeding = self.stages[s], self.seeding[s]
+        if i < state.step.checkpoint_stop and torch.is_grad_enabled():
+            # No RNG replay: _Seeded reseeds random operations itself, and torch's
+            # replay sets the process-wide generator unlocked (racing other stages).
+            seeded = _Seeded(stage, seeding, state.seed, i, fused)  # type: ignore[arg-type]
+            return checkpoint(seeded, x, preserve_rng_state=False)
+        # What _Seeded.forward does, without building a module per micro-batch.
+        if fused:
+            with seeding.forward(state.seed, i), FusedLinearMode(fused):
+                return stage(x)  # type: ignore[misc]
+        with seeding.forward(state.seed, i):
+            return stage(x)  # type: ignore[misc]
 
     def backward(self, s: int, i: int, grads: Any, state: StepState) -> list[torch.Tensor | None]:
         """B: stage ``s``'s backward for micro-batch ``i`` from its output gradients ``grads``.
