@@ -79,7 +79,8 @@ one's own are not here: they are seeded."""
 def draws_nothing(module: nn.Module) -> bool:
     """Whether ``module`` can draw no random number: only :data:`_DRAW_FREE` layers, no hooks.
 
-    Read at every pass (a layer may be swapped or hooked between steps), so it
+    Read at the start of every step (a layer may be swapped or hooked between
+    steps; :meth:`StageSeeding.begin`), and at every pass outside a step; it
     walks the modules' own dicts: about a microsecond for a stage of a few
     layers. A parametrized layer (``weight_norm``, ...) has a class of its own,
     so the exact-type test refuses it.

@@ -175,8 +175,12 @@ class StagePasses:
         if step.loss_fn is None:
             state.outputs[i] = y
             return None
-        target = () if step.targets is None else (step.targets[i],)
-        target = map_tensors(target, lambda t: copy_to(t, device, stream))
+        if step.targets is None:
+            target: tuple[Any, ...] = ()
+        elif isinstance(t := step.targets[i], torch.Tensor):
+            target = (copy_to(t, device, stream),)
+        else:
+            target = (map_tensors(t, lambda t: copy_to(t, device, stream)),)
         plain = state.plain_loss
         if plain is None:  # read once a step (a module's hooks do not change within one)
             plain = state.plain_loss = loss_draws_nothing(step.loss_fn)
