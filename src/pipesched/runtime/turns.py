@@ -6,9 +6,10 @@ one computes while the other runs Python. Where they last tens of
 microseconds (tiny layers, many micro-batches), two workers awake at once
 pass the GIL back and forth at each call, and each pass wakes a sleeping
 thread: a 2-stage step of 4 x ``Linear(16, 16)`` over 512 micro-batches ran
-about 1.4x slower than with the workers taking turns (one runs while the other
-sleeps, :class:`~pipesched.runtime.mailbox.Mailbox`'s ``hold``). Between the
-two, which wins depends on the layers, the core count and the load, so
+up to 1.5x slower than with the workers taking turns (one runs while the other
+sleeps, :class:`~pipesched.runtime.mailbox.Mailbox`'s ``hold``), though on the
+same machine under another load, taking turns lost. Which wins depends on the
+layers, the core count and the load, so
 :class:`Turns` measures both ways on the pipeline's own steps and keeps the
 faster, checking the other again now and then (ever more rarely while it
 keeps losing). Results never depend on it: each worker runs its actions in
