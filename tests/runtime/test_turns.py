@@ -141,3 +141,26 @@ def test_worker_threads_are_kept_between_steps_and_end_with_their_pipeline():
     for thread in kept:
         thread.join(timeout=5)
         assert not thread.is_alive()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "sched_getaffinity"), reason="Linux only")
+def test_workers_taking_turns_share_one_cpu_for_the_step_only():
+    import os
+
+    seen: list[set[int]] = []
+
+    class Spy(nn.Module):
+        def forward(self, x):
+            seen.append(os.sched_getaffinity(0))
+            return x
+
+    everywhere = os.sched_getaffinity(0)
+    pipe = Pipeline(nn.Sequential(Spy(), Spy()), 2, balance=[1, 1], devices=["cpu"] * 2)
+    pipe._runtime.turns = _Always(True)  # type: ignore[union-attr]
+    pipe.step(torch.randn(4, 3), loss_fn=lambda y: y.sum())
+    if len(everywhere) > 1 and seen[0] != everywhere:  # pinned (sched_getcpu available)
+        assert all(len(cpus) == 1 for cpus in seen) and len({min(c) for c in seen}) == 1
+    pipe._runtime.turns = _Always(False)  # type: ignore[union-attr]
+    seen.clear()
+    pipe.step(torch.randn(4, 3), loss_fn=lambda y: y.sum())
+    assert all(cpus == everywhere for cpus in seen)  # the kept threads run anywhere again

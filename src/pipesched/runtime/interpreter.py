@@ -100,10 +100,12 @@ class Interpreter:
         workers: Sequence[int],
         *,
         detach: bool,
+        cpu: int | None = None,
     ) -> StepState:
         """Runs ``workers``' actions of ``schedule`` (only F where ``step.loss_fn`` is None).
 
         Returns the step's state: outputs or weighted losses, and its timeline.
+        ``cpu``: the one CPU every worker runs on (:class:`ThreadState`), or None.
 
         Raises:
             BaseException: the first exception of any worker, with a note naming
@@ -116,7 +118,7 @@ class Interpreter:
         origin = time.perf_counter()
         state.origin_wall = time.time()  # the same instant on the wall clock, to align processes
         transport.start(rows, step.inputs)
-        threads = ThreadState.capture(self.num_threads)
+        threads = ThreadState.capture(self.num_threads, cpu)
         track_last = self.on_stage_done is not None
         jobs = [(w, _steps(schedule, w, forward_only, track_last)) for w in workers]
         previous_threads = torch.get_num_threads()

@@ -19,6 +19,7 @@ from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import TransferStats
 from pipesched.runtime.mailbox import Mailbox
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
+from pipesched.runtime.threads import current_cpu
 from pipesched.runtime.turns import Turns
 from pipesched.schedule import Schedule
 
@@ -62,10 +63,11 @@ class LocalRuntime:
         forward_only = step.loss_fn is None
         policy = self.turns if len(workers) > 1 else None
         turns = policy is not None and policy.choose(forward_only)
-        start, cpu = time.perf_counter(), time.process_time()
-        state = self.interpreter.run(schedule, step, Mailbox(hold=turns), workers, detach=detach)
+        box, one_cpu = Mailbox(hold=turns), current_cpu() if turns else None
+        start, busy = time.perf_counter(), time.process_time()
+        state = self.interpreter.run(schedule, step, box, workers, detach=detach, cpu=one_cpu)
         if policy is not None and state.events:
             seconds = time.perf_counter() - start
-            cores = (time.process_time() - cpu) / seconds
+            cores = (time.process_time() - busy) / seconds
             policy.measured(forward_only, turns, seconds / len(state.events), cores)
         return state
