@@ -67,9 +67,10 @@ def _pin(stack: ExitStack, cpu: int) -> None:
 
 
 def _libc_sched_getcpu() -> object:
+    """glibc's ``sched_getcpu`` (a vDSO read, no system call), or None (not Linux)."""
     try:
         return ctypes.CDLL(None).sched_getcpu
-    except (AttributeError, OSError):
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows takes no None
         return None
 
 
