@@ -20,7 +20,8 @@ from __future__ import annotations
 
 __all__ = ["Turns"]
 
-_FIRST = 2  # measurements of each way before the first comparison (alternating)
+_FIRST = 1  # measurements of each way before the first comparison (a wrong pick from
+# a noisy one is undone within _KEEP steps: the least of the chosen way's times rises)
 _FIRST_RECHECK = 8  # steps before the losing way runs again, doubled each time it loses
 _LAST_RECHECK = 512
 _KEEP = 3  # measurements kept per way: the least counts (a slow outlier is the machine's load)
@@ -76,7 +77,7 @@ class _Kind:
             return False  # the warm-up, then the first measurement without turns
         if self.steps < self.next_check:
             return self.compared and self._best()
-        if not self.compared:  # alternate: without, with, without, with
+        if not self.compared:  # each way in turn: without, with
             return len(self.recent[True]) < len(self.recent[False])
         return not self._best()  # a check of the losing way
 
