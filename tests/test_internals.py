@@ -20,6 +20,10 @@ _REMOVALS = {
         "delattr(torch._C, '_will_engine_execute_node')",
         True,
     ),
+    "torch.autograd.graph._engine_run_backward": (
+        "import torch.autograd.graph\ndelattr(torch.autograd.graph, '_engine_run_backward')",
+        True,
+    ),
     "torch._C._autograd._top_saved_tensors_default_hooks": (
         "delattr(torch._C._autograd, '_top_saved_tensors_default_hooks')",
         False,

@@ -36,7 +36,7 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from types import FrameType
 from typing import Any
 
@@ -79,7 +79,8 @@ one's own are not here: they are seeded."""
 def draws_nothing(module: nn.Module) -> bool:
     """Whether ``module`` can draw no random number: only :data:`_DRAW_FREE` layers, no hooks.
 
-    Read at every pass (a layer may be swapped or hooked between steps), so it
+    Read at the start of every step (a layer may be swapped or hooked between
+    steps; :meth:`StageSeeding.begin`), and at every pass outside a step; it
     walks the modules' own dicts: about a microsecond for a stage of a few
     layers. A parametrized layer (``weight_norm``, ...) has a class of its own,
     so the exact-type test refuses it.
@@ -143,6 +144,7 @@ class _ThreadState(threading.local):
 
 
 _thread = _ThreadState()
+_NOTHING = nullcontext()  # reusable: a pass of a stage where nothing can draw
 
 
 class StageSeeding:
@@ -184,6 +186,7 @@ class StageSeeding:
         self.full = {True: True, False: True}  # per training mode: seed the whole forward
         self.hooked: dict[int, list[Any]] = {}
         self._learning: set[bool] = set()  # modes seeded throughout since the last settle()
+        self._quiet: bool | None = None  # during a step: nothing in it can draw (begin())
 
     @property
     def training(self) -> bool:
@@ -196,6 +199,19 @@ class StageSeeding:
     def watching(self) -> bool:
         """Whether a tripwire is armed in this stage's forwards."""
         return not self.full[self.training]
+
+    def begin(self) -> None:
+        """A step starts: whether anything in the stage can draw is read once, for all its passes.
+
+        Why once: :func:`draws_nothing` walks the stage's modules, and a step
+        of many micro-batches of a small stage paid that walk at every pass.
+        Layers swapped or hooked between steps are seen at the next one.
+        """
+        self._quiet = self.plain and draws_nothing(self.module)
+
+    def end(self) -> None:
+        """The step has ended: passes outside a step read the stage again each time."""
+        self._quiet = None
 
     def probe(self) -> None:
         """Before a rerun: every forward of the step is seeded throughout (and learned from)."""
@@ -224,6 +240,8 @@ class StageSeeding:
         Raises:
             UnseededDraws: a tripwire saw a draw no seeding covered.
         """
+        if self._quiet and _thread.mode is None:  # nothing can draw: not even a generator
+            return _NOTHING
         # The scope itself, not a context manager around it: one generator per pass, not two.
         return self._scope(seed, microbatch, place, sys._getframe(1), backward=False)
 
@@ -236,6 +254,8 @@ class StageSeeding:
         Raises:
             UnseededDraws: a tripwire saw a draw no seeding covered.
         """
+        if self._quiet and _thread.mode is None:
+            return _NOTHING
         return self._scope(seed, microbatch, "", sys._getframe(1), backward=True)
 
     @contextmanager
@@ -243,7 +263,10 @@ class StageSeeding:
         self, seed: StepSeed, microbatch: int, place: str, entry: FrameType, *, backward: bool
     ) -> Iterator[None]:
         """A pass of this stage; ``entry``: the frame running it (its caller's, past contextlib)."""
-        if self.plain and _thread.mode is None and draws_nothing(self.module):
+        quiet = self._quiet
+        if quiet is None:  # outside a step: read now
+            quiet = self.plain and draws_nothing(self.module)
+        if quiet and _thread.mode is None:
             yield  # nothing in it can draw: no seeding, no tripwire
             return
         training = self.training

@@ -51,7 +51,7 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipesched.errors import ConfigError, ScheduleError
-from pipesched.internals import one_recomputation
+from pipesched.internals import one_recomputation, run_backward
 from pipesched.runtime.backward_kind import FULL, BackwardKind, running
 from pipesched.runtime.fused_linear import weight_pass
 from pipesched.runtime.weight_plan import Grads, Plan
@@ -93,7 +93,7 @@ def backward_full(
         x.grad = None
     try:
         with running(FULL):
-            torch.autograd.backward(roots, root_grads)
+            run_backward(roots, root_grads)  # each root's gradient is of its shape (_roots)
         for i, x in wanted:
             result[i] = x.grad
     finally:

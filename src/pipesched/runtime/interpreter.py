@@ -17,6 +17,7 @@ thread there took a tiny two-rank 1F1B step from 18 to 29 ms.
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -31,6 +32,7 @@ from pipesched.runtime.passes import StagePasses, StepInputs, StepState
 from pipesched.runtime.streams import use_stream
 from pipesched.runtime.threads import ThreadState
 from pipesched.runtime.transport import Transport
+from pipesched.runtime.workers import WorkerThreads
 from pipesched.schedule import FORWARD, Action, Event, Kind, Schedule, Timeline
 from pipesched.schedule.dataflow import Message, message_in, message_out
 from pipesched.schedule.transfers import Item, transfer_plan
@@ -83,6 +85,8 @@ class Interpreter:
         """The pass of each kind of action: one entry per :class:`Kind`, nothing else."""
         self.lock = threading.Lock()
         """Held by the caller for a whole step: steps of one pipeline run one at a time."""
+        self.threads = WorkerThreads()
+        """The worker threads, kept from one step to the next."""
 
     def running_here(self) -> bool:
         """Whether the calling thread is one of this interpreter's workers, inside a step."""
@@ -96,10 +100,12 @@ class Interpreter:
         workers: Sequence[int],
         *,
         detach: bool,
+        cpu: int | None = None,
     ) -> StepState:
         """Runs ``workers``' actions of ``schedule`` (only F where ``step.loss_fn`` is None).
 
         Returns the step's state: outputs or weighted losses, and its timeline.
+        ``cpu``: the one CPU every worker runs on (:class:`ThreadState`), or None.
 
         Raises:
             BaseException: the first exception of any worker, with a note naming
@@ -112,24 +118,19 @@ class Interpreter:
         origin = time.perf_counter()
         state.origin_wall = time.time()  # the same instant on the wall clock, to align processes
         transport.start(rows, step.inputs)
-        threads = ThreadState.capture(self.num_threads)
-        jobs: list[tuple[int, Sequence[Action]]] = [
-            (
-                w,
-                [a for a in schedule.actions[w] if a.kind == FORWARD]
-                if forward_only
-                else schedule.actions[w],
-            )
-            for w in workers
-        ]
+        threads = ThreadState.capture(self.num_threads, cpu)
+        track_last = self.on_stage_done is not None
+        jobs = [(w, _steps(schedule, w, forward_only, track_last)) for w in workers]
         previous_threads = torch.get_num_threads()
         errors: list[tuple[BaseException, Action, int]] = []
+        self.passes.begin()
         try:
             if len(jobs) == 1:  # one worker (a rank of a mesh): no thread to hand over to
                 self._work(*jobs[0], schedule, state, transport, threads, origin, errors)
             else:
                 self._start_threads(jobs, schedule, state, transport, threads, origin, errors)
         finally:
+            self.passes.end()
             torch.set_num_threads(previous_threads)
         if errors:
             error, action, worker = errors[0]
@@ -142,8 +143,8 @@ class Interpreter:
         state.timeline = Timeline(tuple(state.events), schedule.placement)
         return state
 
-    def _start_threads(self, jobs: list[tuple[int, Sequence[Action]]], *shared: Any) -> None:
-        """Runs each worker in its own thread and waits for all of them.
+    def _start_threads(self, jobs: list[tuple[int, tuple[Step, ...]]], *shared: Any) -> None:
+        """Runs each worker in a thread of its own (kept between steps) and waits for all.
 
         Each worker sets an event when it has finished, however. Why not
         ``Thread.join``: on Python 3.11 a join cut by Ctrl-C can mark a running
@@ -151,24 +152,14 @@ class Interpreter:
         runs the step.
         """
         transport: Transport = shared[2]
-
-        def work(w: int, actions: Sequence[Action], done: threading.Event) -> None:
-            try:
-                self._work(w, actions, *shared)
-            finally:
-                done.set()
-
-        done = [threading.Event() for _ in jobs]
-        threads = [
-            threading.Thread(target=work, args=(*job, event), name=f"pipesched-worker-{job[0]}")
-            for job, event in zip(jobs, done, strict=True)
-        ]
         started: list[threading.Event] = []
         try:
-            for thread, event in zip(threads, done, strict=True):
-                thread.daemon = True
-                thread.start()
-                started.append(event)
+            started = self.threads.start(
+                [
+                    (f"pipesched-worker-{w}", functools.partial(self._work, w, steps, *shared))
+                    for w, steps in jobs
+                ]
+            )
             for event in started:
                 event.wait()
         except BaseException:  # Ctrl-C or SystemExit while waiting: stop everyone first
@@ -180,7 +171,7 @@ class Interpreter:
     def _work(
         self,
         w: int,
-        actions: Sequence[Action],
+        steps: tuple[Step, ...],
         schedule: Schedule,
         state: StepState,
         transport: Transport,
@@ -188,28 +179,39 @@ class Interpreter:
         origin: float,
         errors: list[tuple[BaseException, Action, int]],
     ) -> None:
-        events = []
-        handlers, now = self.handlers, time.perf_counter
+        # Why bound up front: each attribute lookup in this loop is paid once per action.
+        handlers, now, stream = self.handlers, time.perf_counter, self.passes.streams[w]
+        take, put, before = transport.take, transport.put, transport.before
         local: dict[Message, Any] = {}  # values between stages of this worker (a V schedule's turn)
-        last = _last_backward(actions) if self.on_stage_done is not None else {}
-        action = actions[0] if actions else Action(0, FORWARD, 0)
+        done = self.on_stage_done
+        times: list[float] = []
+        action = steps[0][0] if steps else Action(0, FORWARD, 0)
         previous, _working.interpreter = getattr(_working, "interpreter", None), self
         try:
             with ExitStack() as stack:
                 threads.enter(stack)
-                stack.enter_context(use_stream(self.passes.streams[w]))
-                for action in actions:
+                stack.enter_context(use_stream(stream))
+                for action, source, inbox, target, outbox, last in steps:
                     if transport.aborted:  # another worker failed, or the caller was interrupted
                         raise Aborted
-                    transport.before(action)
+                    before(action)
+                    if inbox is None:
+                        value = None
+                    elif source == w:
+                        value = local.pop(inbox)
+                    else:
+                        value = take(inbox, source, stream)
                     # Time from when the input is there: waiting is not work.
-                    value = self._take(action, w, schedule, transport, local)
                     start = now()
                     result = handlers[action.kind](action, w, value, state)
-                    self._put(action, w, result, schedule, transport, local)
-                    events.append(Event(action, w, start - origin, now() - origin))
-                    if last.get(action.stage) == action:
-                        self.on_stage_done(action.stage)  # type: ignore[misc]
+                    if outbox is not None:
+                        if target == w:
+                            local[outbox] = result
+                        else:
+                            put(outbox, target, result, stream)
+                    times += (start - origin, now() - origin)
+                    if last:
+                        done(action.stage)  # type: ignore[misc]
         except Aborted:
             pass
         except BaseException as error:  # a stage's failure stops every worker
@@ -221,42 +223,11 @@ class Interpreter:
                 self.on_failure(error, action)
         finally:
             _working.interpreter = previous
+        events = [
+            Event(steps[k][0], w, times[2 * k], times[2 * k + 1]) for k in range(len(times) // 2)
+        ]
         with state.lock:
             state.events += events
-
-    def _take(
-        self,
-        action: Action,
-        w: int,
-        schedule: Schedule,
-        transport: Transport,
-        local: dict[Message, Any],
-    ) -> Any:
-        message = message_in(action, schedule.num_stages)
-        if message is None:
-            return None
-        peer = schedule.placement[message.source]
-        if peer == w:
-            return local.pop(message)
-        return transport.take(message, peer, self.passes.streams[w])
-
-    def _put(
-        self,
-        action: Action,
-        w: int,
-        value: Any,
-        schedule: Schedule,
-        transport: Transport,
-        local: dict[Message, Any],
-    ) -> None:
-        message = message_out(action, schedule.num_stages)
-        if message is None:
-            return
-        peer = schedule.placement[message.stage]
-        if peer == w:
-            local[message] = value
-        else:
-            transport.put(message, peer, value, self.passes.streams[w])
 
     def _forward(self, action: Action, w: int, x: Any, state: StepState) -> Any:
         if action.stage == 0:
@@ -276,6 +247,43 @@ def _forward_only(row: Sequence[Item]) -> tuple[Item, ...]:
         for item in row
         if (item.kind if isinstance(item, Action) else item.message.kind) == FORWARD
     )
+
+
+Step = tuple[Action, int, Message | None, int, Message | None, bool]
+"""One action as a worker runs it: ``(action, source, inbox, target, outbox, last)``: the
+message it takes and the worker it comes from, the message it makes and the worker it
+goes to (None: none), and whether it is its stage's last backward action of the step."""
+
+
+def _steps(schedule: Schedule, w: int, forward_only: bool, track_last: bool) -> tuple[Step, ...]:
+    """Worker ``w``'s actions (only F where ``forward_only``) with their messages.
+
+    Worked out once per schedule (cached on it): a step of m micro-batches
+    runs 2-3 x m x stages actions, and working out each one's messages again
+    every step was a visible share of a tiny stage's action.
+    """
+    key = f"interpreter steps {w} {forward_only} {track_last}"
+    cached = schedule._cache.get(key)
+    if cached is not None:
+        return cached  # type: ignore[return-value]
+    num_stages, placement = schedule.num_stages, schedule.placement
+    actions = [a for a in schedule.actions[w] if not forward_only or a.kind == FORWARD]
+    last = _last_backward(actions) if track_last else {}
+    steps: list[Step] = []
+    for action in actions:
+        inbox, outbox = message_in(action, num_stages), message_out(action, num_stages)
+        steps.append(
+            (
+                action,
+                -1 if inbox is None else placement[inbox.source],
+                inbox,
+                -1 if outbox is None else placement[outbox.stage],
+                outbox,
+                last.get(action.stage) == action,
+            )
+        )
+    result = schedule._cache[key] = tuple(steps)
+    return result
 
 
 def _last_backward(actions: Sequence[Action]) -> dict[int, Action]:

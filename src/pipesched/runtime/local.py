@@ -9,6 +9,7 @@ runtime shares (:mod:`pipesched.runtime.interpreter`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -18,6 +19,8 @@ from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import TransferStats
 from pipesched.runtime.mailbox import Mailbox
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
+from pipesched.runtime.threads import current_cpu
+from pipesched.runtime.turns import Turns
 from pipesched.schedule import Schedule
 
 __all__ = ["LocalRuntime"]
@@ -45,6 +48,9 @@ class LocalRuntime:
         self.passes = StagePasses(stages, devices, placement, fused)
         self.interpreter = Interpreter(self.passes, num_threads)
         self.stats = TransferStats()
+        # On CUDA an action's time on the CPU is only its kernels' launch: no turns there.
+        self.turns = Turns() if all(d.type == "cpu" for d in devices) else None
+        """Whether workers take turns (:mod:`pipesched.runtime.turns`); None: never."""
 
     def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> StepState:
         """Runs every worker's actions of ``schedule`` (only F where ``step.loss_fn`` is None).
@@ -54,4 +60,14 @@ class LocalRuntime:
                 the stage, micro-batch and worker; every other worker has stopped.
         """
         workers = range(schedule.num_workers)
-        return self.interpreter.run(schedule, step, Mailbox(), workers, detach=detach)
+        forward_only = step.loss_fn is None
+        policy = self.turns if len(workers) > 1 else None
+        turns = policy is not None and policy.choose(forward_only)
+        box, one_cpu = Mailbox(hold=turns), current_cpu() if turns else None
+        start, busy = time.perf_counter(), time.process_time()
+        state = self.interpreter.run(schedule, step, box, workers, detach=detach, cpu=one_cpu)
+        if policy is not None and state.events:
+            seconds = time.perf_counter() - start
+            cores = (time.process_time() - busy) / seconds
+            policy.measured(forward_only, turns, seconds / len(state.events), cores)
+        return state

@@ -11,7 +11,7 @@ from pipesched.runtime.link import TransferStats
 from pipesched.runtime.streams import Stream, record_event, wait_event
 from pipesched.schedule import Action
 from pipesched.schedule.dataflow import Message
-from pipesched.schedule.transfers import Item
+from pipesched.schedule.transfers import Item, Send
 
 __all__ = ["Aborted", "Mailbox"]
 
@@ -30,17 +30,36 @@ class Mailbox:
     one at once. On CUDA a value travels with an event recorded on the
     producer's stream, which the consumer's stream waits for. A Mailbox
     serves one step.
+
+    Args:
+        hold: hold each worker's values back until it is about to wait (or has
+            made its last one), and deliver them then, together. Why: every
+            value delivered wakes its reader, and two workers awake at once
+            pass the GIL back and forth at each of torch's calls (each call
+            releases it); where actions last tens of microseconds those
+            switches can cost more than the overlap gains (a 2-stage step of
+            512 tiny micro-batches, on 2 idle cores: 260-290 ms free, 175
+            ms held). Held, the workers take turns: one runs while the other
+            sleeps. Whether to hold is measured (:mod:`pipesched.runtime.turns`).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, hold: bool = False) -> None:
         self._inboxes: dict[int, queue.SimpleQueue[Any]] = {}
         self._stashes: dict[int, dict[Hashable, Any]] = {}
         self._lock = threading.Lock()
         self._aborted = False
+        self._hold = hold
+        self._held = threading.local()  # .values: this worker's undelivered (box, key, value)
+        self._last: frozenset[Message] = frozenset()  # each worker's last value sent
         self.stats = TransferStats()
 
     def start(self, rows: Mapping[int, Sequence[Item]], inputs: Sequence[Any]) -> None:
-        """Nothing to plan: threads hand values over as they come."""
+        """Notes each worker's last value sent: holding stops there (see ``hold``)."""
+        if self._hold:
+            sent = [
+                [item.message for item in row if isinstance(item, Send)] for row in rows.values()
+            ]
+            self._last = frozenset(messages[-1] for messages in sent if messages)
 
     def before(self, action: Action) -> None:
         """Nothing to post."""
@@ -56,8 +75,15 @@ class Mailbox:
         return value
 
     def put(self, message: Message, peer: int, value: Any, stream: Stream) -> None:
-        """Leaves ``value`` for whoever takes ``message``."""
-        self.set(message.stage, message, (value, record_event(stream)))
+        """Leaves ``value`` for whoever takes ``message`` (held back: see ``hold``)."""
+        item = (message.stage, message, (value, record_event(stream)))
+        if not self._hold:
+            self.set(*item)
+            return
+        held = self._held.__dict__.setdefault("values", [])
+        held.append(item)
+        if message in self._last:  # this worker sends nothing more: nobody may wait on it
+            self._deliver()
 
     def set(self, box: int, key: Hashable, value: Any) -> None:
         """Leaves ``value`` under ``key`` in inbox ``box``."""
@@ -76,7 +102,14 @@ class Mailbox:
         while True:
             if self._aborted:
                 raise Aborted
-            item = inbox.get()
+            if self._hold:
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:  # about to wait: what this worker holds goes first
+                    self._deliver()
+                    item = inbox.get()
+            else:
+                item = inbox.get()
             if item is _ABORT:
                 inbox.put(_ABORT)  # for the next wait, if any
                 raise Aborted
@@ -99,6 +132,14 @@ class Mailbox:
             self._aborted = True
             for inbox in self._inboxes.values():
                 inbox.put(_ABORT)
+
+    def _deliver(self) -> None:
+        """Delivers the values the calling worker holds back, in the order it made them."""
+        held = self._held.__dict__.get("values")
+        if held:
+            for box, key, value in held:
+                self.set(box, key, value)
+            held.clear()
 
     def _inbox(self, box: int) -> queue.SimpleQueue[Any]:
         inbox = self._inboxes.get(box)

@@ -81,6 +81,7 @@ class StepState:
     saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     pending_weights: dict[tuple[int, int], Any] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    plain_loss: bool | None = None  # whether the loss_fn draws nothing, once known
 
 
 class StagePasses:
@@ -122,6 +123,16 @@ class StagePasses:
         """Optional: a context manager entered around each forward of stage ``s``
         (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
 
+    def begin(self) -> None:
+        """A step starts (see :meth:`~pipesched.seeding.StageSeeding.begin`)."""
+        for seeding in (*self.seeding, self.loss_seeding):
+            seeding.begin()
+
+    def end(self) -> None:
+        """The step has ended, however."""
+        for seeding in (*self.seeding, self.loss_seeding):
+            seeding.end()
+
     def forward(self, s: int, i: int, x: Any, state: StepState) -> Any:
         """F: stage ``s`` on micro-batch ``i``'s input ``x``; returns what the next stage takes.
 
@@ -131,24 +142,24 @@ class StagePasses:
         device, stream = self.devices[s], self.streams[self.placement[s]]
         step = state.step
         fresh = state.detach and s > 0
+        if isinstance(x, torch.Tensor):  # the common case, without a tree walk
+            x = copy_to(x, device, stream)
+            if fresh:
+                x = _fresh_leaf(x)
+        else:
 
-        def arrive(t: torch.Tensor) -> torch.Tensor:
-            t = copy_to(t, device, stream)
-            return _fresh_leaf(t) if fresh else t
+            def arrive(t: torch.Tensor) -> torch.Tensor:
+                t = copy_to(t, device, stream)
+                return _fresh_leaf(t) if fresh else t
 
-        x = map_tensors(x, arrive)
+            x = map_tensors(x, arrive)
         # Fused weight-gradient accumulation only where pipesched runs the backward.
         fused = self.fused[s] if self.fused is not None and state.detach else None
-        stage, seeding = self.stages[s], self.seeding[s]
-        with self.forward_context(s) if self.forward_context else nullcontext():
-            if i < step.checkpoint_stop and torch.is_grad_enabled():
-                # No RNG replay: _Seeded reseeds random operations itself, and torch's
-                # replay sets the process-wide generator unlocked (racing other stages).
-                seeded = _Seeded(stage, seeding, state.seed, i, fused)  # type: ignore[arg-type]
-                y = checkpoint(seeded, x, preserve_rng_state=False)
-            else:  # what _Seeded.forward does, without building a module per micro-batch
-                with seeding.forward(state.seed, i), _fusing(fused):
-                    y = stage(x)  # type: ignore[misc]
+        if self.forward_context is None:
+            y = self._run(s, i, x, state, fused)
+        else:
+            with self.forward_context(s):
+                y = self._run(s, i, x, state, fused)
         if not state.detach and self.seeding[s].recomputes and torch.is_grad_enabled():
             raise ConfigError(
                 f"stage {s} checkpoints itself (torch.utils.checkpoint) around random "
@@ -164,18 +175,40 @@ class StagePasses:
         if step.loss_fn is None:
             state.outputs[i] = y
             return None
-        target = () if step.targets is None else (step.targets[i],)
-        target = map_tensors(target, lambda t: copy_to(t, device, stream))
-        if loss_draws_nothing(step.loss_fn):  # torch's own loss: nothing to seed
+        if step.targets is None:
+            target: tuple[Any, ...] = ()
+        elif isinstance(t := step.targets[i], torch.Tensor):
+            target = (copy_to(t, device, stream),)
+        else:
+            target = (map_tensors(t, lambda t: copy_to(t, device, stream)),)
+        plain = state.plain_loss
+        if plain is None:  # read once a step (a module's hooks do not change within one)
+            plain = state.plain_loss = loss_draws_nothing(step.loss_fn)
+        if plain:  # torch's own loss: nothing to seed
             loss = step.loss_fn(y, *target)
         else:
             with self.loss_seeding.forward(state.seed, i, "loss"):
                 loss = step.loss_fn(y, *target)
         _check_loss(loss)
-        weighted = loss.reshape(()) * step.loss_weights[i]
+        weighted = (loss.reshape(()) if loss.ndim else loss) * step.loss_weights[i]
         state.losses[i] = weighted.detach()
         state.saved[s, i] = (x, weighted)
         return None
+
+    def _run(self, s: int, i: int, x: Any, state: StepState, fused: frozenset[int] | None) -> Any:
+        """Stage ``s`` on ``x``: checkpointed or not, seeded as its seeding says, maybe fused."""
+        stage, seeding = self.stages[s], self.seeding[s]
+        if i < state.step.checkpoint_stop and torch.is_grad_enabled():
+            # No RNG replay: _Seeded reseeds random operations itself, and torch's
+            # replay sets the process-wide generator unlocked (racing other stages).
+            seeded = _Seeded(stage, seeding, state.seed, i, fused)  # type: ignore[arg-type]
+            return checkpoint(seeded, x, preserve_rng_state=False)
+        # What _Seeded.forward does, without building a module per micro-batch.
+        if fused:
+            with seeding.forward(state.seed, i), FusedLinearMode(fused):
+                return stage(x)  # type: ignore[misc]
+        with seeding.forward(state.seed, i):
+            return stage(x)  # type: ignore[misc]
 
     def backward(self, s: int, i: int, grads: Any, state: StepState) -> list[torch.Tensor | None]:
         """B: stage ``s``'s backward for micro-batch ``i`` from its output gradients ``grads``.
@@ -188,6 +221,10 @@ class StagePasses:
         x, y = state.saved.pop((s, i))
         if grads is None:
             outputs, given = [y], None
+        elif isinstance(y, torch.Tensor) and len(grads) == 1:  # one tensor: no tree walk
+            g = grads[0]
+            keep = g is not None and y.requires_grad
+            outputs, given = ([y], [copy_to(g, device, stream)]) if keep else ([], [])
         else:
             pairs = [
                 (t, copy_to(g, device, stream))
@@ -195,7 +232,7 @@ class StagePasses:
                 if g is not None and t.requires_grad
             ]
             outputs, given = [t for t, _ in pairs], [g for _, g in pairs]
-        inputs = list(tensors(x))
+        inputs = [x] if isinstance(x, torch.Tensor) else list(tensors(x))
         with self.seeding[s].backward(state.seed, i):  # the model's own checkpoints recompute
             if state.split_backward:
                 input_grads, pending = backward_input(outputs, given, inputs)
