@@ -23,6 +23,9 @@ class LayerCost:
         input_bytes: bytes that cross into a stage beginning with this layer
             (every tensor made before it and used from it on): what a
             checkpointed micro-batch keeps.
+        backward_input, backward_weight: seconds of its backward's B (input
+            gradient) and W (weight gradient) run apart, as zero-bubble
+            schedules run them; None: ``backward`` split evenly.
     """
 
     name: str
@@ -31,6 +34,8 @@ class LayerCost:
     activation_bytes: float
     param_bytes: float
     input_bytes: float
+    backward_input: float | None = None
+    backward_weight: float | None = None
 
 
 @dataclass(frozen=True)

@@ -73,13 +73,18 @@ def layer_costs(
             crossing[last + 1] -= float(data.get("output_bytes") or 0)
     forward = [float(u.forward_time or 0.0) for u in units]
     backward = [float(u.backward_time or 0.0) for u in units]
+    backward_input: list[float | None] = [None] * len(units)
+    backward_weight: list[float | None] = [None] * len(units)
     where = torch.device(device)
     source = f"profiled per operation on {where}"
     if plan.partition.estimated:
         source = "estimated from FLOPs (meta-device model)"
     else:
         try:
-            forward, backward = run_layer_times(module, example_inputs, len(units), where)
+            timed = run_layer_times(module, example_inputs, len(units), where, num_threads)
+            forward, backward = timed.forward, timed.backward
+            backward_input = list(timed.backward_input)
+            backward_weight = list(timed.backward_weight)
             source = f"measured per layer in pipesched's runtime on {where}"
         except Exception as error:  # the per-operation profile still stands: say so, go on
             source += f" (a run per layer failed: {type(error).__name__})"
@@ -99,6 +104,8 @@ def layer_costs(
                 float(u.activation_bytes or 0),
                 float(u.param_bytes),
                 running,
+                backward_input[k],
+                backward_weight[k],
             )
         )
     return result, source

@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
 from pipesched.checkpoint import CHECKPOINT_MODES, checkpoint_stop
 from pipesched.errors import ConfigError, PartitionError, PipeschedError
@@ -64,6 +63,14 @@ class _Table:
     def __init__(self, layers: Sequence[LayerCost], checkpoint: str, chunks: int) -> None:
         self.forward = prefix_sums(x.forward for x in layers)
         self.backward = prefix_sums(x.backward for x in layers)
+        self.split = (  # B and W run apart, as measured, else the whole backward in halves
+            prefix_sums(
+                x.backward / 2 if x.backward_input is None else x.backward_input for x in layers
+            ),
+            prefix_sums(
+                x.backward / 2 if x.backward_weight is None else x.backward_weight for x in layers
+            ),
+        )
         self.activation = prefix_sums(x.activation_bytes for x in layers)
         self.params = prefix_sums(x.param_bytes for x in layers)
         self.input = [x.input_bytes for x in layers]
@@ -72,6 +79,11 @@ class _Table:
 
     def times(self, i: int, j: int) -> tuple[float, float]:
         return self.forward[j] - self.forward[i], self.backward[j] - self.backward[i]
+
+    def split_times(self, i: int, j: int) -> tuple[float, float]:
+        """(B, W) of layers ``[i, j)`` when a schedule runs them apart."""
+        (b, w) = self.split
+        return b[j] - b[i], w[j] - w[i]
 
     def held(self, i: int, j: int) -> tuple[float, float]:
         """(bytes of a checkpointed micro-batch before its backward, of a kept one)."""
@@ -271,16 +283,20 @@ def _score(
 ) -> Candidate:
     bounds = prefix_sums(counts)
     spans = list(itertools.pairwise(bounds))
-    times = [table.times(i, j) for i, j in spans]
-    model = StepModel.from_stage_times(
-        [f for f, _ in times],
-        [b for _, b in times],
-        schedule.num_workers,
-        split_backward=schedule.split_backward,
+    forward = tuple(table.times(i, j)[0] for i, j in spans)
+    if schedule.split_backward:
+        backward = tuple(table.split_times(i, j)[0] for i, j in spans)
+        weight = tuple(table.split_times(i, j)[1] for i, j in spans)
+    else:
+        backward = tuple(table.times(i, j)[1] for i, j in spans)
+        weight = (0.0,) * len(spans)
+    zero = (0.0,) * len(spans)
+    model = StepModel(
+        {FORWARD: forward, BACKWARD: backward, WEIGHT: weight},
+        {FORWARD: zero, BACKWARD: forward, WEIGHT: zero},  # recomputation: B runs F again
+        (overhead,) * schedule.num_workers,
         source="planner",
     )
-    if overhead:
-        model = replace(model, overhead=(overhead,) * schedule.num_workers)
     timeline = predict(schedule, model, table.stop)
     fixed = [0.0] * schedule.num_workers
     for k, (i, j) in enumerate(spans):
@@ -332,10 +348,10 @@ def _synthesized(
             bounds = prefix_sums(base.counts)
             spans = list(itertools.pairwise(bounds))
             costs = []
-            for k, (i, j) in enumerate(spans):
-                forward, backward, _ = table.search_passes(k, i, j)
-                plain = table.times(i, j)[1]
-                costs.append(Costs(forward, backward - plain / 2, plain / 2))
+            for i, j in spans:
+                forward = table.times(i, j)[0]
+                b, w = table.split_times(i, j)
+                costs.append(Costs(forward, b + (forward if table.stop else 0.0), w))
             limit = _held_limit(table, spans, num_workers, v, budget)
             if limit is not None and limit < 1:
                 continue

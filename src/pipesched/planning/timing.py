@@ -10,81 +10,148 @@ vocabulary. Measured on a GPT-2 with a 32k vocabulary, the profile put its
 blocks at 60% of what the pipeline spends on them and its embedding's
 backward at a tenth, so a cut balanced on it was not balanced in the run.
 
-Here the model is cut into one stage per layer, all on the one device, and a
-few training steps of the example micro-batch run through pipesched's own
-runtime (GPipe, one micro-batch, no recomputation, the loss the sum of the
-floating outputs); each layer's F and B are the medians of its measured
-actions. Nothing of the model changes: gradients, buffers (BatchNorm
-statistics) and the random generators are put back.
+Here the model is cut into one stage per layer, all on one worker of the
+device with a pipeline worker's threads, and a few training steps of the
+example micro-batch run through pipesched's own runtime (one micro-batch, one
+action at a time, no recomputation, the model's loss or else the sum of its
+floating outputs), once with each backward whole (as GPipe and 1F1B run it)
+and once as B then W (as zero-bubble schedules do); each layer's
+times are the medians of its measured actions. Nothing of the model
+changes: gradients, buffers (BatchNorm statistics) and the random generators
+are put back.
 """
 
 from __future__ import annotations
 
 import statistics
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from pipesched.call import Call
-from pipesched.schedule import FORWARD
+from pipesched.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 from pipesched.tree import tensors
 
-__all__ = ["run_layer_times"]
+__all__ = ["LayerTimes", "run_layer_times"]
 
 STEPS = 3
 """Measured steps, after one to warm up."""
 
 
+@dataclass(frozen=True)
+class LayerTimes:
+    """Per layer of the stage graph, medians of its actions in pipesched's runtime (seconds).
+
+    Args:
+        forward: F.
+        backward: the whole backward, as GPipe and 1F1B run it.
+        backward_input, backward_weight: B and W, as zero-bubble schedules
+            run them (apart, they can cost more than together).
+    """
+
+    forward: list[float]
+    backward: list[float]
+    backward_input: list[float]
+    backward_weight: list[float]
+
+
 def run_layer_times(
-    module: nn.Module, example_inputs: Any, num_layers: int, device: torch.device
-) -> tuple[list[float], list[float]]:
-    """Per layer of the stage graph, (forward seconds, backward seconds) in pipesched's runtime.
+    module: nn.Module,
+    example_inputs: Any,
+    num_layers: int,
+    device: torch.device,
+    num_threads: int | None = None,
+) -> LayerTimes:
+    """Each layer of the stage graph timed in pipesched's runtime, backward whole and split.
 
     Args:
         module: the model (an ``nn.Sequential``, or one that traces).
         example_inputs: one micro-batch: a tuple of positional arguments or a Call.
         num_layers: the layers of its stage graph (one stage each).
         device: where every stage runs.
+        num_threads: intra-op threads on a CPU (a pipeline worker's share).
 
     Raises:
         Exception: whatever the model raises; the caller falls back to the profile.
     """
-    from pipesched.pipeline import Pipeline  # the planner runs inside Pipeline's construction
-
-    call = Call.of(example_inputs)
-    sequential = isinstance(module, nn.Sequential)
     params = [p for p in module.parameters() if p.requires_grad]
     grads = [p.grad for p in params]
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            pipe = Pipeline(
-                module,
-                1,
-                balance=[1] * num_layers,
-                devices=[device] * num_layers,
-                checkpoint="never",
-                example_inputs=call.args if sequential else call,
-            )
-            batch = call.args[0] if sequential else call
-            forward: list[list[float]] = [[] for _ in range(num_layers)]
-            backward: list[list[float]] = [[] for _ in range(num_layers)]
-            for step in range(1 + STEPS):
-                pipe.step(batch, loss_fn=_summed)
-                timeline = pipe.last_timeline
-                if step == 0 or timeline is None:
-                    continue
-                for event in timeline.events:
-                    kind = forward if event.action.kind == FORWARD else backward
-                    kind[event.action.stage].append(event.duration)
+            whole = _timed(module, example_inputs, num_layers, device, False, num_threads)
+            split = _timed(module, example_inputs, num_layers, device, True, num_threads)
     finally:
         with torch.no_grad():
             for p, g in zip(params, grads, strict=True):
                 p.grad = g
             for b, saved in buffers:
                 b.copy_(saved)
-    return [statistics.median(f) for f in forward], [statistics.median(b) for b in backward]
+    forward = [
+        statistics.median(a + b) for a, b in zip(whole[FORWARD], split[FORWARD], strict=True)
+    ]
+    return LayerTimes(
+        forward,
+        [statistics.median(t) for t in whole[BACKWARD]],
+        [statistics.median(t) for t in split[BACKWARD]],
+        [statistics.median(t) if t else 0.0 for t in split[WEIGHT]],
+    )
+
+
+def _timed(
+    module: nn.Module,
+    example_inputs: Any,
+    num_layers: int,
+    device: torch.device,
+    split: bool,
+    num_threads: int | None,
+) -> dict[str, list[list[float]]]:
+    """Each stage's measured durations per kind of action, over :data:`STEPS` steps."""
+    from pipesched.pipeline import Pipeline  # the planner runs inside Pipeline's construction
+
+    call = Call.of(example_inputs)
+    sequential = isinstance(module, nn.Sequential)
+    previous = torch.get_num_threads()
+    if num_threads is not None and device.type == "cpu":
+        torch.set_num_threads(num_threads)  # the one worker gets what a pipeline's worker gets
+    try:
+        pipe = Pipeline(
+            module,
+            1,
+            balance=[1] * num_layers,
+            devices=[device],
+            checkpoint="never",
+            schedule=_one_worker(num_layers, split),
+            example_inputs=call.args if sequential else call,
+        )
+    finally:
+        torch.set_num_threads(previous)
+    batch = call.args[0] if sequential else call
+    durations: dict[str, list[list[float]]] = {
+        k: [[] for _ in range(num_layers)] for k in (FORWARD, BACKWARD, WEIGHT)
+    }
+    for step in range(1 + STEPS):
+        pipe.step(batch, loss_fn=_summed)
+        timeline = pipe.last_timeline
+        if step == 0 or timeline is None:
+            continue
+        for event in timeline.events:
+            durations[event.action.kind][event.action.stage].append(event.duration)
+    return durations
+
+
+def _one_worker(num_layers: int, split: bool) -> Schedule:
+    """Every layer a stage of one worker, one micro-batch: the forwards, then each backward
+    (its B and W one after the other when ``split``). One action at a time: none is slowed
+    by another sharing the machine."""
+    row = [Action(s, FORWARD, 0) for s in range(num_layers)]
+    for s in reversed(range(num_layers)):
+        row.append(Action(s, BACKWARD, 0))
+        if split:
+            row.append(Action(s, WEIGHT, 0))
+    return Schedule((tuple(row),), (0,) * num_layers, 1, name="per-layer")
 
 
 def _summed(output: Any) -> torch.Tensor:
