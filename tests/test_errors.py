@@ -110,7 +110,7 @@ TYPE_ERRORS: dict[str, Callable[[], Any]] = {
     "balance=3": lambda: _pipe(balance=3),
     "devices='cpu'": lambda: _pipe(devices="cpu"),
     "devices=[1.5]": lambda: _pipe(devices=["cpu", 1.5]),
-    "checkpoint=None": lambda: _pipe(checkpoint=None),
+    "checkpoint=3": lambda: _pipe(checkpoint=3),
     "schedule=3": lambda: _pipe(schedule=3),
     "num_stages='2'": lambda: Pipeline(_model(), 2, num_stages="2"),
     "mesh='junk'": lambda: Pipeline(_model(), 2, mesh="junk"),
