@@ -173,7 +173,7 @@ def plan_layers(
             f"no plan fits memory_budget={memory_budget:.4g} bytes per worker; the least "
             f"memory any needs is {least.peak_bytes:.4g} bytes ({least.schedule}, "
             f"checkpoint={least.checkpoint!r}, balance {list(least.counts)}): raise the "
-            "budget, use more workers, or fewer/smaller micro-batches"
+            "budget, use more workers, or smaller micro-batches (more chunks)"
         )
     pick = fitting[0]
     if pick.table is not None:  # a synthesized table must beat the built-ins by a margin
