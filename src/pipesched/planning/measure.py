@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from pipesched.call import Call, with_cache_off
-from pipesched.checkpoint import CHECKPOINT_MODES, checkpoint_stop
+from pipesched.checkpoint import CHECKPOINT_MODES
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo, rank0_value
 from pipesched.errors import ConfigError, PipeschedWarning, warn_user
@@ -199,7 +199,9 @@ def plan_auto(
             "(leave it out, or give layers per stage)"
         )
     counts = None if balance is None or isinstance(balance, str) else list(balance)
-    workers = num_stages if counts is None else None
+    workers = num_stages  # devices not given: one worker per stage of a given balance
+    if counts is not None:
+        workers = len(counts) if devices is None and mesh is None else None
     layout = resolve_layout("1f1b", devices, None, workers, None, mesh)
     planning = plan_model(
         module,
@@ -216,7 +218,6 @@ def plan_auto(
     if mesh is not None:  # measured costs can differ between ranks: rank 0's plan wins
         planning = rank0_value(planning)
         pick = planning.pick
-    checkpoint_stop(pick.checkpoint, chunks)
     return Auto(
         pick.spec,
         list(pick.counts),
