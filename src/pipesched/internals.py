@@ -12,59 +12,44 @@ control flow. A test deletes each one before import and checks that a step
 still equals the plain model's (``tests/test_internals.py``); another checks
 that no other module names ``torch._C``, ``torch._ops`` or ``torch.utils._``.
 
-Checked, with a fallback:
+Checked, with a fallback (the table in docs/guide.md says what each costs):
 
-- ``torch._C._will_engine_execute_node`` (:func:`engine_will_execute`):
-  whether the running backward executes a node, asked by a fused linear
-  (:mod:`pipesched.runtime.fused_linear`) about its input's node, never about
-  a leaf (torch raises for a leaf ``autograd.grad`` captures). Without it, a
-  fused linear computes its input gradient whenever it has one (the engine
-  drops what it does not need): a weight pass through the engine then does
-  an input-gradient GEMM it throws away.
+- ``torch._C._will_engine_execute_node`` (:func:`engine_will_execute`): a
+  fused linear skips an input gradient the running backward will not use
+  (never asked about a leaf). Without it: computed anyway, then dropped.
 - ``torch.autograd.graph._engine_run_backward`` (:func:`run_backward`): a
-  stage's backward without ``torch.autograd.backward``'s checks of gradients
-  against roots in Python. Without it, ``torch.autograd.backward`` itself.
+  stage's backward without ``torch.autograd.backward``'s Python checks.
+  Without it: ``torch.autograd.backward``.
 - ``torch._C._autograd._top_saved_tensors_default_hooks``
-  (:data:`top_saved_tensors_hooks`): tells a fused linear it is inside a
-  checkpointed region, whose recomputation runs without the fusion. Without
-  it, fused weight-gradient accumulation is off.
+  (:data:`top_saved_tensors_hooks`): a fused linear sees it is inside a
+  checkpointed region. Without it: fused accumulation is off.
 - ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks``
-  (:func:`has_gradient_hooks`): a parameter with gradient hooks must get its
-  gradient through autograd. Without either, every parameter counts as
-  hooked: fused accumulation is off.
-- ``torch.utils.checkpoint.GraphExecGroup`` (:data:`one_recomputation`,
-  torch 2.9 and later): the passes of one W share one recomputation of a
-  checkpointed region. Without it each pass recomputes it.
+  (:func:`has_gradient_hooks`): a hooked parameter's gradient goes through
+  autograd. Without either: every parameter counts as hooked (no fusion).
+- ``torch.utils.checkpoint.GraphExecGroup`` (:data:`one_recomputation`, torch
+  2.9+): a W's passes share one recomputation. Without it: one per pass.
 - ``torch._foreach_mul_`` (:func:`foreach_mul_`): gradient scaling in one
-  kernel per device. Without it, one ``mul_`` per gradient (the same values).
-- ``torch._C._nn._parse_to`` (:func:`parse_to`): reads ``Pipeline.to()``'s
-  arguments as ``nn.Module.to`` does. Without it they are read in Python.
+  kernel per device. Without it: one ``mul_`` per gradient (same values).
+- ``torch._C._nn._parse_to`` (:func:`parse_to`): ``Pipeline.to()``'s
+  arguments read as ``nn.Module.to`` does. Without it: read in Python.
 - ``torch.nn.modules.module._global_*_hooks`` (:func:`global_module_hooks`):
-  hooks registered for every module, which could draw random numbers inside
-  a stage of plain layers (:mod:`pipesched.seeding`). Without them, every
-  stage counts as hooked: it is seeded like any other.
+  hooks on every module could draw random numbers inside a stage of plain
+  layers (:mod:`pipesched.seeding`). Without them: every stage is seeded.
 
 Hard requirements, re-exported without a fallback: there is no public
 alternative, and no exact path without them.
 
-- ``torch.utils._pytree`` (:data:`pytree`): ``torch.export`` hands back its
-  ``TreeSpec``; flattening calls and traced stages' inputs must use the same
-  one. torch has no public pytree module (``torch.utils.pytree`` does not
-  exist up to 2.13), and torch.export itself imports this one.
+- ``torch.utils._pytree`` (:data:`pytree`): the ``TreeSpec`` ``torch.export``
+  hands back (no public pytree module exists up to torch 2.13).
 - ``torch.utils._python_dispatch.TorchDispatchMode`` (:data:`TorchDispatchMode`):
-  seeds every random operation at the dispatcher (:mod:`pipesched.rng`);
-  without it dropout masks would depend on thread timing.
-- ``torch._ops.OpOverload`` (:data:`OpOverload`) and its ``_schema``: the type of
-  an ATen operation and its signature, read when profiling and cutting traced
-  graphs (:mod:`pipesched.partition`) and seeding (:mod:`pipesched.rng`).
+  every random operation seeded at the dispatcher (:mod:`pipesched.rng`).
+- ``torch._ops.OpOverload`` (:data:`OpOverload`) and its ``_schema``: an ATen
+  operation and its signature, read by :mod:`pipesched.partition` and the seeding.
 
-Not routed here, used in place as torch's own modules use them (a torch that
-renamed them would break much of the ecosystem first): ``nn.Module``'s storage
-(``_modules``, ``_parameters``, ``_buffers``, ``_non_persistent_buffers_set``,
-``_apply``, ``_call_impl``); the base classes ``nn.modules.batchnorm._BatchNorm``
-(with ``_check_input_dim``) and ``nn.modules.dropout._DropoutNd``; and the
-ATen checks ``torch.export`` inserts (``aten._assert_tensor_metadata``,
-``aten._assert_scalar``), dropped from traced stages.
+Not routed here, used in place as torch's own modules use them: ``nn.Module``'s
+storage (``_modules``, ``_parameters``, ``_buffers``, ``_apply``, ...), the base
+classes ``_BatchNorm`` and ``_DropoutNd``, and the ATen checks ``torch.export``
+inserts (dropped from traced stages).
 """
 
 from __future__ import annotations
@@ -175,12 +160,13 @@ def engine_will_execute(node: Node) -> bool:
 _engine_run_backward: Callable[..., Any] | None = getattr(
     torch.autograd.graph, "_engine_run_backward", None
 )
+_ACCUMULATE = {"allow_unreachable": True, "accumulate_grad": True}  # as autograd.backward
 
 
 def _check_engine_run_backward() -> bool:
     a = torch.ones(2, requires_grad=True)
     run = _engine_run_backward
-    run((a * 3,), (torch.ones(2),), False, False, (), allow_unreachable=True, accumulate_grad=True)  # type: ignore[misc]
+    run((a * 3,), (torch.ones(2),), False, False, (), **_ACCUMULATE)  # type: ignore[misc]
     return a.grad is not None and a.grad.tolist() == [3.0, 3.0]
 
 
@@ -199,15 +185,7 @@ def run_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
     if _engine_run_backward is None:
         torch.autograd.backward(roots, grads)
     else:
-        _engine_run_backward(
-            tuple(roots),
-            tuple(grads),
-            False,
-            False,
-            (),
-            allow_unreachable=True,
-            accumulate_grad=True,
-        )
+        _engine_run_backward(tuple(roots), tuple(grads), False, False, (), **_ACCUMULATE)
 
 
 # ------------------------------------------------------------- saved-tensor hooks
@@ -345,12 +323,11 @@ _parse_to: Callable[..., _ToArgs] | None = getattr(
 def _check_parse_to() -> bool:
     if _parse_to is None:
         return False
-    return _parse_to("cpu", torch.float64) == (
-        torch.device("cpu"),
-        torch.float64,
-        False,
-        None,
-    ) and (_parse_to(torch.float32) == (None, torch.float32, False, None))
+    double, single = (
+        (torch.device("cpu"), torch.float64, False, None),
+        (None, torch.float32, False, None),
+    )
+    return _parse_to("cpu", torch.float64) == double and _parse_to(torch.float32) == single
 
 
 if _parse_to is None or not _probe(_check_parse_to):
@@ -393,21 +370,14 @@ def _read_to_arguments(*args: Any, **kwargs: Any) -> _ToArgs:
             f"to() got arguments it does not take: {rest + list(kwargs)}; "
             "expected to(device, dtype, non_blocking), to(dtype) or to(tensor)"
         )
-    return (
-        None if device is None else torch.device(device),
-        dtype,
-        bool(non_blocking),
-        memory_format,
-    )
+    where = None if device is None else torch.device(device)
+    return where, dtype, bool(non_blocking), memory_format
 
 
 # -- Hooks registered for every module ------------------------------------------------
 
-_GLOBAL_HOOKS = (
-    "_global_forward_hooks",
-    "_global_forward_pre_hooks",
-    "_global_backward_hooks",
-    "_global_backward_pre_hooks",
+_GLOBAL_HOOKS = tuple(
+    f"_global_{kind}_hooks" for kind in ("forward", "forward_pre", "backward", "backward_pre")
 )
 _found = [getattr(torch.nn.modules.module, name, None) for name in _GLOBAL_HOOKS]
 _global_tables: list[Any] | None = _found
@@ -424,9 +394,7 @@ def global_module_hooks() -> bool:
 
 def has_module_hooks(module: nn.Module) -> bool:
     """Whether ``module`` has forward or backward hooks of its own (nn.Module's storage)."""
+    m = module
     return bool(
-        module._forward_hooks
-        or module._forward_pre_hooks
-        or module._backward_hooks
-        or module._backward_pre_hooks
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
     )
