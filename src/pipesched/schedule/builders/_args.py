@@ -31,6 +31,20 @@ def check_virtual_stages(schedule: str, num_stages: int, virtual_stages: object)
     return num_stages // v
 
 
+def check_v_stages(schedule: str, num_stages: int) -> int:
+    """Workers of a V schedule (two stages each) for ``num_stages``.
+
+    Raises:
+        ConfigError: ``num_stages`` is odd.
+    """
+    if num_stages % 2:
+        raise ConfigError(
+            f"{schedule} runs two stages per worker, so num_stages must be even, got "
+            f"{num_stages}; use num_stages={num_stages - 1 or 2} or {num_stages + 1}"
+        )
+    return num_stages // 2
+
+
 def check_schedule_size(schedule: str, num_stages: int, num_microbatches: int, kinds: int) -> None:
     """A ConfigError, before anything is built, when the schedule would exceed MAX_ACTIONS.
 

@@ -14,9 +14,13 @@ from __future__ import annotations
 
 from collections import deque
 
-from pipesched.errors import ConfigError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from pipesched.schedule.builders._args import check_count, check_padded_work, check_schedule_size
+from pipesched.schedule.builders._args import (
+    check_count,
+    check_padded_work,
+    check_schedule_size,
+    check_v_stages,
+)
 from pipesched.schedule.schedule import Schedule
 
 __all__ = ["dualpipe_v"]
@@ -56,13 +60,8 @@ def dualpipe_v(num_stages: int, num_microbatches: int) -> Schedule:
     """
     n = check_count("num_stages", num_stages)
     m = check_count("num_microbatches", num_microbatches)
-    if n % 2:
-        raise ConfigError(
-            f"dualpipev runs two stages per worker, so num_stages must be even, got {n}; "
-            f"use num_stages={n - 1 or 2} or {n + 1}"
-        )
+    p = check_v_stages("dualpipev", n)
     check_schedule_size("dualpipev", n, m, 3)
-    p = n // 2
     check_padded_work("dualpipev", n, m, 2 * p)
     rows = tuple(
         tuple(a for a in _dualpipe_v_row(w, p, max(m, 2 * p)) if a.microbatch < m) for w in range(p)

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 from pipesched.errors import ConfigError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from pipesched.schedule.builders._args import check_count, check_schedule_size
+from pipesched.schedule.builders._args import check_count, check_schedule_size, check_v_stages
 from pipesched.schedule.schedule import Schedule
 
 __all__ = ["MAX_SQUEEZE", "check_squeeze_work", "v_half", "v_min"]
@@ -129,14 +129,9 @@ def _build(
     """The schedule of the building block ``block(p)``, squeezed twice, Ws placed."""
     n = check_count("num_stages", num_stages)
     m = check_count("num_microbatches", num_microbatches)
-    if n % 2:
-        raise ConfigError(
-            f"{name} runs two stages per worker, so num_stages must be even, got {n}; "
-            f"use num_stages={n - 1 or 2} or {n + 1}"
-        )
+    p = check_v_stages(name, n)
     check_schedule_size(name, n, m, 3)
     check_squeeze_work(name, n, m)
-    p = n // 2
     slots = [[list(range(x, x + _PERIOD * m, _PERIOD)) for x in offsets] for offsets in block(p)]
     squeezed = _squeeze(slots, with_weights=True)
     squeezed = _squeeze([s[:4] for s in squeezed], with_weights=False)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pipesched.errors import ConfigError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from pipesched.schedule.builders._args import check_count, check_schedule_size
+from pipesched.schedule.builders._args import check_count, check_schedule_size, check_v_stages
 from pipesched.schedule.builders.one_f_one_b import one_f_one_b_row
 from pipesched.schedule.limits import MAX_ACTIONS, limit_text
 from pipesched.schedule.schedule import Schedule
@@ -58,13 +58,8 @@ def zb_v(num_stages: int, num_microbatches: int) -> Schedule:
     """
     n = check_count("num_stages", num_stages)
     m = check_count("num_microbatches", num_microbatches)
-    if n % 2:
-        raise ConfigError(
-            f"zb-v runs two stages per worker, so num_stages must be even, got {n}; "
-            f"use num_stages={n - 1 or 2} or {n + 1}"
-        )
+    p = check_v_stages("zb-v", n)
     check_schedule_size("zb-v", n, m, 3)
-    p = n // 2
     check_zb_v_work(n, m)
     rows = tuple(
         tuple(a for a in _zb_v_row(w, p, max(m, 2 * p - 1)) if a.microbatch < m) for w in range(p)
