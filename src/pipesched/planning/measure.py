@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,8 @@ from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo, rank0_value
 from pipesched.errors import ConfigError, PipeschedWarning, warn_user
 from pipesched.layout import resolve_layout
-from pipesched.partition import plan_partition
+from pipesched.materialize import on_meta
+from pipesched.partition import Plan, plan_partition
 from pipesched.partition.graph import layers
 from pipesched.planning.candidate import LayerCost, Planning
 from pipesched.planning.search import plan_layers
@@ -44,17 +46,22 @@ def layer_costs(
     """
     if not isinstance(module, nn.Sequential):  # traced as Pipeline traces it: caching off
         example_inputs = with_cache_off(module, Call.of(example_inputs))
-    plan = plan_partition(
-        module,
-        num_stages=1,
-        devices=[torch.device(device)],
-        schedule="gpipe",
-        num_microbatches=1,
-        balance="time",
-        example_inputs=example_inputs,
-        num_threads=num_threads,
-        repeats=repeats,
-    )
+
+    def profiled(balance: str) -> Plan:  # "memory": bytes only; "time": each operation timed too
+        return plan_partition(
+            module,
+            num_stages=1,
+            devices=[torch.device(device)],
+            schedule="gpipe",
+            num_microbatches=1,
+            balance=balance,
+            example_inputs=example_inputs,
+            num_threads=num_threads,
+            repeats=repeats,
+        )
+
+    # The runtime times the layers; the per-operation timings are needed only without it.
+    plan = profiled("time" if on_meta(module) else "memory")
     graph = plan.graph
     units = layers(graph)
     crossing = [0.0] * (len(units) + 1)  # a difference array over cut positions
@@ -71,23 +78,24 @@ def layer_costs(
         if last > unit:  # this tensor is in every stage input from unit + 1 up to its last use
             crossing[unit + 1] += float(data.get("output_bytes") or 0)
             crossing[last + 1] -= float(data.get("output_bytes") or 0)
-    forward = [float(u.forward_time or 0.0) for u in units]
-    backward = [float(u.backward_time or 0.0) for u in units]
     backward_input: list[float | None] = [None] * len(units)
     backward_weight: list[float | None] = [None] * len(units)
     where = torch.device(device)
-    source = f"profiled per operation on {where}"
-    if plan.partition.estimated:
-        source = "estimated from FLOPs (meta-device model)"
-    else:
+    source = "estimated from FLOPs (meta-device model)"
+    if not plan.partition.estimated:
         try:
             timed = run_layer_times(module, example_inputs, len(units), where, num_threads)
-            forward, backward = timed.forward, timed.backward
+            units = [
+                dataclasses.replace(u, forward_time=f, backward_time=b)
+                for u, f, b in zip(units, timed.forward, timed.backward, strict=True)
+            ]
             backward_input = list(timed.backward_input)
             backward_weight = list(timed.backward_weight)
             source = f"measured per layer in pipesched's runtime on {where}"
-        except Exception as error:  # the per-operation profile still stands: say so, go on
-            source += f" (a run per layer failed: {type(error).__name__})"
+        except Exception as error:  # the per-operation profile stands in: say so, go on
+            units = layers(profiled("time").graph)
+            source = f"profiled per operation on {where} (a run per layer failed: "
+            source += f"{type(error).__name__})"
             warn_user(
                 f"the planner could not time each layer in pipesched's runtime ({error}); it "
                 "plans with the per-operation profile, which can miss per-layer costs",
@@ -99,8 +107,8 @@ def layer_costs(
         result.append(
             LayerCost(
                 u.name,
-                forward[k],
-                backward[k],
+                float(u.forward_time or 0.0),
+                float(u.backward_time or 0.0),
                 float(u.activation_bytes or 0),
                 float(u.param_bytes),
                 running,
