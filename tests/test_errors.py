@@ -118,6 +118,8 @@ TYPE_ERRORS: dict[str, Callable[[], Any]] = {
         balance="time", example_inputs=(torch.randn(3, 4),), memory_budget="1e9"
     ),
     "split_points='2'": lambda: Pipeline(_model(), 2, split_points="2", devices=["cpu", "cpu"]),
+    "example_inputs=tensor": lambda: _pipe(balance="time", example_inputs=torch.randn(3, 4)),
+    "example_inputs=tensor, auto": lambda: _pipe(schedule="auto", example_inputs=torch.randn(3, 4)),
     "num_items=[3]": lambda: _pipe().step(*_batch(), loss_fn=mse, num_items=[3]),
     "optimizer='sgd'": lambda: GradientAccumulator(_pipe(), "sgd", accumulation_steps=2),
     "max_grad_norm='1'": lambda: GradientAccumulator(

@@ -79,7 +79,8 @@ def check_pipeline(
 
     Raises:
         ConfigTypeError: an argument has the wrong type.
-        ConfigError: ``chunks`` or ``num_stages`` is below 1.
+        ConfigError: ``chunks`` or ``num_stages`` is below 1, or ``memory_budget``
+            is not positive.
     """
     check_module("module", module)
     check_positive_int("chunks", chunks)
@@ -93,6 +94,11 @@ def check_pipeline(
         check_positive_int("num_stages", num_stages)
     if memory_budget is not None:
         check_number("memory_budget", memory_budget, "a number of bytes per worker")
+        if not memory_budget > 0:  # type: ignore[operator]
+            raise ConfigError(
+                f"memory_budget must be a positive number of bytes per worker, got "
+                f"{memory_budget!r}; e.g. memory_budget=8 * 2**30, or leave it out for no limit"
+            )
 
 
 def check_step(inputs: Any, loss_fn: object, num_items: object) -> None:

@@ -46,6 +46,11 @@ class Call(NamedTuple):
         """``example_inputs`` (a Call, or a tuple of positional arguments) as a Call."""
         if isinstance(example_inputs, Call):
             return example_inputs
+        if not isinstance(example_inputs, tuple | list):  # a tensor would be read row by row
+            raise ConfigTypeError(
+                f"example_inputs must be a tuple of the model's positional arguments (or a "
+                f"Call), got {type(example_inputs).__name__}; write example_inputs=(x,)"
+            )
         return cls(tuple(example_inputs), {})
 
     def leaves(self, order: list[str] | None = None) -> tuple[list[Any], pytree.TreeSpec]:

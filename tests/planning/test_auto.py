@@ -151,3 +151,17 @@ def test_a_model_that_cannot_run_per_layer_falls_back_to_the_profile_and_says_so
     with pytest.warns(UserWarning, match="per-operation profile"):
         pipe = Pipeline(lm_like(), 2, schedule="auto", devices=["cpu"] * 2, example_inputs=(x,))
     assert pipe.plan is not None and "a run per layer failed: RuntimeError" in pipe.plan.source
+
+
+def test_a_budget_that_is_not_positive_is_refused_before_anything_runs() -> None:
+    x = torch.randn(2, 8, dtype=torch.float64)
+    for budget in (0, -1.0):
+        with pytest.raises(ConfigError, match=r"memory_budget must be a positive number"):
+            Pipeline(
+                lm_like(),
+                4,
+                schedule="auto",
+                devices=["cpu"] * 2,
+                example_inputs=(x,),
+                memory_budget=budget,
+            )

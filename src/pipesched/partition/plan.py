@@ -34,6 +34,7 @@ import networkx as nx
 import torch
 from torch import nn
 
+from pipesched.call import Call
 from pipesched.errors import ConfigError, ConfigTypeError, PartitionError
 from pipesched.materialize import on_meta
 from pipesched.partition.balance import bounds_of, simulate_counts
@@ -238,6 +239,7 @@ def _profile(
                 )
             else:
                 module = cast(nn.Sequential, module)  # only a Sequential goes untraced
+                example_inputs = Call.of(example_inputs).args  # refuses a bare tensor
                 if len(example_inputs) != 1:
                     raise ConfigTypeError(
                         f"an nn.Sequential takes one input, but example_inputs has "
