@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipesched.distributed.placement import check_not_freed
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.microbatch import batch_size
 from pipesched.tree import tensors
@@ -79,10 +80,11 @@ def check_pipeline(
 
     Raises:
         ConfigTypeError: an argument has the wrong type.
-        ConfigError: ``chunks`` or ``num_stages`` is below 1, or ``memory_budget``
-            is not positive.
+        ConfigError: ``chunks`` or ``num_stages`` is below 1, ``memory_budget``
+            is not positive, or an earlier mesh Pipeline freed ``module``'s layers
+            on this rank (:func:`~pipesched.distributed.placement.check_not_freed`).
     """
-    check_module("module", module)
+    check_not_freed(check_module("module", module))
     check_positive_int("chunks", chunks)
     if balance is not None and not isinstance(balance, str | list | tuple):
         raise ConfigTypeError(

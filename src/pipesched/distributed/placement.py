@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["keep_own_stages", "stage_parameters"]
+from pipesched.errors import ConfigError
+
+__all__ = ["check_not_freed", "keep_own_stages", "stage_parameters"]
+
+_freed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+"""Modules whose tensors :func:`keep_own_stages` moved to meta from real memory."""
 
 
 def keep_own_stages(
@@ -36,11 +42,15 @@ def keep_own_stages(
         if s not in own:
             for layer in _layers(stage, recurse=False):
                 if id(layer) not in own_modules:
+                    recurse = not _traced(stage)
+                    _freed.update(
+                        m
+                        for m in (layer.modules() if recurse else [layer])
+                        if any(not t.is_meta for t in _own_tensors(m))
+                    )
                     # Module.to gives the layer new (meta) tensors: a Parameter object
                     # that an own stage shares stays where it is, with its data.
-                    layer._apply(  # type: ignore[no-untyped-call]
-                        lambda t: t.to("meta"), recurse=not _traced(stage)
-                    )
+                    layer._apply(lambda t: t.to("meta"), recurse=recurse)  # type: ignore[no-untyped-call]
     tied = {
         id(p): tuple(sorted(users[id(p)]))
         for s in own
@@ -48,6 +58,34 @@ def keep_own_stages(
         if len(users[id(p)]) > 1
     }
     return own, tied
+
+
+def check_not_freed(module: nn.Module) -> None:
+    """Refuses a model whose layers an earlier mesh Pipeline freed on this rank.
+
+    Why: those layers' weights are gone from this process (other ranks hold
+    them); a new Pipeline would see meta tensors and either fail in its first
+    step or, taking them for a model built on meta, initialize them afresh:
+    trained weights silently replaced.
+
+    Raises:
+        ConfigError: naming the freed layers and the fix.
+    """
+    names = [name or "(the model)" for name, m in module.named_modules() if m in _freed]
+    if names:
+        shown = ", ".join(repr(n) for n in names[:4]) + (" ..." if len(names) > 4 else "")
+        raise ConfigError(
+            f"module: {len(names)} of {type(module).__name__}'s layers ({shown}) were freed on "
+            "this rank by an earlier Pipeline(..., mesh=...), which keeps only its rank's "
+            "stages and moves the others to the meta device: their weights are no longer in "
+            "this process. Give each mesh Pipeline its own model: copy.deepcopy(model) before "
+            "the first Pipeline takes it, or build the model again"
+        )
+
+
+def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """The parameters and buffers ``module`` holds directly."""
+    return [*module.parameters(recurse=False), *module.buffers(recurse=False)]
 
 
 def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
