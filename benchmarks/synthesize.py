@@ -1,6 +1,6 @@
 """Synthesized schedules against the lower bound, the built-ins and the exact solver.
 
-Run: PYTHONPATH=src .venv/bin/python benchmarks/synthesize.py [--profiles 200] [--effort 400]
+Run: PYTHONPATH=src .venv/bin/python benchmarks/synthesize.py [--profiles 200] [--effort 1500]
      [--exact-cases 8] [--exact-time 8] [--seed 0]
 
 Random cost profiles: p in {4, 8}, m in {2p, 3p}, a worker share's F, B, W
@@ -196,7 +196,9 @@ def run(args: argparse.Namespace, heavy: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profiles", type=int, default=200)
-    parser.add_argument("--effort", type=int, default=400, help="local-search moves")
+    parser.add_argument(
+        "--effort", type=int, default=1500, help="local-search moves (synthesize's default)"
+    )
     parser.add_argument("--exact-cases", type=int, default=8)
     parser.add_argument("--exact-time", type=float, default=8.0)
     parser.add_argument("--seed", type=int, default=0)

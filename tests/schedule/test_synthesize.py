@@ -160,6 +160,24 @@ def test_exact_solver_lies_between_the_bound_and_the_heuristic(p, m, f, b, w, li
     assert best.simulate(costs).makespan <= heuristic.simulate(costs).makespan
 
 
+@pytest.mark.skipif(not has_ortools, reason="needs OR-Tools: pip install 'pipesched[solver]'")
+def test_the_solver_starts_from_the_whole_hint_and_never_returns_worse_or_nothing():
+    from pipesched.schedule.exact import solve
+    from pipesched.schedule.heuristic import Player, Problem
+
+    # With only start times hinted, CP-SAT found no schedule at all within 10 s
+    # here (its horizon is the hint's makespan, which the heuristic made tight).
+    f, b, w = 1.5795570296059311, 1.0982353133364031, 1.7372674657223495  # a worker's share
+    for v, share in ((1, 1), (2, 0.5)):
+        costs = Costs(share * f, share * b, share * w)
+        hinted = synthesize(4, 8, costs, stages_per_worker=v, memory_limit=4)  # default effort
+        problem = Problem(synth_placement(4, v), 8, stage_costs(costs, 4 * v), 4 * v)
+        rows = [[problem.number(s, "FBW".index(k), i) for s, k, i in row] for row in hinted.actions]
+        result = solve(problem, time_limit=2, hint=rows)
+        assert result is not None, f"{v} stage(s) per worker"
+        assert Player(problem).makespan(result.rows) <= hinted.simulate(costs).makespan + 1e-9
+
+
 def test_the_docs_example_beats_zb_v_and_meets_the_bound():
     costs = Costs(0.5, 0.5, 1.0)  # per stage: half of a worker's share of F=1, B=1, W=2
     ours = synthesize(4, 8, costs, stages_per_worker=2, memory_limit=4)

@@ -90,10 +90,12 @@ def solve(
         if pred[a] >= 0:
             model.add(start[a] >= end[pred[a]] + (send if worker[pred[a]] != worker[a] else 0))
     holds: list[list[Any]] = [[] for _ in range(p)]
+    holds_size: list[list[Any]] = [[] for _ in range(n)]
     for s in range(n):
         for i in range(m):
             f, w = problem.number(s, 0, i), problem.number(s, 2, i)
             size = model.new_int_var(0, horizon, f"h{s}_{i}")
+            holds_size[s].append(size)
             holds[placement[s]].append(model.new_interval_var(start[f], size, end[w], f"h{s}_{i}"))
     makespan = model.new_int_var(0, horizon, "makespan")
     for w in range(p):
@@ -104,9 +106,15 @@ def solve(
         model.add(start[problem.number(0, 0, i)] <= start[problem.number(0, 0, i + 1)])
     model.add_max_equality(makespan, end)
     model.minimize(makespan)
-    if played is not None:
+    if played is not None:  # the whole solution, so that CP-SAT starts from a complete one
         for a, t in enumerate(played[1]):
             model.add_hint(start[a], round(t))
+            model.add_hint(end[a], round(t) + dur[a])
+        for s in range(n):
+            for i in range(m):
+                f, w = problem.number(s, 0, i), problem.number(s, 2, i)
+                model.add_hint(holds_size[s][i], round(played[1][w]) + dur[w] - round(played[1][f]))
+        model.add_hint(makespan, round(played[0]))
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = time_limit
     solver.parameters.num_search_workers = workers
