@@ -25,6 +25,7 @@ its means say. The machine's cores may be shared (the load average is printed).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -221,6 +222,11 @@ def distributed_worker(rounds: int) -> None:
         agree = everyone[0] == everyone[1]
         print(f"load average {os.getloadavg()[0]:.1f}; ranks' predictions agree: {agree}")
         print("\n".join(rows("2 gloo ranks", results)), flush=True)
+    # The pipelines gone before the groups: a gloo work freed from gloo's own thread
+    # while the interpreter exits aborts the process (pytorch/pytorch#190489).
+    made.clear()
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()
 
 

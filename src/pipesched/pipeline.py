@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from pipesched.distributed.mesh import MeshInfo
 from pipesched.layout import Cut, resolve_layout
 from pipesched.materialize import InitWeights, check_meta
 from pipesched.partition import Partition
+from pipesched.partition.shared_traces import traces_shared
 from pipesched.pinned import Pinned
 from pipesched.planning import Planning, plan_auto
 from pipesched.prediction import predict_step
@@ -140,51 +142,56 @@ class Pipeline(Pinned):
         checkpoint_stop(checkpoint or "never", 1)  # checks the mode's name
         info = None if mesh is None else MeshInfo.of(mesh)
         self.plan: Planning | None = None  # what schedule="auto" compared and picked
-        if schedule == "auto":  # the planner's pick stands for the arguments it chose
-            auto = plan_auto(
-                module,
+        # One trace of the model for the planner's pipelines and the pick (the model is not
+        # changed in between); elsewhere each Pipeline traces anew.
+        with traces_shared() if schedule == "auto" else contextlib.nullcontext():
+            if schedule == "auto":  # the planner's pick stands for the arguments it chose
+                auto = plan_auto(
+                    module,
+                    chunks,
+                    balance,
+                    devices,
+                    checkpoint,
+                    example_inputs,
+                    info,
+                    memory_budget=memory_budget,
+                    num_stages=num_stages,
+                )
+                schedule, balance, checkpoint, devices, self.plan = auto.arguments(devices)
+                memory_budget = num_stages = None
+            checkpoint = checkpoint or "except_last"
+            schedule = check_spec(schedule, chunks)
+            sequential = isinstance(module, nn.Sequential)
+            if deferred_batch_norm and sequential:
+                DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
+            self._layout = resolve_layout(
+                schedule, devices, balance, num_stages, split_points, info
+            )
+            meta = check_meta(module, example_inputs, init_weights)
+            self._cut = Cut(
                 chunks,
                 balance,
-                devices,
-                checkpoint,
-                example_inputs,
-                info,
-                memory_budget=memory_budget,
-                num_stages=num_stages,
+                split_points,
+                memory_budget,
+                deferred_batch_norm,
+                fuse_weight_grads,
+                meta,
             )
-            schedule, balance, checkpoint, devices, self.plan = auto.arguments(devices)
-            memory_budget = num_stages = None
-        checkpoint = checkpoint or "except_last"
-        schedule = check_spec(schedule, chunks)
-        sequential = isinstance(module, nn.Sequential)
-        if deferred_batch_norm and sequential:
-            DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
-        self._layout = resolve_layout(schedule, devices, balance, num_stages, split_points, info)
-        meta = check_meta(module, example_inputs, init_weights)
-        self._cut = Cut(
-            chunks,
-            balance,
-            split_points,
-            memory_budget,
-            deferred_batch_norm,
-            fuse_weight_grads,
-            meta,
-        )
-        self._model = (module,)  # a tuple: its layers are registered, not the model itself
-        self.chunks = chunks
-        self.checkpoint = checkpoint
-        self.sync: Sync = LocalSync()
-        """The reductions over the mesh's replicas and ranks (the identity locally)."""
-        self.last_timeline: Timeline | None = None
-        self.last_step_seconds: float | None = None
-        self._assemblies = Assemblies(self, module, self._layout, self._cut)
-        if sequential:
-            self._assemblies.add(example_inputs, None)
-        else:  # the whole model's children, its own parameters and buffers, from now on
-            register_model(self, module)
-            if example_inputs is not None:
-                call = with_cache_off(module, Call.of(example_inputs))
-                self._assemblies.add(call, call_key(call))
+            self._model = (module,)  # a tuple: its layers are registered, not the model itself
+            self.chunks = chunks
+            self.checkpoint = checkpoint
+            self.sync: Sync = LocalSync()
+            """The reductions over the mesh's replicas and ranks (the identity locally)."""
+            self.last_timeline: Timeline | None = None
+            self.last_step_seconds: float | None = None
+            self._assemblies = Assemblies(self, module, self._layout, self._cut)
+            if sequential:
+                self._assemblies.add(example_inputs, None)
+            else:  # the whole model's children, its own parameters and buffers, from now on
+                register_model(self, module)
+                if example_inputs is not None:
+                    call = with_cache_off(module, Call.of(example_inputs))
+                    self._assemblies.add(call, call_key(call))
 
     def _assembly_for(self, call: Call | None, inputs: list[Any]) -> Assembly:
         """The cut that runs ``inputs`` (micro-batches of ``call``), cut now if none fits."""
