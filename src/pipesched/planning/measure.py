@@ -19,6 +19,7 @@ from pipesched.layout import resolve_layout
 from pipesched.materialize import on_meta
 from pipesched.partition import Plan, plan_partition
 from pipesched.partition.graph import layers
+from pipesched.partition.shared_traces import traces_shared
 from pipesched.planning.candidate import LayerCost, Planning
 from pipesched.planning.search import plan_layers
 from pipesched.planning.timing import run_layer_times
@@ -27,6 +28,7 @@ from pipesched.schedule import Schedule
 __all__ = ["Auto", "layer_costs", "plan_auto", "plan_model"]
 
 
+@traces_shared()  # the profile and both timing pipelines: one trace
 def layer_costs(
     module: nn.Module,
     example_inputs: tuple[Any, ...],
