@@ -176,8 +176,21 @@ POLICIES: tuple[Policy, ...] = (
     Policy((1, 0, 1), True, 0.5),
     Policy((1, 0, 1), True, 1.0),
     *(Policy(rank, True, 0.5, h) for rank in ((1, 0, 2), (1, 0, 1)) for h in (1, 2, 3)),
+    # Tight V policies: an F on the way down only while 0 or 1 slot stays free. On 60
+    # random profiles (p 4 and 8, a heavy last stage or not) these gave the best order
+    # most often; with them the heuristic's gap to CP-SAT's optima on V fell from 0.59%
+    # mean, 1.59% max, to 0.08% and 0.59% (12 profiles, p=4, m=8, memory limit p).
+    *(Policy(rank, True, 0.0, h) for rank in ((0, 1, 2), (1, 0, 2), (1, 0, 1)) for h in (0, 1)),
+    *(Policy(rank, True, 0.25, h) for rank in ((0, 1, 2), (1, 0, 2)) for h in (0, 1)),
+    Policy((0, 1, 2), True, 0.5, 0),
+    Policy((0, 1, 2), True, 1.0, 0),
+    *(Policy((1, 0, 2), False, 0.0, h) for h in (1, 2)),
+    Policy((1, 0, 1), False, 0.0, 1),
 )
-"""The policies :func:`list_schedule` is run with; the synthesizer keeps the best order."""
+"""The policies :func:`list_schedule` is run with; the synthesizer keeps the best order.
+
+A ``headroom`` only changes anything on a V: with one stage per worker those
+policies are skipped."""
 
 
 def list_schedule(problem: Problem, policy: Policy) -> Rows | None:

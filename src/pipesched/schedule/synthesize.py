@@ -173,8 +173,13 @@ def _slots(memory_limit: object, stages_per_worker: int, m: int) -> int:
 
 def _candidates(problem: Problem) -> list[Rows]:
     """Orders to start from: list scheduling under each policy, then the built-ins that fit."""
-    out = [rows for policy in POLICIES if (rows := list_schedule(problem, policy)) is not None]
     n, m = len(problem.placement), problem.num_microbatches
+    vee = n > problem.num_workers
+    out = [
+        rows
+        for policy in POLICIES
+        if (vee or policy.headroom is None) and (rows := list_schedule(problem, policy)) is not None
+    ]
     for builder in SCHEDULES.values():
         try:
             built = builder(n, m)
