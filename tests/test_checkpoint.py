@@ -298,3 +298,65 @@ def test_checkpoint_stop_rejects_bad_counts(num_microbatches):
 def test_checkpoint_rejects_a_plain_function():
     with pytest.raises(ConfigError, match="nn.Module"):
         checkpoint(torch.relu, torch.randn(2, requires_grad=True))
+
+
+class _Stateful(nn.Module):
+    """Updates a counter and an average of its input in forward, as user modules do."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("mean", torch.zeros(width, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.calls += 1
+            self.mean.mul_(0.9).add_(0.1 * x.detach().mean(0))
+        return torch.tanh(self.lin(x))
+
+
+class _Net(nn.Module):
+    """The same layers as the nn.Sequential of :func:`_stateful`, traced."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c, self.b = nn.Linear(4, 8), _Stateful(8), nn.Linear(8, 8)
+        self.n, self.d = nn.BatchNorm1d(8), _Stateful(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.d(self.n(self.b(self.c(self.a(x)))))
+
+
+def _stateful(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "sequential":
+        layers = [nn.Linear(4, 8), _Stateful(8), nn.Linear(8, 8), nn.BatchNorm1d(8), _Stateful(8)]
+        return nn.Sequential(*layers).double()
+    return _Net().double()
+
+
+@pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")
+@pytest.mark.parametrize("kind", ["sequential", "traced"])
+def test_buffers_a_forward_updates_move_once_per_micro_batch_whatever_the_checkpointing(kind):
+    from pipesched import Pipeline
+
+    x = torch.randn(8, 4, dtype=torch.float64)
+    reference = _stateful(kind)  # gradient accumulation: one forward per micro-batch
+    for _ in range(2):
+        for part in x.tensor_split(4):
+            (reference(part).sum() / 4).backward()  # step() averages the 4 losses
+    expected = {
+        k: v for k, v in reference.state_dict().items() if not k.endswith(("weight", "bias"))
+    }
+    assert len(expected) == 7  # two counters and averages, BatchNorm's three
+    for mode in CHECKPOINT_MODES:
+        model = _stateful(kind)
+        pipe = Pipeline(model, chunks=4, devices=["cpu", "cpu"], checkpoint=mode)
+        for _ in range(2):
+            pipe.step(x, loss_fn=lambda y: y.sum())
+        got = model.state_dict()
+        for name, value in expected.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-12, atol=0, msg=f"{mode} {name}")
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)

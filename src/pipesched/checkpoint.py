@@ -12,17 +12,23 @@ torchgpipe runs recomputation ahead of the gradient's arrival to overlap it
 with the copy of the gradient between devices; we leave that overlap to the
 runtime's streams and keep this module a thin, well-tested wrapper.
 
-Why a BatchNorm guard: recomputing a forward repeats its side effects. A
+Why a buffer guard: recomputing a forward repeats its side effects. A
 training-mode BatchNorm updates ``running_mean``, ``running_var`` and
-``num_batches_tracked`` on every call, so a checkpointed stage would count
-each micro-batch twice. During the recomputation we therefore swap each
-BatchNorm's running buffers for throwaway clones and put the real ones back
-afterwards. (Setting ``track_running_stats=False`` instead, the obvious guard,
-does not work: BatchNorm then saves two tensors fewer for backward, and the
-non-reentrant checkpoint rejects the recomputation with "A different number of
-tensors was saved during the original forward and recomputation".) The output
-is unchanged because training-mode BatchNorm normalizes with batch statistics.
-Other modules with side effects can ask :func:`is_recomputing`.
+``num_batches_tracked`` on every call, and any module may keep a counter or
+an average in a buffer; a checkpointed stage would update them twice per
+micro-batch, so the model's state would depend on the checkpoint mode.
+During the recomputation we therefore put a throwaway clone in the place of
+every buffer the checkpointed module uses (its modules' own, or, for a
+traced stage, the model's buffers it reads by name) and put the real ones
+back afterwards, whatever the recomputation wrote. (Setting
+``track_running_stats=False`` instead, the obvious guard for BatchNorm, does
+not work: BatchNorm then saves two tensors fewer for backward, and the
+non-reentrant checkpoint rejects the recomputation with "A different number
+of tensors was saved during the original forward and recomputation".) The
+recomputation reads each buffer's value at the time it runs: a module whose
+output depends on a buffer it also updates (an average used in the forward)
+recomputes with the later value. Other modules with side effects (outside
+buffers) can ask :func:`is_recomputing`.
 """
 
 from __future__ import annotations
@@ -36,19 +42,16 @@ from typing import Any, Final
 import torch
 import torch.utils.checkpoint
 from torch import Tensor, nn
-from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.errors import ConfigError, ConfigTypeError
 
-__all__ = ["CHECKPOINT_MODES", "checkpoint", "checkpoint_stop", "is_recomputing"]
+__all__ = ["CHECKPOINT_MODES", "buffer_slots", "checkpoint", "checkpoint_stop", "is_recomputing"]
 
 CHECKPOINT_MODES: Final = ("always", "except_last", "never")
 """Which micro-batches a stage checkpoints; see :func:`checkpoint_stop`."""
 
-_RUNNING_BUFFERS: Final = ("running_mean", "running_var", "num_batches_tracked")
-
-# A BatchNorm, its running buffers, and the clones standing in for them during a recomputation.
-_Swap = tuple[_BatchNorm, dict[str, Tensor], dict[str, Tensor]]
+# Where a buffer lives, ``(holder, key)``: ``holder[key]`` is the tensor a forward reads.
+_Slot = tuple[dict[str, Any], str]
 
 
 class _ThreadState(threading.local):
@@ -73,7 +76,7 @@ def is_recomputing() -> bool:
 
 
 class _Recomputation:
-    """Entered around each recomputation of ``module``: sets the flag, guards BatchNorms.
+    """Entered around each recomputation of ``module``: sets the flag, guards the buffers.
 
     A class and not a ``@contextmanager`` generator because torch enters the
     same object once per backward pass over the graph (``retain_graph=True``
@@ -84,25 +87,20 @@ class _Recomputation:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._saved: list[tuple[bool, list[_Swap]]] = []
+        self._saved: list[tuple[bool, list[tuple[dict[str, Any], str, Tensor]]]] = []
 
     def __enter__(self) -> None:
-        # Clone everything first: if a clone fails, nothing has changed yet.
-        swapped = []
-        for bn in self.module.modules():
-            if isinstance(bn, _BatchNorm):
-                originals = {
-                    name: buffer
-                    for name in _RUNNING_BUFFERS
-                    if isinstance(buffer := getattr(bn, name, None), Tensor)
-                }
-                clones = {name: buffer.clone() for name, buffer in originals.items()}
-                swapped.append((bn, originals, clones))
-        self._saved.append((_state.recomputing, swapped))
+        # Clone everything first: if a clone fails, nothing has changed yet. One clone
+        # per tensor, so a buffer two modules share stays shared.
+        slots = [(holder, key, holder[key]) for holder, key in buffer_slots(self.module)]
+        clones: dict[int, Tensor] = {}
+        for _, _, buffer in slots:
+            if id(buffer) not in clones:
+                clones[id(buffer)] = buffer.clone()
+        self._saved.append((_state.recomputing, slots))
         _state.recomputing = True
-        for bn, _, clones in swapped:
-            for name, clone in clones.items():
-                setattr(bn, name, clone)
+        for holder, key, buffer in slots:
+            holder[key] = clones[id(buffer)]
 
     def __exit__(
         self,
@@ -110,11 +108,33 @@ class _Recomputation:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        previous, swapped = self._saved.pop()
+        previous, slots = self._saved.pop()
         _state.recomputing = previous
-        for bn, originals, _ in swapped:
-            for name, buffer in originals.items():
-                setattr(bn, name, buffer)
+        for holder, key, buffer in slots:
+            holder[key] = buffer
+
+
+def buffer_slots(module: nn.Module) -> list[_Slot]:
+    """Where every buffer ``module``'s forward uses lives, once each.
+
+    A module with a ``buffer_slots()`` method (a traced stage, which reads the
+    model's buffers by name) gives those in place of its own ``_buffers``
+    (constants); any other gives its ``_buffers`` entries; then their children
+    (a traced stage's BatchNorm and Dropout layers, called as modules).
+    """
+    slots: dict[tuple[int, str], _Slot] = {}
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        own = getattr(m, "buffer_slots", None)
+        if callable(own):
+            found: list[_Slot] = own()
+        else:
+            found = [(m._buffers, k) for k, t in m._buffers.items() if t is not None]
+        stack.extend(m.children())
+        for holder, key in found:
+            slots[id(holder), key] = (holder, key)
+    return list(slots.values())
 
 
 def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True) -> Any:
@@ -123,9 +143,9 @@ def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True)
     Built on :func:`torch.utils.checkpoint.checkpoint` with
     ``use_reentrant=False``. The recomputation replays the forward's RNG state
     (Dropout draws the same mask) and autocast state, runs with
-    :func:`is_recomputing` True in the thread that runs it, and leaves the
-    running statistics of every BatchNorm inside ``module`` as the forward
-    left them. The recomputation runs the whole forward: torch's early stop
+    :func:`is_recomputing` True in the thread that runs it, and leaves every
+    buffer ``module`` uses (BatchNorm's running statistics, a counter) as
+    the forward left it. The recomputation runs the whole forward: torch's early stop
     (at the last tensor backward needs) saved RReLU's noise before RReLU
     filled it in, and backward then read uninitialized memory.
 
@@ -159,7 +179,7 @@ def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True)
     if not isinstance(module, nn.Module):
         raise ConfigTypeError(
             f"checkpoint(module=...) needs an nn.Module, got {type(module).__name__}; "
-            "wrap a plain function in an nn.Module so its BatchNorms can be found"
+            "wrap a plain function in an nn.Module so its buffers can be found"
         )
 
     def context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:

@@ -170,6 +170,11 @@ class TracedStage(nn.Module):
         """The modules owning the parameters and buffers this stage uses."""
         return self._owners
 
+    def buffer_slots(self) -> list[tuple[dict[str, Any], str]]:
+        """Where each of the model's buffers this stage reads lives (for the checkpoint guard)."""
+        holders = [owner._buffers for owner in self._owners]
+        return [(d, k) for d, k in self._state if any(d is h for h in holders)]
+
     def modes_hold(self) -> bool:
         """Whether every module whose mode the trace fixed is in that mode now."""
         return all(c.module.training == c.training for c in self._mode_checks)
