@@ -18,6 +18,7 @@ from pipesched.batchnorm_warning import warn_micro_batch_norm
 from pipesched.call import Call, one_call
 from pipesched.checkpoint import checkpoint_stop
 from pipesched.errors import ConfigError
+from pipesched.hooks_warning import warn_gradient_hooks
 from pipesched.microbatch import batch_size, join_outputs, scatter
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.passes import StepInputs
@@ -81,6 +82,7 @@ def run_training(
     m = len(batches.inputs)
     assembly = pipe._assembly_for(one_call(batches.inputs), batches.inputs)
     warn_micro_batch_norm(pipe, batches.rows)
+    warn_gradient_hooks(pipe, m)
     weights = [scale if summed else scale * rows for rows in batches.rows]
 
     def make_step(seed: int | None) -> StepInputs:

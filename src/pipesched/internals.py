@@ -25,7 +25,8 @@ Checked, with a fallback (the table in docs/guide.md says what each costs):
   checkpointed region. Without it: fused accumulation is off.
 - ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks``
   (:func:`has_gradient_hooks`): a hooked parameter's gradient goes through
-  autograd. Without either: every parameter counts as hooked (no fusion).
+  autograd, and its hooks are named in a warning. Without either: every
+  parameter counts as hooked (no fusion), and unread tables are not named.
 - ``torch.utils.checkpoint.GraphExecGroup`` (:data:`one_recomputation`, torch
   2.9+): a W's passes share one recomputation. Without it: one per pass.
 - ``torch._foreach_mul_`` (:func:`foreach_mul_`): gradient scaling in one
@@ -77,6 +78,7 @@ __all__ = [
     "engine_will_execute",
     "foreach_mul_",
     "global_module_hooks",
+    "gradient_hooks",
     "has_gradient_hooks",
     "has_module_hooks",
     "one_recomputation",
@@ -231,19 +233,11 @@ def _check_hook_table(table: str, register: Callable[[Tensor], Any]) -> bool:
     return not before and during and not getattr(t, table)
 
 
-def _register_hook(t: Tensor) -> Any:
-    return t.register_hook(lambda g: g)  # type: ignore[no-untyped-call]
-
-
-def _register_post_accumulate_grad_hook(t: Tensor) -> Any:
-    return t.register_post_accumulate_grad_hook(lambda p: None)  # type: ignore[no-untyped-call]
-
-
 _HOOK_TABLES: list[str] = []
 """The tensor attributes that list gradient hooks and passed their probe."""
 for _table, _register in (
-    ("_backward_hooks", _register_hook),
-    ("_post_accumulate_grad_hooks", _register_post_accumulate_grad_hook),
+    ("_backward_hooks", lambda t: t.register_hook(lambda g: g)),
+    ("_post_accumulate_grad_hooks", lambda t: t.register_post_accumulate_grad_hook(lambda p: None)),
 ):
     if _probe(functools.partial(_check_hook_table, _table, _register)):
         _HOOK_TABLES.append(_table)
@@ -253,7 +247,12 @@ for _table, _register in (
 
 def has_gradient_hooks(t: Tensor) -> bool:
     """Whether ``t`` has gradient hooks; True where that cannot be told."""
-    return len(_HOOK_TABLES) < 2 or any(getattr(t, table) for table in _HOOK_TABLES)
+    return len(_HOOK_TABLES) < 2 or bool(gradient_hooks(t))
+
+
+def gradient_hooks(t: Tensor) -> list[str]:
+    """The hook tables of ``t`` that hold hooks, of those that can be read."""
+    return [table for table in _HOOK_TABLES if getattr(t, table)]
 
 
 FUSION_SUPPORTED = top_saved_tensors_hooks is not None and len(_HOOK_TABLES) == 2
