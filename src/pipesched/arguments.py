@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from pipesched.distributed.placement import check_not_freed
-from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.errors import ConfigError, ConfigTypeError, PipeschedWarning, warn_user
 from pipesched.microbatch import batch_size
 from pipesched.tree import tensors
 
@@ -85,6 +85,7 @@ def check_pipeline(
             on this rank (:func:`~pipesched.distributed.placement.check_not_freed`).
     """
     check_not_freed(check_module("module", module))
+    warn_sequence_first(module)  # type: ignore[arg-type]
     check_positive_int("chunks", chunks)
     if balance is not None and not isinstance(balance, str | list | tuple):
         raise ConfigTypeError(
@@ -101,6 +102,40 @@ def check_pipeline(
                 f"memory_budget must be a positive number of bytes per worker, got "
                 f"{memory_budget!r}; e.g. memory_budget=8 * 2**30, or leave it out for no limit"
             )
+
+
+def warn_sequence_first(module: nn.Module) -> None:
+    """Warns when ``module`` holds layers that take the batch in dim 1 (``batch_first=False``).
+
+    Why: torch's ``nn.MultiheadAttention``, ``nn.Transformer*`` layers and
+    ``nn.RNN``/``LSTM``/``GRU`` default to (sequence, batch, ...) inputs, and a
+    pipeline cuts every input along dim 0: fed that way, a micro-batch is a
+    slice of the sequence, and attention or recurrence sees only the slice.
+    Nothing fails; every number differs from the plain model's. A warning,
+    not an error: a model that transposes its (batch, ...) input before
+    those layers is right.
+    """
+    names: list[str] = []
+    for name, m in module.named_modules():
+        if getattr(m, "batch_first", None) is False and not any(  # not inside one named
+            name.startswith(f"{outer}.") for outer in names
+        ):
+            names.append(name)
+    if not names:
+        return
+    names = [n or type(module).__name__ for n in names]
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    warn_user(
+        f"module has layers built with batch_first=False ({shown}): they take (sequence, "
+        "batch, ...) inputs, while a pipeline cuts every input along dim 0 into "
+        "micro-batches. If dim 0 of your input is the sequence, each micro-batch is a slice "
+        "of it and attention or recurrence sees only that slice: outputs and gradients "
+        "differ from the plain model's. Build them with batch_first=True and pass (batch, "
+        "sequence, ...) inputs; if the model transposes a (batch, ...) input before them, "
+        "all is well: warnings.filterwarnings('ignore', message='module has layers built "
+        "with batch_first=False')",
+        PipeschedWarning,
+    )
 
 
 def check_step(inputs: Any, loss_fn: object, num_items: object) -> None:
