@@ -217,3 +217,10 @@ def test_torch_at_or_above_the_floor_passes(version):
 def test_torch_below_the_floor_is_an_import_error(version):
     with pytest.raises(ImportError, match=re.escape(f"torch {version} is installed")):
         check_torch_version(version)
+
+
+def test_a_target_with_other_rows_than_the_inputs_is_named_as_the_target():
+    pipe = Pipeline(nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 3)), chunks=2)
+    target = {"label": torch.zeros(5, dtype=torch.long)}
+    with pytest.raises(ConfigError, match=r"^target has 5 rows \(dim 0\) but inputs has 8"):
+        pipe.step(torch.randn(8, 4), target, loss_fn=lambda y, t: y.sum())

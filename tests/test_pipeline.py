@@ -253,7 +253,7 @@ def test_moving_a_pipeline_is_denied():
 
 def test_batch_sizes_must_agree_and_loss_must_be_scalar():
     pipe = Pipeline(_model(4), 2, balance=[2, 2], devices=["cpu", "cpu"])
-    with pytest.raises(ConfigError, match="batch size"):
+    with pytest.raises(ConfigError, match="target has 5 rows"):
         pipe.step(torch.randn(4, 6), torch.randn(5, 6), loss_fn=nn.functional.mse_loss)
     with pytest.raises(ConfigError, match="loss_fn must return a scalar tensor"):
         pipe.step(

@@ -103,7 +103,15 @@ def step_batches(
                 "targets= goes with microbatches=[...] (one target per micro-batch); with "
                 "inputs= pass the batch's target as target= (it is cut like inputs)"
             )
-        check_inputs(inputs, "inputs")
+        count = check_inputs(inputs, "inputs")
+        other = {t.shape[0] for t in tensors(target) if t.ndim >= 1} - {count}
+        if other:
+            raise ConfigError(
+                f"target has {max(other)} rows (dim 0) but inputs has {count}: the "
+                "target is cut into micro-batches with the inputs, so it needs one row per "
+                "input row, in the same order (pass a value shared by every row as a 0-dim "
+                "tensor or a non-tensor)"
+            )
         micro = scatter((inputs, target), chunks)
         sizes = [_rows(x) for x, _ in micro]
         return StepBatches(
