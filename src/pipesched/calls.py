@@ -20,6 +20,8 @@ from pipesched.checkpoint import checkpoint_stop
 from pipesched.errors import ConfigError
 from pipesched.hooks_warning import warn_gradient_hooks
 from pipesched.microbatch import batch_size, join_outputs, scatter
+from pipesched.partition.per_sample import leaf_paths, per_sample_flags
+from pipesched.partition.stage import TracedStage
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.passes import StepInputs
 from pipesched.schedule import Timeline
@@ -61,7 +63,13 @@ def run_forward(pipe: Pipeline, batch: Any) -> Any:
     # the micro-batch's items divided by that count, a share of the batch's: they add up.
     summed = isinstance(batch, Call) and batch.kwargs.get("num_items_in_batch") is not None
     outputs = [run.outputs[i] for i in range(len(micro))]
-    return join_outputs(outputs, rows, scalars="sum" if summed else "mean")
+    last = assembly.stages[-1]
+    fixed: list[str] = []
+    if isinstance(last, TracedStage):  # the export says which outputs follow the batch
+        paths = leaf_paths(outputs[0])
+        if len(paths) == len(flags := per_sample_flags(last.traced)):
+            fixed = [path for path, flag in zip(paths, flags, strict=True) if not flag]
+    return join_outputs(outputs, rows, "sum" if summed else "mean", fixed)
 
 
 def run_training(

@@ -23,13 +23,13 @@ Index letters as in the rest of pipesched: ``i`` a micro-batch, ``m`` their coun
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.errors import ConfigError, ConfigTypeError, PipeschedWarning, warn_user
 
 __all__ = ["batch_size", "gather", "microbatch_sizes", "scatter"]
 
@@ -173,29 +173,57 @@ def gather(outputs: Sequence[Any]) -> Any:
     return _gather(list(outputs), "")
 
 
-def join_outputs(outputs: Sequence[Any], rows: Sequence[int], scalars: str = "mean") -> Any:
+def join_outputs(
+    outputs: Sequence[Any],
+    rows: Sequence[int],
+    scalars: str = "mean",
+    not_per_sample: Collection[str] = (),
+) -> Any:
     """The batch's output from its micro-batches', as the plain model would return it.
 
     Like :func:`gather`, except that a 0-dim floating-point tensor (a loss the
     model computes) becomes the mean of the micro-batches' values weighted by
     their ``rows`` (a mean over samples), or their sum (``scalars="sum"``: a
     sum over items divided by the whole batch's count), not a stack of them.
-    Containers keep their type (a ``ModelOutput`` stays one).
+    A tensor that is not per sample (its path in ``not_per_sample``, or a dim
+    0 that does not grow with the micro-batches' rows) is not concatenated:
+    equal in every micro-batch, it is that value (a weight norm); otherwise
+    the plain model's value on the batch cannot be rebuilt, and the list of
+    the micro-batches' values comes back, with a warning. Containers keep
+    their type (a ``ModelOutput`` stays one).
 
     Args:
         outputs: the output of each micro-batch, in order.
         rows: each micro-batch's sample count.
         scalars: ``"mean"`` or ``"sum"``.
+        not_per_sample: paths (``"['mean']"``, ``"[1]"``) of tensors known
+            not to follow the batch in dim 0 (a traced model's export says).
     """
     total = sum(rows)
     weights = [r / total for r in rows] if scalars == "mean" else [1.0] * len(rows)
 
-    def scalar_mean(values: list[Any], path: str) -> Any:
+    def special(values: list[Any], path: str) -> Any:
         if all(isinstance(v, Tensor) and v.ndim == 0 and v.is_floating_point() for v in values):
             return sum(w * v for w, v in zip(weights, values, strict=True))
-        return None
+        if not all(isinstance(v, Tensor) and v.ndim >= 1 for v in values):
+            return None
+        first = values[0].shape[0]
+        follows = all(v.shape[0] * rows[0] == first * r for v, r in zip(values, rows, strict=True))
+        if follows and path not in not_per_sample:
+            return None
+        if all(v.shape == values[0].shape and torch.equal(v, values[0]) for v in values):
+            return values[0]
+        warn_user(
+            f"pipe(x): output{path or ''} (dim 0 of {[v.shape[0] for v in values]} in "
+            f"micro-batches of {list(rows)} rows) is not per sample, so its value on the "
+            "batch cannot be rebuilt from the micro-batches' (the plain model computes it "
+            "over the whole batch); it is returned as the list of the micro-batches' values. "
+            "Compute it from per-sample outputs, or call with one micro-batch",
+            PipeschedWarning,
+        )
+        return list(values)
 
-    return _gather(list(outputs), "", scalar_mean)
+    return _gather(list(outputs), "", special)
 
 
 def _check_count(name: str, value: object, meaning: str) -> None:

@@ -166,6 +166,11 @@ class TracedStage(nn.Module):
         return self._sends
 
     @property
+    def traced(self) -> TracedModel:
+        """The trace the stage was cut from."""
+        return self._traced
+
+    @property
     def owners(self) -> tuple[nn.Module, ...]:
         """The modules owning the parameters and buffers this stage uses."""
         return self._owners

@@ -1,0 +1,75 @@
+"""Which outputs of a traced model follow the batch in dim 0: the others are not concatenated.
+
+``pipe(x)`` rebuilds the batch's output from the micro-batches' by
+concatenating tensors along dim 0. That is right for a per-sample output
+(logits, hidden states: dim 0 grows with the batch) and wrong for any other
+(a per-feature mean ``h.mean(0)``, a weight norm): four micro-batches'
+``(16,)`` would come back ``(64,)``. The export says which is which: a
+per-sample output's dim 0 is a symbol of the inputs' batch size, any other
+is a number. Where the batch size is pinned by the model's code, nothing
+can be told, and every output counts as per sample.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import fx
+
+from pipesched.internals import pytree
+from pipesched.partition.trace import TracedModel
+
+__all__ = ["leaf_paths", "per_sample_flags"]
+
+
+def per_sample_flags(traced: TracedModel) -> tuple[bool, ...]:
+    """Per flattened output (``pytree`` order): whether dim 0 follows the batch.
+
+    Non-tensor outputs and 0-dim tensors count as per sample (they are joined
+    by their own rules).
+    """
+    if traced.traced_batch is not None:
+        return (True,) * len(traced.outputs)
+    symbols: set[Any] = set()
+    for node in traced.inputs:
+        size = _dim0(node)
+        if isinstance(size, torch.SymInt):
+            symbols |= size.node.expr.free_symbols
+    flags = []
+    for out in traced.outputs:
+        size = _dim0(out) if isinstance(out, fx.Node) else None
+        flags.append(
+            size is None
+            or (isinstance(size, torch.SymInt) and bool(size.node.expr.free_symbols & symbols))
+        )
+    return tuple(flags)
+
+
+def leaf_paths(value: Any) -> list[str]:
+    """Each leaf's path in ``value``, in ``pytree`` order, written as the joining names them.
+
+    ``['logits']`` for a mapping's (or a ModelOutput's) entry, ``[0]`` for a
+    sequence's, ``.name`` for a namedtuple's.
+    """
+    paths = []
+    for keys, _ in pytree.tree_flatten_with_path(value)[0]:
+        text = ""
+        for key in keys:
+            if isinstance(key, pytree.MappingKey):
+                text += f"[{key.key!r}]"
+            elif isinstance(key, pytree.SequenceKey):
+                text += f"[{key.idx}]"
+            elif isinstance(key, pytree.GetAttrKey):
+                text += f".{key.name}"
+            else:
+                text += str(key)
+        paths.append(text)
+    return paths
+
+
+def _dim0(node: fx.Node) -> int | torch.SymInt | None:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor) and value.ndim >= 1:
+        return value.shape[0]
+    return None
