@@ -70,3 +70,21 @@ def test_per_sample_outputs_are_joined_silently():
     out, messages = _called(Pipeline(model, chunks=4, devices=["cpu", "cpu"]), x)
     assert messages == []
     torch.testing.assert_close(out, model(x), rtol=1e-12, atol=1e-14)
+
+
+def test_an_output_sized_by_the_sequence_not_the_batch_is_not_concatenated():
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            h = self.inner(x)  # (batch, tokens, 4)
+            return h, h.mean(0)  # the second: (tokens, 4), dim 0 a symbol of the sequence
+
+    torch.manual_seed(0)
+    model = Tokens().double()
+    x = torch.randn(6, 5, 4, dtype=torch.float64)
+    (h, means), (message,) = _called(Pipeline(model, chunks=2, devices=["cpu", "cpu"]), x)
+    torch.testing.assert_close(h, model(x)[0], rtol=1e-12, atol=1e-14)
+    assert [m.shape for m in means] == [(5, 4)] * 2 and "output[1]" in message

@@ -6,8 +6,9 @@ concatenating tensors along dim 0. That is right for a per-sample output
 (a per-feature mean ``h.mean(0)``, a weight norm): four micro-batches'
 ``(16,)`` would come back ``(64,)``. The export says which is which: a
 per-sample output's dim 0 is a symbol of the inputs' batch size, any other
-is a number. Where the batch size is pinned by the model's code, nothing
-can be told, and every output counts as per sample.
+is a number. Where the model's code pins dim 0 of every input (a recurrent
+layer reading it as the sequence), nothing can be told, and every output
+counts as per sample.
 """
 
 from __future__ import annotations
@@ -29,20 +30,26 @@ def per_sample_flags(traced: TracedModel) -> tuple[bool, ...]:
     Non-tensor outputs and 0-dim tensors count as per sample (they are joined
     by their own rules).
     """
-    if traced.traced_batch is not None:
-        return (True,) * len(traced.outputs)
-    symbols: set[Any] = set()
+    batch: set[Any] = set()  # the symbols of the inputs' dim 0
+    known: set[Any] = set()  # the symbols of any input dimension
     for node in traced.inputs:
-        size = _dim0(node)
-        if isinstance(size, torch.SymInt):
-            symbols |= size.node.expr.free_symbols
+        value = node.meta.get("val")
+        for k, dim in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
+            if isinstance(dim, torch.SymInt):
+                known |= dim.node.expr.free_symbols
+                batch |= dim.node.expr.free_symbols if k == 0 else set()
+    if traced.traced_batch is not None or not batch:  # dim 0 pinned: nothing to tell by
+        return (True,) * len(traced.outputs)
     flags = []
     for out in traced.outputs:
         size = _dim0(out) if isinstance(out, fx.Node) else None
-        flags.append(
-            size is None
-            or (isinstance(size, torch.SymInt) and bool(size.node.expr.free_symbols & symbols))
-        )
+        if size is None:
+            flags.append(True)
+        elif isinstance(size, torch.SymInt):  # the batch's, or data-dependent (unknown)
+            free = size.node.expr.free_symbols
+            flags.append(bool(free & batch) or bool(free - known))
+        else:
+            flags.append(False)
     return tuple(flags)
 
 
