@@ -84,8 +84,9 @@ def check_pipeline(
             is not positive, or an earlier mesh Pipeline freed ``module``'s layers
             on this rank (:func:`~pipesched.distributed.placement.check_not_freed`).
     """
-    check_not_freed(check_module("module", module))
-    warn_sequence_first(module)  # type: ignore[arg-type]
+    checked = check_module("module", module)
+    check_not_freed(checked)
+    warn_sequence_first(checked)
     check_positive_int("chunks", chunks)
     if balance is not None and not isinstance(balance, str | list | tuple):
         raise ConfigTypeError(
