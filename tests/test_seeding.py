@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -357,3 +358,48 @@ def test_only_torchs_own_losses_skip_seeding():
     hooked = nn.MSELoss()
     hooked.register_forward_hook(lambda m, i, o: o)
     assert not loss_draws_nothing(hooked)
+
+
+@pytest.mark.parametrize(("scenario", "world"), [("late", 2), ("late-dp", 4)])
+def test_a_mesh_learns_where_stages_draw_and_every_rank_reruns_a_spoiled_step(
+    scenario, world, tmp_path
+):
+    """INVARIANT 25 on a mesh: draws where none were learned rerun the step on every rank.
+
+    Stage 1 (pp rank 1) starts drawing at step 2 and the loss at step 3, after
+    the mesh learned where its stages draw: only pp rank 1's tripwires see it,
+    yet pp rank 0 (and, where a step sums gradients over replicas, the replica
+    that drew nothing) must put the step back and rerun it too, or transfers
+    and all-reduces would no longer match.
+    """
+    from tests.distributed import seeding_worker as w
+    from tests.distributed.launch import launch
+
+    exits = launch(scenario, world, tmp_path, timeout=150, worker=Path(w.__file__))
+    for e in exits:
+        assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-3000:]}"
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for r, result in enumerate(ranks):
+        learned = result["learning"]
+        assert learned["reruns"] == 2, r  # steps 2 and 3, on every rank
+        assert learned["watching"][r % 2], r  # its own stage: hooks and a tripwire
+    if scenario == "late":  # against one process running both stages in two threads
+        net = w.model()
+        pipe = Pipeline(net, w.CHUNKS, balance=w.BALANCE, devices=["cpu"] * 2, schedule="1f1b")
+        losses = w.train(pipe, net[4], 0, {0})
+        assert pipe._stepper.reruns == 2
+        params = dict(pipe.named_parameters())
+        for result in ranks:
+            assert result["learning"]["losses"] == losses
+            for name, value in result["learning"]["params"].items():
+                assert torch.equal(value, params[name]), name
+    else:  # against the same mesh seeded throughout (no tripwire, no rerun)
+        for result in ranks:
+            learned, throughout = result["learning"], result["throughout"]
+            assert throughout["reruns"] == 0
+            assert learned["losses"] == throughout["losses"]
+            for name, value in learned["params"].items():
+                assert torch.equal(value, throughout["params"][name]), name
+        for r in (0, 1):  # the replicas stay equal
+            for name, value in ranks[r]["learning"]["params"].items():
+                assert torch.equal(value, ranks[r + 2]["learning"]["params"][name]), name

@@ -126,6 +126,7 @@ def assemble(
     register: Callable[[Sequence[nn.Module], list[int]], None],
     on_stage_done: Callable[[int], None],
     finish: Callable[[], None],
+    summing: Callable[[], bool] = lambda: False,
 ) -> Assembly:
     """Cuts ``module`` into stages and builds what runs them.
 
@@ -139,6 +140,8 @@ def assemble(
             the stepper names the places of random draws by the pipeline's modules.
         on_stage_done: on a mesh, called with a stage once its gradients are final.
         finish: called at the end of each successful step (committing BatchNorm).
+        summing: on a mesh, whether the running step sums gradients over
+            replicas (a rerun then involves every replica).
     """
     sequential = isinstance(module, nn.Sequential)
     balance = cut.balance
@@ -203,11 +206,18 @@ def assemble(
         stages,
         stage_devices,
         [r for r in random_ops if r is not None],
-        adaptive=info is None,  # on a mesh a rerun would need every rank
+        adaptive=True,
         finish=finish,
+        agree=_agreement(runtime, summing) if isinstance(runtime, DistributedRuntime) else None,
     )
     modes = () if sequential else _modes(module)
     return Assembly(key, modes, plan, stages, own, runtime, tied, stepper)
+
+
+def _agreement(runtime: DistributedRuntime, summing: Callable[[], bool]) -> Callable[[bool], bool]:
+    """Whether any rank saw an unseeded draw: this pipeline's ranks, and every replica's
+    where gradients were summed during the step (a rerun must redo the sums)."""
+    return lambda spoiled: runtime.any_rank(spoiled, replicas=summing())
 
 
 def _example_rank(x: Any) -> tuple[int, int]:
@@ -266,6 +276,7 @@ class Assemblies:
             register=self._register_layers,
             on_stage_done=self._stage_done,
             finish=self._commit_batch_norm,
+            summing=lambda: pipe.sync.summing_in_step,
         )
         if layout.mesh is not None:
             own = {s: assembly.stages[s] for s in assembly.own}

@@ -20,8 +20,10 @@ that trips three times, stays seeded throughout. A backward is seeded
 throughout where the model checkpoints itself (``torch.utils.checkpoint``
 inside a stage recomputes in backward); then every stage is, from then on:
 torch's recomputation sets and restores the shared generator from its
-thread, which other stages' tripwires would see. On a mesh a rerun would
-need every rank, so there every stage is seeded throughout, always.
+thread, which other stages' tripwires would see. On a mesh a rerun needs
+every rank: a tripwire there only marks the step spoiled (``deferred``), the
+step runs to its end on every rank, the ranks agree whether any was spoiled,
+and all put it back and rerun it together (:mod:`pipesched.stepper`).
 
 Except where nothing can draw: a stage made only of torch's layers that
 draw no random numbers (``nn.Linear``, activations, norms, convolutions,
@@ -158,11 +160,16 @@ class StageSeeding:
             seed the whole forward always.
         loss: the passes run the loss function, not ``module``: seeded whatever
             the module is.
+        deferred: a tripwire that trips marks the step :attr:`spoiled`
+            instead of raising (a mesh: every rank finishes the step, then the
+            ranks agree on a rerun).
 
     Attributes:
         recomputes: the stage's backward draws too (the model checkpoints
             itself, so backward recomputes its forward): backwards are seeded
             like forwards.
+        spoiled: ``deferred`` only: a tripwire tripped in this step (reset by
+            :meth:`begin`).
     """
 
     def __init__(
@@ -173,8 +180,11 @@ class StageSeeding:
         *,
         adaptive: bool,
         loss: bool = False,
+        deferred: bool = False,
     ) -> None:
         self.names = names
+        self.deferred = deferred
+        self.spoiled = False
         self.module = module
         self.plain = not loss  # whether the passes run the module itself (see draws_nothing)
         self.generators = [torch.default_generator]
@@ -208,6 +218,7 @@ class StageSeeding:
         Layers swapped or hooked between steps are seen at the next one.
         """
         self._quiet = self.plain and draws_nothing(self.module)
+        self.spoiled = False
 
     def end(self) -> None:
         """The step has ended: passes outside a step read the stage again each time."""
@@ -288,9 +299,14 @@ class StageSeeding:
                 after = self._states()
                 cpu = seed.explains(before[0], after[0]) or same_state(before[0], after[0])
                 if not (cpu and all(map(same_state, before[1:], after[1:]))):
+                    if self.spoiled:  # deferred, tripped already: the step reruns anyway
+                        return  # (a recomputation of the same draw teaches nothing)
                     self.strikes += 1
                     self.permanent = self.permanent or self.strikes >= _STRIKES
                     self.recomputes = self.recomputes or backward
+                    if self.deferred:
+                        self.spoiled = True
+                        return
                     raise UnseededDraws(
                         f"micro-batch {microbatch} drew random numbers where none were seen "
                         "before: the step is rerun with seeding on throughout (a second time "

@@ -6,7 +6,8 @@ module says how every step runs, whatever it is: under the runtime's lock
 the pipeline's own steps, between a :class:`~pipesched.transaction.Snapshot`
 and its commit (put back if anything raises), and once more, seeded
 throughout, when a stage's tripwire saw an unseeded draw
-(:mod:`pipesched.seeding`).
+(:mod:`pipesched.seeding`); on a mesh, when one on any rank did, every rank
+at once (they agree after each step in one tiny all-reduce).
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ class Stepper:
         stages: every stage module; ``devices``: each stage's device.
         extra_names: modules named for draws besides ``model``'s (a traced
             model's random operations).
-        adaptive: learn where stages draw (local); False: seed every forward
-            throughout (a mesh, where a rerun would need every rank).
+        adaptive: learn where stages draw; False: seed every forward throughout.
         finish: called at the end of a successful run, inside the transaction
             (committing deferred BatchNorm statistics).
+        agree: on a mesh, a collective: whether any rank (given whether this
+            one did) saw an unseeded draw in the step just run. Tripwires then
+            only mark the step spoiled, every rank finishes it, and all put it
+            back and rerun it together (a raise on one rank would stop the
+            pipeline). Its seed is drawn before the step, for the ranks to agree on.
+
+    Attributes:
+        reruns: steps rerun seeded throughout after an unseeded draw (tests read it).
     """
 
     def __init__(
@@ -54,21 +62,24 @@ class Stepper:
         *,
         adaptive: bool,
         finish: Callable[[], None],
+        agree: Callable[[bool], bool] | None = None,
     ) -> None:
         names = module_names(model, stages, extra_names)
-        passes = runtime.passes
+        passes, deferred = runtime.passes, agree is not None
         passes.seeding = [
-            StageSeeding(names[s], stage, devices[s], adaptive=adaptive)
+            StageSeeding(names[s], stage, devices[s], adaptive=adaptive, deferred=deferred)
             for s, stage in enumerate(stages)
         ]
         passes.loss_seeding = StageSeeding(
-            {}, stages[-1], devices[-1], adaptive=adaptive, loss=True
+            {}, stages[-1], devices[-1], adaptive=adaptive, loss=True, deferred=deferred
         )
         self.runtime = runtime
         self.seedings = [*passes.seeding, passes.loss_seeding]
         self.model = model
         self.adaptive = adaptive
         self.finish = finish
+        self.agree = agree
+        self.reruns = 0
         self._snapshot: Snapshot | None = None
 
     def run(
@@ -96,6 +107,7 @@ class Stepper:
             except UnseededDraws:
                 for seeding in self.seedings:
                     seeding.probe()
+                self.reruns += 1
             return self._attempt(schedule_of, make_step, detach)
 
     def commit_early(self, parameters: list[nn.Parameter]) -> None:
@@ -107,12 +119,13 @@ class Stepper:
     def seed(self) -> int | None:
         """This step's seed for random operations (:mod:`pipesched.rng`), or None.
 
-        Without adaptation (a mesh) every rank draws it from torch's default
-        CPU generator, and they run with pp rank 0's. Otherwise None: drawn at
+        On a mesh (or without adaptation) every rank draws it from torch's
+        default CPU generator, and they run with pp rank 0's. Otherwise None: drawn at
         the step's first draw, if there is one, so the generator moves exactly
         when the model drew, whatever pipesched learned about where it draws.
         """
-        if not self.adaptive or any(s.recomputes for s in self.seedings):
+        drawn_first = self.agree is not None or not self.adaptive
+        if drawn_first or any(s.recomputes for s in self.seedings):
             return draw_seed()  # before any recomputation juggles the generator (see _attempt)
         return None
 
@@ -132,6 +145,14 @@ class Stepper:
             step = make_step(self.seed())  # after a put-back run: the seed of its first run
             start = torch.default_generator.get_state()
             run = self.runtime.run(schedule_of(len(step.inputs)), step, detach=detach)
+            if self.agree is not None and self.agree(any(s.spoiled for s in self.seedings)):
+                raise UnseededDraws(  # seen only after the rerun: run() catches the first
+                    "a stage on some rank drew random numbers where none were seen before, "
+                    "in a step already rerun with every stage seeded throughout: another "
+                    "thread drew from torch's default generator while the step ran (the "
+                    "step was put back on every rank; give that thread a torch.Generator "
+                    "of its own)"
+                )
             self.finish()
             _settle_generators(start, run.seed, snapshot.rng[1])
         except BaseException:

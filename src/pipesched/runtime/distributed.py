@@ -101,6 +101,7 @@ class DistributedRuntime:
         self.stats = p2p.stats
         """What this pipeline's transfers did (:class:`~pipesched.runtime.link.TransferStats`)."""
         self.last_origin_wall = 0.0
+        self._kept_work: Any = None
 
     @classmethod
     def on_rank(
@@ -171,24 +172,56 @@ class DistributedRuntime:
         self.last_origin_wall = state.origin_wall
         return state
 
+    def any_rank(self, flag: bool, *, replicas: bool) -> bool:
+        """Whether ``flag`` holds on any rank of this pipeline (``replicas``: of every replica).
+
+        A collective: a MAX all-reduce of one integer over the pipeline's group,
+        then over "dp" where ``replicas`` (every replica's step must then rerun:
+        their gradients were summed during it).
+
+        Raises:
+            RemoteError: another rank failed, died or did not answer.
+        """
+        t = torch.tensor([int(flag)], device=self.info.device)
+
+        def reduce() -> None:
+            work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
+            work.wait()
+            # Kept until the next step (or a stop): a script may exit right after this
+            # step, and gloo's thread must not free the work then (see wait_kept).
+            self._kept_work = work
+
+        self._collective(reduce, "waiting for the other ranks to finish the step")
+        if replicas and self.info.dp_size > 1:
+            wait_kept(
+                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.info.dp_group, async_op=True)
+            )
+        return bool(t.item())
+
     def _exchange(self, shape: StepShape) -> list[StepShape]:
         """Every pp rank's shape of this step: one all-gather over the pipeline's group."""
         mine = shape.encode().to(self.info.device)
         gathered = [torch.empty_like(mine) for _ in range(self.info.pp_size)]
+        self._collective(
+            lambda: dist.all_gather(gathered, mine, group=self.group),
+            "waiting for the other ranks to start the step",
+        )
+        return [StepShape.decode(t.tolist()) for t in gathered]
+
+    def _collective(self, call: Callable[[], Any], what: str) -> None:
+        """Runs ``call`` (a collective over the pipeline's group); a failure stops the pipeline."""
         start = time.monotonic()
         try:
-            dist.all_gather(gathered, mine, group=self.group)
+            call()
         except Exception as error:
             failure = self.failures.first()
             if failure is None:
                 others = [r for r in range(self.info.pp_size) if r != self.info.pp_rank]
                 peer = others[0] if len(others) == 1 else None
-                what = "waiting for the other ranks to start the step"
                 rank = None if peer is None else self.info.pp_ranks[peer]
                 failure = self.failures.lost(error, time.monotonic() - start, what, peer, rank)
             self._stop(failure)
             raise failure.error() from error
-        return [StepShape.decode(t.tolist()) for t in gathered]
 
     def _on_failure(self, error: BaseException, action: Action) -> None:
         if isinstance(error, RemoteError):  # reported by whoever saw it first
@@ -221,6 +254,7 @@ class DistributedRuntime:
         if report:
             self.failures.report(failure)
         self.stopped = failure
+        self._kept_work = None  # it holds the group's connections open
         group, self.group = self.group, None
         self.transport.abort()
         if group is not None:

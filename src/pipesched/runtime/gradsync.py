@@ -57,6 +57,10 @@ class Sync(Protocol):
     def stage_done(self, stage: int) -> None:
         """Called when ``stage`` has run its last backward action of a step."""
 
+    @property
+    def summing_in_step(self) -> bool:
+        """Whether the running step sums gradients over replicas as its stages finish."""
+
     def norm(self, parameters: list[nn.Parameter]) -> float:
         """The global 2-norm of all gradients of the whole model."""
 
@@ -86,6 +90,10 @@ class LocalSync:
 
     def stage_done(self, stage: int) -> None:
         return None
+
+    @property
+    def summing_in_step(self) -> bool:
+        return False
 
     def norm(self, parameters: list[nn.Parameter]) -> float:
         grads = [p.grad for p in parameters if p.grad is not None]
@@ -177,6 +185,10 @@ class GradientSync:
     def window_ends(self, ending: bool = True) -> None:
         self._armed = ending and self.info.dp_size > 1
 
+    @property
+    def summing_in_step(self) -> bool:
+        return self._armed
+
     def stage_done(self, stage: int) -> None:
         if not self._armed:
             return
@@ -211,6 +223,11 @@ class GradientSync:
             [p.grad is not None for p in params], dtype=params[0].dtype, device=device
         )
         buffer = torch.cat([*flat, present])
+        for k, (earlier, _, pending) in enumerate(self._in_flight):
+            if earlier is params:  # started by a step put back and rerun: superseded
+                pending.wait()
+                del self._in_flight[k]
+                break
         work = dist.all_reduce(buffer, group=group, async_op=True)
         self.all_reduces += 1
         self._in_flight.append((params, buffer, work))

@@ -1,0 +1,119 @@
+"""One rank of the mesh seeding test: draws appear where none were learned; the ranks rerun.
+
+Scenarios (argv[1]):
+- "late" (pp=2): stage 1's ``LateNoise`` starts drawing at step 2, the loss at
+  step 3: a tripwire on pp rank 1 only; both ranks must rerun those steps.
+- "late-dp" (pp=2, dp=2): ``LateNoise`` switched on in replica 0 only, every
+  step a window of its own (gradients summed during the step): every replica
+  must rerun with it. Each rank runs the steps twice, learning (tripwires) and
+  seeded throughout, and saves both.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.*
+
+from pipesched import GradientAccumulator, Pipeline
+from pipesched.distributed import init_mesh
+
+ROWS, CHUNKS, BALANCE, STEPS = 8, 4, [3, 3], 5
+NOISE_FROM, LOSS_NOISE_FROM = 2, 3
+
+
+class LateNoise(nn.Module):
+    """Draws only once switched on: a place the first steps never saw drawing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 0.1 * torch.randn_like(x) if self.on else x
+
+
+class NoisyLoss:
+    """Mean squared error, plus a random term once switched on."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+    def __call__(self, y: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        loss = F.mse_loss(y, t)
+        return loss * (1 + 0.1 * torch.rand(())) if self.on else loss
+
+
+def model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 8), nn.Dropout(0.2), nn.Tanh(), nn.Linear(8, 8), LateNoise(), nn.Linear(8, 8)
+    ).double()
+
+
+def data(step: int, replica: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + replica)
+    return (
+        torch.randn(ROWS, 8, generator=g, dtype=torch.float64),
+        torch.randn(ROWS, 8, generator=g, dtype=torch.float64),
+    )
+
+
+def train(
+    pipe: Pipeline, noise: LateNoise, replica: int, noisy_replicas: set[int]
+) -> list[torch.Tensor]:
+    """STEPS SGD steps; the noise switched on at its steps in ``noisy_replicas``."""
+    loss_fn = NoisyLoss()
+    acc = GradientAccumulator(
+        pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), accumulation_steps=1
+    )
+    torch.manual_seed(1)
+    losses = []
+    for step in range(STEPS):
+        noise.on = step >= NOISE_FROM and replica in noisy_replicas
+        loss_fn.on = step >= LOSS_NOISE_FROM and replica in noisy_replicas
+        losses.append(acc.step(*data(step, replica), loss_fn=loss_fn).loss)
+    return losses
+
+
+def seeded_throughout(pipe: Pipeline) -> Pipeline:
+    for seeding in pipe._stepper.seedings:
+        seeding.permanent, seeding.full = True, {True: True, False: True}
+    return pipe
+
+
+def main() -> None:
+    scenario, out = sys.argv[1], Path(sys.argv[2])
+    torch.set_default_dtype(torch.float64)  # as the test's reference
+    dp = 2 if scenario == "late-dp" else 1
+    mesh = init_mesh(pp=2, dp=dp, timeout=30)
+    rank = torch.distributed.get_rank()
+    results = {}
+    for kind in ("learning", "throughout"):
+        net = model()
+        pipe = Pipeline(net, CHUNKS, balance=BALANCE, mesh=mesh, schedule="1f1b")
+        if kind == "throughout":
+            seeded_throughout(pipe)
+        losses = train(pipe, net[4], pipe.mesh.dp_rank, {0})
+        results[kind] = {
+            "losses": losses,
+            "params": {  # this rank's own
+                n: p.detach().clone() for n, p in pipe.named_parameters() if p.device.type != "meta"
+            },
+            "reruns": pipe._stepper.reruns,
+            # Stage seeding learned: hooks and tripwires, not the whole forward.
+            "watching": [s.watching for s in pipe._stepper.seedings],
+        }
+        if scenario == "late":
+            break
+    torch.save(results, out / f"rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
