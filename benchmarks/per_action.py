@@ -200,7 +200,11 @@ def local_rows(rounds: int) -> dict[str, list[float]]:
 
 
 def summary(times: dict[str, list[float]]) -> dict[str, dict[str, float]]:
-    return {n: {"median": statistics.median(t), "best": min(t)} for n, t in times.items()}
+    out = {n: {"median": statistics.median(t), "best": min(t)} for n, t in times.items()}
+    if "torch 1F1B" in times:  # round by round: both ran back to back, under the same load
+        pairs = zip(times["pipesched 1f1b"], times["torch 1F1B"], strict=True)
+        out["paired"] = {"median": statistics.median(a / b for a, b in pairs)}
+    return out
 
 
 def print_distributed(now: dict[str, dict[str, float]], base: dict | None, rounds: int) -> None:
@@ -211,6 +215,8 @@ def print_distributed(now: dict[str, dict[str, float]], base: dict | None, round
     )
     print(f"{'contender':<18}{'median ms':>10}{'best ms':>9}{'baseline ms':>13}")
     for name, t in now.items():
+        if name == "paired":
+            continue
         b = base.get(name, {}).get("median") if base else None
         was = f"{1000 * b:>13.1f}" if b else f"{'-':>13}"
         print(f"{name:<18}{1000 * t['median']:>10.1f}{1000 * t['best']:>9.1f}{was}")
@@ -220,6 +226,10 @@ def print_distributed(now: dict[str, dict[str, float]], base: dict | None, round
         f"target pipesched 1f1b <= 1.0x torch 1F1B: {ratio:.2f}x median, {best:.2f}x best "
         f"{'ok' if max(ratio, best) <= 1.0 else 'MISSED'} (judged on both: gloo under load "
         "inflates single rounds of either contender)"
+    )
+    print(
+        f"median of the rounds' ratios (each round's two steps back to back): "
+        f"{now['paired']['median']:.2f}x"
     )
 
 
@@ -271,7 +281,7 @@ def main() -> None:
     if args.only != "local":
         now = summary(distributed_rows(args.rounds))
         print_distributed(now, base, args.rounds)
-        results |= now
+        results |= {k: v for k, v in now.items() if k != "paired"}
         print()
     if args.only != "distributed":
         now = summary(local_rows(args.rounds))

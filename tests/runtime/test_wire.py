@@ -45,8 +45,14 @@ def test_a_notice_is_a_header_padded_to_the_size_the_receiver_expects() -> None:
         (torch.arange(5), None, torch.ones(2, 2, dtype=torch.bool)),
         [torch.randn(2, 3, dtype=torch.float64).t(), torch.zeros(0, 7)],  # strided, empty
         (torch.randn(4, 1, 2).expand(4, 3, 2), 4, -17, 2.5e-300, True, False, None),
+        # Lazy views whose memory is not their values: a conjugate, a negation, an offset.
+        (torch.randn(3, 2, dtype=torch.complex64).conj(), torch.randn(10)[3:7]),
+        (torch.randn(2, 2, dtype=torch.complex128).conj().imag,),
     ],
-    ids=["tensor", "tuple-with-none", "list-strided-empty", "traced-boundary-with-scalars"],
+    ids=[
+        "tensor", "tuple-with-none", "list-strided-empty", "traced-boundary-with-scalars",
+        "conjugate-and-offset", "negated-view",
+    ],  # fmt: skip
 )
 def test_values_round_trip_exactly(value) -> None:
     back = _round_trip(value)

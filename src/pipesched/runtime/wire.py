@@ -124,10 +124,7 @@ def layout_of(value: Any, what: str = "") -> tuple[list[int], list[torch.Tensor]
 
 def message_bytes(layout: list[int]) -> int:
     """The size of a data message of ``layout``: header and payload."""
-    _, specs, _ = _specs(layout)
-    return HEADER_BYTES + sum(
-        _aligned(math.prod(shape) * dtype.itemsize) for dtype, shape in specs if dtype is not None
-    )
+    return _parsed(tuple(layout))[2]
 
 
 def pack(
@@ -141,23 +138,27 @@ def pack(
     """One message: the header, the tensors' bytes, zeros up to ``size`` bytes if larger."""
     words = [code, int(message.kind == BACKWARD), message.stage, message.microbatch, *layout]
     header = _HEADER.pack(*words, *_ZEROS[len(words) :])  # 10x cheaper than a tensor
-    raws = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
-    used = HEADER_BYTES + sum(_aligned(r.numel()) for r in raws)
-    if device.type == "cpu" and all(r.device.type == "cpu" for r in raws):
-        # One buffer, filled by memmove: a few us a message less than cat().
+    if device.type == "cpu" and all(t.device.type == "cpu" for t in tensors):
+        # One buffer, filled by memmove from the tensors' own memory: a few us a
+        # message less than cat(), and no byte views made of each tensor.
+        tensors = [_plain(t) for t in tensors]
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        used = HEADER_BYTES + sum(map(_aligned, sizes))
         out = torch.empty(max(size, used), dtype=torch.uint8)
         base = out.data_ptr()
         ctypes.memmove(base, header, HEADER_BYTES)
         offset = HEADER_BYTES
-        for raw in raws:
-            ctypes.memmove(base + offset, raw.data_ptr(), raw.numel())
-            offset += raw.numel()
+        for t, nbytes in zip(tensors, sizes, strict=True):
+            ctypes.memmove(base + offset, t.data_ptr(), nbytes)
+            offset += nbytes
             if offset % 8:
                 ctypes.memset(base + offset, 0, 8 - offset % 8)
                 offset = _aligned(offset)
         if out.numel() > offset:
             out[offset:].zero_()
         return out
+    raws = [t.contiguous().reshape(-1).view(torch.uint8) for t in tensors]
+    used = HEADER_BYTES + sum(_aligned(r.numel()) for r in raws)
     parts = [torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)]
     for raw in raws:
         parts.append(raw.to(device))
@@ -170,20 +171,19 @@ def pack(
 
 def read_header(buffer: torch.Tensor) -> Header:
     """The code, identity and layout at the start of a received ``buffer``."""
-    head = buffer[:HEADER_BYTES]
-    if head.device.type != "cpu":
-        head = head.cpu()
+    head = buffer
+    if head.device.type != "cpu" or not head.is_contiguous():
+        head = buffer[:HEADER_BYTES].cpu().contiguous()
     # The header's bytes straight from memory: a few times cheaper than .tolist().
-    words = _HEADER.unpack(ctypes.string_at(head.contiguous().data_ptr(), HEADER_BYTES))
+    words = _HEADER.unpack(ctypes.string_at(head.data_ptr(), HEADER_BYTES))
     code, backward, stage, microbatch = words[:_FIXED]
     message = Message(BACKWARD if backward else FORWARD, stage, microbatch)
-    rest = list(words[_FIXED:])
-    return code, message, rest[: _specs(rest)[2]]
+    return code, message, list(_parsed(words[_FIXED:])[3])
 
 
 def unpack(layout: list[int], buffer: torch.Tensor) -> Any:
     """The value a message of ``layout`` carries: tensors are views of ``buffer``."""
-    kind, specs, _ = _specs(layout)
+    kind, specs = _parsed(tuple(layout))[:2]
     values: list[Any] = []
     offset = HEADER_BYTES
     for dtype, shape in specs:
@@ -223,6 +223,35 @@ def _specs(layout: list[int]) -> tuple[int, list[Spec], int]:
             specs.append((_DTYPES[code], layout[i + 2 : i + 2 + ndim]))
             i += 2 + ndim
     return kind, specs, i
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its values in its own memory, in order (a lazy conjugate or negation resolved)."""
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def _parsed(words: tuple[int, ...]) -> tuple[int, list[Spec], int, list[int]]:
+    """The kind, specs, message size and layout of a layout's words (trailing zeros allowed).
+
+    Why cached: a channel's messages mostly share one layout, and parsing it
+    (at both ends, twice at the receiver) cost several us a message.
+    """
+    parsed = _PARSED.get(words)
+    if parsed is None:
+        kind, specs, length = _specs(list(words))
+        payload = [math.prod(shape) * dtype.itemsize for dtype, shape in specs if dtype is not None]
+        size = HEADER_BYTES + sum(map(_aligned, payload))
+        parsed = (kind, specs, size, list(words[:length]))
+        if len(_PARSED) >= _PARSED_MAX:
+            _PARSED.clear()
+        _PARSED[words] = parsed
+    return parsed
+
+
+_PARSED: dict[tuple[int, ...], tuple[int, list[Spec], int, list[int]]] = {}
+_PARSED_MAX = 4096  # layouts kept (varying shapes: one per shape seen)
 
 
 def _aligned(nbytes: int) -> int:
