@@ -206,7 +206,6 @@ def assemble(
         stages,
         stage_devices,
         [r for r in random_ops if r is not None],
-        adaptive=True,
         finish=finish,
         agree=_agreement(runtime, summing) if isinstance(runtime, DistributedRuntime) else None,
     )
@@ -215,8 +214,7 @@ def assemble(
 
 
 def _agreement(runtime: DistributedRuntime, summing: Callable[[], bool]) -> Callable[[bool], bool]:
-    """Whether any rank saw an unseeded draw: this pipeline's ranks, and every replica's
-    where gradients were summed during the step (a rerun must redo the sums)."""
+    """Whether any rank saw an unseeded draw (every replica's where the step summed gradients)."""
     return lambda spoiled: runtime.any_rank(spoiled, replicas=summing())
 
 

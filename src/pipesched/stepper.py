@@ -39,7 +39,6 @@ class Stepper:
         stages: every stage module; ``devices``: each stage's device.
         extra_names: modules named for draws besides ``model``'s (a traced
             model's random operations).
-        adaptive: learn where stages draw; False: seed every forward throughout.
         finish: called at the end of a successful run, inside the transaction
             (committing deferred BatchNorm statistics).
         agree: on a mesh, a collective: whether any rank (given whether this
@@ -60,23 +59,21 @@ class Stepper:
         devices: Sequence[torch.device],
         extra_names: Sequence[nn.Module],
         *,
-        adaptive: bool,
         finish: Callable[[], None],
         agree: Callable[[bool], bool] | None = None,
     ) -> None:
         names = module_names(model, stages, extra_names)
         passes, deferred = runtime.passes, agree is not None
         passes.seeding = [
-            StageSeeding(names[s], stage, devices[s], adaptive=adaptive, deferred=deferred)
+            StageSeeding(names[s], stage, devices[s], adaptive=True, deferred=deferred)
             for s, stage in enumerate(stages)
         ]
         passes.loss_seeding = StageSeeding(
-            {}, stages[-1], devices[-1], adaptive=adaptive, loss=True, deferred=deferred
+            {}, stages[-1], devices[-1], adaptive=True, loss=True, deferred=deferred
         )
         self.runtime = runtime
         self.seedings = [*passes.seeding, passes.loss_seeding]
         self.model = model
-        self.adaptive = adaptive
         self.finish = finish
         self.agree = agree
         self.reruns = 0
@@ -119,13 +116,12 @@ class Stepper:
     def seed(self) -> int | None:
         """This step's seed for random operations (:mod:`pipesched.rng`), or None.
 
-        On a mesh (or without adaptation) every rank draws it from torch's
-        default CPU generator, and they run with pp rank 0's. Otherwise None: drawn at
+        On a mesh every rank draws it from torch's default CPU generator,
+        and they run with pp rank 0's. Otherwise None: drawn at
         the step's first draw, if there is one, so the generator moves exactly
         when the model drew, whatever pipesched learned about where it draws.
         """
-        drawn_first = self.agree is not None or not self.adaptive
-        if drawn_first or any(s.recomputes for s in self.seedings):
+        if self.agree is not None or any(s.recomputes for s in self.seedings):
             return draw_seed()  # before any recomputation juggles the generator (see _attempt)
         return None
 
