@@ -360,3 +360,75 @@ def test_buffers_a_forward_updates_move_once_per_micro_batch_whatever_the_checkp
             torch.testing.assert_close(got[name], value, rtol=1e-12, atol=0, msg=f"{mode} {name}")
         for p, q in zip(model.parameters(), reference.parameters(), strict=True):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)
+
+
+# --- a mode per stage ---------------------------------------------------------------
+
+
+class Counted(nn.Module):
+    """Counts its forward calls (the pipeline's forwards and recomputations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return x
+
+
+@pytest.mark.parametrize(
+    ("schedule", "modes"),
+    [
+        ("1f1b", ["always", "never"]),
+        ("1f1b", ["never", "except_last"]),
+        ("gpipe", ["except_last", "always"]),
+        ("zb-h1", ["always", "never"]),
+        ("interleaved-1f1b", ["always", "never", "never", "always"]),
+        ("zb-v", ["never", "always", "always", "never"]),
+    ],
+)
+def test_a_mode_per_stage_recomputes_only_those_stages_and_trains_as_the_plain_model(
+    schedule, modes
+):
+    from pipesched import Pipeline
+    from pipesched.checkpoint import stage_stops
+
+    torch.manual_seed(0)
+    width, chunks = 6, 4
+    layers = []
+    for _ in modes:
+        layers += [nn.Linear(width, width), nn.Tanh(), Counted()]
+    model = nn.Sequential(*layers).double()
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(  # 2 workers: the 4-stage schedules put 2 stages on each
+        model, chunks, balance=[3] * len(modes), devices=["cpu"] * 2,
+        schedule=schedule, checkpoint=modes,
+    )  # fmt: skip
+    x, y = torch.randn(10, width, dtype=torch.float64), torch.randn(10, width, dtype=torch.float64)
+    loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-13, atol=0)
+    for (name, p), q in zip(pipe.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15, msg=name)
+    # Each stage ran its forward once per micro-batch, plus once per checkpointed one (twice
+    # under a split backward but on stage 0: B and W each recompute; see runtime/backward.py).
+    stops = stage_stops(modes, len(modes), chunks)
+    split = pipe.schedule_for(chunks).split_backward
+    expected = [chunks + stop * (2 if split and s else 1) for s, stop in enumerate(stops)]
+    assert [model[3 * s + 2].calls for s in range(len(modes))] == expected
+
+
+def test_modes_per_stage_are_checked_against_the_stages():
+    from pipesched import Pipeline
+
+    model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    with pytest.raises(ConfigError, match=r"gives 3 modes for a pipeline of 2 stages"):
+        Pipeline(model, 2, balance=[1, 1], devices=["cpu"] * 2, checkpoint=["never"] * 3)
+    with pytest.raises(ConfigError, match="'sometimes' is not known"):
+        Pipeline(model, 2, balance=[1, 1], devices=["cpu"] * 2, checkpoint=["never", "sometimes"])
+    with pytest.raises(ConfigError, match="schedule='auto' searches one mode"):
+        Pipeline(model, 2, schedule="auto", devices=["cpu"] * 2, checkpoint=["never", "always"])
+    with pytest.raises(TypeError, match="checkpoint must be a mode"):
+        Pipeline(model, 2, balance=[1, 1], devices=["cpu"] * 2, checkpoint=[])

@@ -16,7 +16,7 @@ import torch
 from pipesched.batches import StepBatches
 from pipesched.batchnorm_warning import warn_micro_batch_norm
 from pipesched.call import Call, one_call
-from pipesched.checkpoint import checkpoint_stop
+from pipesched.checkpoint import stage_stops
 from pipesched.errors import ConfigError
 from pipesched.hooks_warning import warn_gradient_hooks
 from pipesched.microbatch import batch_size, join_outputs, scatter
@@ -50,7 +50,7 @@ def run_forward(pipe: Pipeline, batch: Any) -> Any:
     assembly = pipe._assembly_for(batch if isinstance(batch, Call) else None, micro)
     rows = [batch_size(m) for m in micro]
     warn_micro_batch_norm(pipe, rows)
-    stop = checkpoint_stop(pipe.checkpoint, len(micro))
+    stop = stage_stops(pipe.checkpoint, pipe.num_stages, len(micro))
     run = assembly.stepper.run(
         pipe.schedule_for,
         lambda seed: StepInputs(micro, checkpoint_stop=stop, seed=seed),
@@ -99,7 +99,7 @@ def run_training(
             targets=batches.targets,
             loss_fn=loss_fn,
             loss_weights=weights,
-            checkpoint_stop=checkpoint_stop(pipe.checkpoint, m),
+            checkpoint_stop=stage_stops(pipe.checkpoint, pipe.num_stages, m),
             seed=seed,
         )
 

@@ -34,7 +34,7 @@ buffers) can ask :func:`is_recomputing`.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any, Final
@@ -45,7 +45,15 @@ from torch import Tensor, nn
 
 from pipesched.errors import ConfigError, ConfigTypeError
 
-__all__ = ["CHECKPOINT_MODES", "buffer_slots", "checkpoint", "checkpoint_stop", "is_recomputing"]
+__all__ = [
+    "CHECKPOINT_MODES",
+    "buffer_slots",
+    "check_checkpoint",
+    "checkpoint",
+    "checkpoint_stop",
+    "is_recomputing",
+    "stage_stops",
+]
 
 CHECKPOINT_MODES: Final = ("always", "except_last", "never")
 """Which micro-batches a stage checkpoints; see :func:`checkpoint_stop`."""
@@ -244,3 +252,61 @@ def checkpoint_stop(mode: str, num_microbatches: int) -> int:
     if mode == "except_last":
         return max(num_microbatches - 1, 0)
     return 0
+
+
+def check_checkpoint(checkpoint: Any, *, planned: bool) -> str | tuple[str, ...] | None:
+    """``Pipeline``'s ``checkpoint=``, checked: None, a mode, or one mode per stage (a tuple).
+
+    Args:
+        checkpoint: as given.
+        planned: the planner picks the rest (``schedule="auto"``), which
+            searches one mode for every stage.
+
+    Raises:
+        ConfigTypeError: neither a str nor a list or tuple of str.
+        ConfigError: an unknown mode; or modes per stage under the planner.
+    """
+    if checkpoint is None or isinstance(checkpoint, str):
+        checkpoint_stop(checkpoint or "never", 1)  # checks the mode's name
+        return checkpoint
+    if not isinstance(checkpoint, list | tuple) or not checkpoint:
+        raise ConfigTypeError(
+            f"checkpoint must be a mode ({', '.join(map(repr, CHECKPOINT_MODES))}) or a "
+            f"non-empty list of one mode per stage, got {checkpoint!r}"
+        )
+    for mode in checkpoint:
+        checkpoint_stop(mode, 1)
+    if planned:
+        raise ConfigError(
+            f"checkpoint={list(checkpoint)!r} gives a mode per stage, but schedule='auto' "
+            "searches one mode for every stage (and the number of stages itself): give one "
+            "mode or none, or pick the schedule and balance yourself to give one per stage"
+        )
+    return tuple(checkpoint)
+
+
+def stage_stops(
+    checkpoint: str | Sequence[str], num_stages: int, num_microbatches: int
+) -> tuple[int, ...]:
+    """Per stage, how many leading micro-batches it checkpoints (:func:`checkpoint_stop`).
+
+    Args:
+        checkpoint: one mode for every stage, or one mode per stage.
+        num_stages: the pipeline's stages.
+        num_microbatches: micro-batches in the mini-batch.
+
+    Raises:
+        ConfigError: as :func:`checkpoint_stop`, or modes for another number of stages.
+
+    Example:
+        >>> stage_stops(["always", "never"], 2, 4)
+        (4, 0)
+    """
+    if isinstance(checkpoint, str):
+        return (checkpoint_stop(checkpoint, num_microbatches),) * num_stages
+    if len(checkpoint) != num_stages:
+        raise ConfigError(
+            f"checkpoint={list(checkpoint)!r} gives {len(checkpoint)} modes for a pipeline of "
+            f"{num_stages} stages: give one mode per stage (or one mode for all)"
+        )
+    return tuple(checkpoint_stop(mode, num_microbatches) for mode in checkpoint)

@@ -17,7 +17,7 @@ from pipesched.batches import StepBatches, step_batches
 from pipesched.batchnorm import DeferredBatchNorm
 from pipesched.call import Call, call_key, stage_input, with_cache_off
 from pipesched.calls import gather_timeline, run_forward, run_training
-from pipesched.checkpoint import checkpoint_stop
+from pipesched.checkpoint import check_checkpoint, stage_stops
 from pipesched.devices import Device
 from pipesched.distributed.mesh import MeshInfo
 from pipesched.layout import Cut, resolve_layout
@@ -61,9 +61,9 @@ class Pipeline(Pinned):
             simulated step time). See :mod:`pipesched.partition.plan`.
         devices: the device of each worker. None: every CUDA device, or CPU.
             ``["cpu", "cpu"]`` gives two workers that run in parallel.
-        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``:
-            which micro-batches recompute their forward in backward. None:
-            ``"except_last"``, or the planner's choice under ``schedule="auto"``.
+        checkpoint: ``"always"``, ``"except_last"`` or ``"never"``: which
+            micro-batches recompute their forward in backward; or one per stage
+            (``["always", "never"]``). None: ``"except_last"``, or the planner's pick.
         schedule: ``"gpipe"``, ``"1f1b"``, ``"interleaved-1f1b"``, ``"zb-h1"``,
             ``"zb-h2"``, or the V schedules ``"zb-v"``, ``"dualpipev"``,
             ``"v-half"``, ``"v-min"`` (schedules with several stages per worker need
@@ -126,7 +126,7 @@ class Pipeline(Pinned):
         *,
         balance: Sequence[int] | str | None = None,
         devices: Sequence[Device] | None = None,
-        checkpoint: str | None = None,
+        checkpoint: str | Sequence[str] | None = None,
         schedule: str | Schedule = "gpipe",
         deferred_batch_norm: bool = False,
         example_inputs: tuple[Any, ...] | None = None,
@@ -139,7 +139,7 @@ class Pipeline(Pinned):
     ) -> None:
         super().__init__()
         check_pipeline(module, chunks, balance, num_stages, memory_budget)
-        checkpoint_stop(checkpoint or "never", 1)  # checks the mode's name
+        checkpoint = check_checkpoint(checkpoint, planned=schedule == "auto")
         info = None if mesh is None else MeshInfo.of(mesh)
         self.plan: Planning | None = None  # what schedule="auto" compared and picked
         # One trace of the model for the planner's pipelines and the pick (the model is not
@@ -151,7 +151,7 @@ class Pipeline(Pinned):
                     chunks,
                     balance,
                     devices,
-                    checkpoint,
+                    checkpoint if isinstance(checkpoint, str) else None,  # a tuple: refused above
                     example_inputs,
                     info,
                     memory_budget=memory_budget,
@@ -167,6 +167,7 @@ class Pipeline(Pinned):
             self._layout = resolve_layout(
                 schedule, devices, balance, num_stages, split_points, info
             )
+            stage_stops(checkpoint, len(self._layout.placement), 1)  # one mode per stage?
             meta = check_meta(module, example_inputs, init_weights)
             self._cut = Cut(
                 chunks,

@@ -31,7 +31,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pipesched.calls import gather_timeline
-from pipesched.checkpoint import checkpoint_stop
+from pipesched.checkpoint import stage_stops
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.schedule import BACKWARD, Timeline
 from pipesched.schedule.prediction import StepModel, predict
@@ -62,14 +62,14 @@ def predict_step(pipe: Pipeline, num_microbatches: int | None) -> Timeline:
         m = 1 + max(e.action.microbatch for e in timeline.events)
         model = StepModel.measure(
             timeline,
-            checkpoint_stop(pipe.checkpoint, m),
+            stage_stops(pipe.checkpoint, pipe.num_stages, m),
             outside=max(0.0, _slowest_wall(pipe) - timeline.makespan),
             source=f"the last step's {len(timeline.events)} measured actions",
         )
     else:
         m, model = pipe.chunks, _from_partition(pipe)
     k = m if num_microbatches is None else num_microbatches
-    return predict(pipe.schedule_for(k), model, checkpoint_stop(pipe.checkpoint, k))
+    return predict(pipe.schedule_for(k), model, stage_stops(pipe.checkpoint, pipe.num_stages, k))
 
 
 def _from_partition(pipe: Pipeline) -> StepModel:

@@ -50,9 +50,13 @@ def test_a_notice_is_a_header_padded_to_the_size_the_receiver_expects() -> None:
         (torch.randn(2, 2, dtype=torch.complex128).conj().imag,),
     ],
     ids=[
-        "tensor", "tuple-with-none", "list-strided-empty", "traced-boundary-with-scalars",
-        "conjugate-and-offset", "negated-view",
-    ],  # fmt: skip
+        "tensor",
+        "tuple-with-none",
+        "list-strided-empty",
+        "traced-boundary-with-scalars",
+        "conjugate-and-offset",
+        "negated-view",
+    ],
 )
 def test_values_round_trip_exactly(value) -> None:
     back = _round_trip(value)

@@ -178,3 +178,21 @@ def test_varying_like_actions_are_played_from_their_spread_reproducibly():
     steady = StepModel(model.passes, model.recompute, model.overhead, model.latency)
     plain = predict(get_schedule("1f1b", 2, 6), steady, checkpoint_stop=0)
     assert plain.breakdown is not None and plain.breakdown.variability == 0
+
+
+def test_a_stop_per_stage_recomputes_only_on_those_stages():
+    """Stage 0 checkpoints micro-batch 0 only, stage 1 none: only 0B0 pays a forward more."""
+    measured = StepModel.measure(_measured(), checkpoint_stop=0)
+    model = StepModel(
+        measured.passes, {"F": (0.0, 0.0), "B": (F, F), "W": (0.0, 0.0)}, (0.0, 0.0), 0.0
+    )
+    t = predict(get_schedule("gpipe", 2, 2), model, checkpoint_stop=(1, 0))
+    durations = {str(e.action): e.end - e.start for e in t.events}
+    assert durations == pytest.approx(
+        {"0F0": F, "0F1": F, "1F0": F, "1F1": F, "1B0": B, "1B1": B, "0B0": B + F, "0B1": B}
+    )
+    # Measured the other way round: the recomputation is told from stage 0's two B's alone.
+    again = StepModel.measure(t, checkpoint_stop=(1, 0))
+    assert again.recompute["B"][0] == pytest.approx(F)
+    with pytest.raises(ValueError, match="3 values for 2 stages"):
+        predict(get_schedule("gpipe", 2, 2), model, checkpoint_stop=(1, 0, 0))

@@ -43,7 +43,8 @@ class StepInputs:
         targets: the loss target of each micro-batch, or None.
         loss_fn: applied to the last stage's output (and target); None runs forward only.
         loss_weights: each micro-batch's loss is multiplied by its weight.
-        checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed.
+        checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed
+            (a tuple: stage ``s``'s ``i < checkpoint_stop[s]``).
         seed: this call's seed for random operations (see :mod:`pipesched.rng`);
             None: drawn from torch's default CPU generator when first needed.
     """
@@ -52,7 +53,7 @@ class StepInputs:
     targets: list[Any] | None = None
     loss_fn: LossFn | None = None
     loss_weights: list[float] = field(default_factory=list)
-    checkpoint_stop: int = 0
+    checkpoint_stop: int | tuple[int, ...] = 0
     seed: int | None = None
 
 
@@ -198,7 +199,8 @@ class StagePasses:
     def _run(self, s: int, i: int, x: Any, state: StepState, fused: frozenset[int] | None) -> Any:
         """Stage ``s`` on ``x``: checkpointed or not, seeded as its seeding says, maybe fused."""
         stage, seeding = self.stages[s], self.seeding[s]
-        if i < state.step.checkpoint_stop and torch.is_grad_enabled():
+        stop = state.step.checkpoint_stop
+        if i < (stop if isinstance(stop, int) else stop[s]) and torch.is_grad_enabled():
             # No RNG replay: _Seeded reseeds random operations itself, and torch's
             # replay sets the process-wide generator unlocked (racing other stages).
             seeded = _Seeded(stage, seeding, state.seed, i, fused)  # type: ignore[arg-type]

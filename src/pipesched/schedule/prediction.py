@@ -26,6 +26,7 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
+from pipesched.errors import ScheduleError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
 from pipesched.schedule.breakdown import Breakdown
 from pipesched.schedule.dataflow import data_predecessor
@@ -71,7 +72,7 @@ class StepModel:
     def measure(
         cls,
         timeline: Timeline,
-        checkpoint_stop: int,
+        checkpoint_stop: int | Sequence[int],
         *,
         outside: float = 0.0,
         source: str = "measured step",
@@ -79,7 +80,8 @@ class StepModel:
         """The costs of the measured step ``timeline``.
 
         Passes: each stage's mean duration of each kind, apart for the
-        micro-batches ``i < checkpoint_stop`` (checkpointed) and the others;
+        micro-batches ``i < checkpoint_stop`` (checkpointed; per stage where a
+        sequence) and the others;
         the difference is the recomputation. With only checkpointed
         micro-batches, B's recomputation is taken to be the stage's forward.
         Overhead: per worker, the median gap between an action and the one
@@ -88,10 +90,11 @@ class StepModel:
         another worker, over the consumers that waited for it.
         """
         n = timeline.num_stages
+        stops = _stops(checkpoint_stop, n)
         samples: dict[tuple[str, int, bool], list[float]] = defaultdict(list)
         for e in timeline.events:
             s, kind, i = e.action
-            samples[kind, s, i < checkpoint_stop].append(e.duration)
+            samples[kind, s, i < stops[s]].append(e.duration)
 
         def mean(kind: str, s: int, checkpointed: bool) -> float | None:
             got = samples.get((kind, s, checkpointed))
@@ -163,8 +166,10 @@ class StepModel:
         return cls(passes, recompute, (0.0,) * num_workers, source=source)
 
 
-def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int) -> Timeline:
+def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int | Sequence[int]) -> Timeline:
     """``schedule`` played with ``model``'s costs; micro-batches ``i < checkpoint_stop`` recompute.
+
+    ``checkpoint_stop``: for every stage, or per stage (a sequence).
 
     Each action starts when its worker has finished its previous action and
     spent its overhead, and its input has arrived (plus ``model.latency``
@@ -187,9 +192,10 @@ def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int) -> Timel
         (model.passes, model.recompute, model.latency, no_gap),
         (model.passes, model.recompute, model.latency, model.overhead),
     ]
+    stops = _stops(checkpoint_stop, n)
     with paused_gc():
-        played = [_play(schedule, checkpoint_stop, *level) for level in levels]
-        played.append(_typical(schedule, checkpoint_stop, model, played[-1]))
+        played = [_play(schedule, stops, *level) for level in levels]
+        played.append(_typical(schedule, stops, model, played[-1]))
     idle = [sum(t.idle) for t in played]
     parts = [idle[0], *(b - a for a, b in itertools.pairwise(idle))]
     ideal, imbalance, recomputation, communication, overhead, variability = parts
@@ -210,7 +216,9 @@ SAMPLES = 31
 """Steps played with durations drawn from the measured spread; the median one is returned."""
 
 
-def _typical(schedule: Schedule, stop: int, model: StepModel, steady: Timeline) -> Timeline:
+def _typical(
+    schedule: Schedule, stop: tuple[int, ...], model: StepModel, steady: Timeline
+) -> Timeline:
     """The step of median makespan among :data:`SAMPLES` played with durations drawn from
     ``model.spread`` (seeded: the same model gives the same step); ``steady`` without a spread.
     """
@@ -243,7 +251,7 @@ def _typical(schedule: Schedule, stop: int, model: StepModel, steady: Timeline) 
 
 def _play(
     schedule: Schedule,
-    stop: int,
+    stop: tuple[int, ...],
     passes: Mapping[str, tuple[float, ...]],
     recompute: Mapping[str, tuple[float, ...]],
     latency: float,
@@ -262,12 +270,24 @@ def _play(
         need = data_predecessor(action, n)
         if need is not None and placement[need[0]] != w:
             start = max(start, end[need] + latency)
-        duration = passes[kind][s] + (recompute[kind][s] if i < stop else 0.0)
+        duration = passes[kind][s] + (recompute[kind][s] if i < stop[s] else 0.0)
         if factor is not None:
             duration *= factor[action]
         end[action] = free[w] = start + duration
         events.append(Event(action, w, start, start + duration))
     return Timeline(tuple(events), placement)
+
+
+def _stops(checkpoint_stop: int | Sequence[int], num_stages: int) -> tuple[int, ...]:
+    """Each stage's checkpoint stop."""
+    if isinstance(checkpoint_stop, int):
+        return (checkpoint_stop,) * num_stages
+    if len(checkpoint_stop) != num_stages:
+        raise ScheduleError(
+            f"checkpoint_stop has {len(checkpoint_stop)} values for {num_stages} stages: "
+            "give one per stage, or one int for all"
+        )
+    return tuple(checkpoint_stop)
 
 
 def _gaps(timeline: Timeline) -> tuple[tuple[float, ...], float]:
