@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesched.checkpoint import checkpoint_stop
+from pipesched.checkpoint import stage_stops
 from pipesched.errors import ConfigError
 from pipesched.planning import LayerCost, peak_bytes, plan_layers
 from pipesched.planning.search import MARGIN
@@ -38,7 +38,7 @@ def test_every_candidate_is_its_schedule_played_by_predict_with_its_cut() -> Non
         model = StepModel.from_stage_times(
             forward, backward, 2, split_backward=schedule.split_backward, source="test"
         )
-        step = predict(schedule, model, checkpoint_stop(c.checkpoint, 6)).makespan
+        step = predict(schedule, model, stage_stops(c.checkpoint, len(c.counts), 6)).makespan
         assert c.step == pytest.approx(step, rel=1e-12), c
 
 
@@ -91,8 +91,27 @@ def test_checkpointing_is_chosen_only_when_memory_needs_it() -> None:
     assert free.pick.checkpoint == "never"
     never = min(c.peak_bytes for c in free.candidates if c.checkpoint == "never")
     tight = plan_layers(layers, 2, 8, memory_budget=0.6 * never, synthesized=False)
-    assert tight.pick.checkpoint in ("always", "except_last")
+    modes = tight.pick.checkpoint
+    assert {modes} if isinstance(modes, str) else set(modes) != {"never"}
     assert "checkpoint=" in tight.explain()
+
+
+def test_a_mode_per_stage_wins_where_only_some_stages_fill_memory() -> None:
+    # Blocks hold much and recompute cheaply; the head holds little and is costly to
+    # recompute: checkpoint the blocks' stages, keep the head's.
+    embed = LayerCost("embed", 0.1, 0.5, 10.0, 4.0, 1.0)
+    body = [LayerCost(f"h.{k}", 1.0, 2.0, 1000.0, 1.0, 1.0) for k in range(8)]
+    layers = [embed, *body, LayerCost("head", 6.0, 12.0, 10.0, 4.0, 1.0)]
+    free = plan_layers(layers, 2, 8, synthesized=False, mixed=False)
+    assert all(isinstance(c.checkpoint, str) for c in free.candidates)
+    budget = 0.6 * min(c.peak_bytes for c in free.candidates if c.checkpoint == "never")
+    uniform = plan_layers(layers, 2, 8, memory_budget=budget, synthesized=False, mixed=False)
+    mixed = plan_layers(layers, 2, 8, memory_budget=budget, synthesized=False)
+    pick = mixed.pick
+    assert isinstance(pick.checkpoint, tuple) and len(pick.checkpoint) == len(pick.counts)
+    assert pick.fits and pick.step < 0.9 * uniform.pick.step
+    assert pick.checkpoint[-1] == "never"  # the head's stage (the last) is not recomputed
+    assert ",".join(pick.checkpoint) in str(mixed)
 
 
 def test_peak_bytes_is_the_closed_form_of_1f1b() -> None:

@@ -45,7 +45,8 @@ class Candidate:
     Args:
         schedule: the schedule's name (``"synthesized"`` for one computed
             for these costs).
-        checkpoint: the checkpoint mode (``"never"``, ``"except_last"``, ``"always"``).
+        checkpoint: the checkpoint mode (``"never"``, ``"except_last"``, ``"always"``),
+            or one per stage (a tuple).
         counts: layers per stage.
         chunks: micro-batches per step.
         step: predicted seconds per step.
@@ -57,7 +58,7 @@ class Candidate:
     """
 
     schedule: str
-    checkpoint: str
+    checkpoint: str | tuple[str, ...]
     counts: tuple[int, ...]
     chunks: int
     step: float
@@ -111,7 +112,7 @@ class Planning:
             )
         if self.baseline is not None and self.baseline is not pick:
             lines.append(
-                f"  1f1b with time-balanced stages ({self.baseline.checkpoint}, "
+                f"  1f1b with time-balanced stages ({_modes(self.baseline.checkpoint)}, "
                 f"{list(self.baseline.counts)}): {_ms(self.baseline.step)}, "
                 f"{_percent(self.baseline.step, pick.step)} slower"
                 + ("" if self.baseline.fits else ", and over the budget")
@@ -134,7 +135,7 @@ class Planning:
                 why = f"without recomputation the fastest that fits is {slower} slower"
             else:
                 why = "nothing without recomputation fits the budget"
-            lines.append(f"  checkpoint={pick.checkpoint!r}: {why}")
+            lines.append(f"  checkpoint={_modes(pick.checkpoint)}: {why}")
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -154,7 +155,7 @@ class Planning:
                 (
                     "*" if c is self.pick else "",
                     c.schedule,
-                    c.checkpoint,
+                    _modes(c.checkpoint),
                     str(c.chunks),
                     _balance(c.counts),
                     _ms(c.step),
@@ -176,9 +177,13 @@ class Planning:
 
 
 def _label(c: Candidate) -> str:
-    return (
-        f"{c.schedule} / checkpoint={c.checkpoint} / balance {list(c.counts)} / chunks {c.chunks}"
-    )
+    modes = _modes(c.checkpoint)
+    return f"{c.schedule} / checkpoint={modes} / balance {list(c.counts)} / chunks {c.chunks}"
+
+
+def _modes(checkpoint: str | tuple[str, ...]) -> str:
+    """A mode, or modes per stage as ``always,never``."""
+    return checkpoint if isinstance(checkpoint, str) else ",".join(checkpoint)
 
 
 def _balance(counts: Sequence[int]) -> str:

@@ -161,20 +161,20 @@ class Auto:
     Args:
         schedule: a built-in's name, or the synthesized Schedule.
         balance: layers per stage.
-        checkpoint: the checkpoint mode.
+        checkpoint: the checkpoint mode, or one per stage.
         devices: the workers' devices.
         planning: everything compared (rank 0's, on a mesh).
     """
 
     schedule: str | Schedule
     balance: list[int]
-    checkpoint: str
+    checkpoint: str | tuple[str, ...]
     devices: list[torch.device] | None
     planning: Planning
 
     def arguments(
         self, devices: Sequence[Device] | None
-    ) -> tuple[str | Schedule, list[int], str, Sequence[Device] | None, Planning]:
+    ) -> tuple[str | Schedule, list[int], str | tuple[str, ...], Sequence[Device] | None, Planning]:
         """``(schedule, balance, checkpoint, devices, planning)`` for the Pipeline to build with."""
         chosen = devices if self.devices is None else self.devices
         return self.schedule, self.balance, self.checkpoint, chosen, self.planning

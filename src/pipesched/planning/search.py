@@ -1,10 +1,13 @@
-"""The planner's search: every schedule x checkpoint mode, each with its best cut, predicted.
+"""The planner's search: every schedule x checkpoint modes, each with its best cut, predicted.
 
 Pure Python over per-layer numbers (:class:`~pipesched.planning.candidate.LayerCost`),
 like the schedule core it drives; :mod:`pipesched.planning.measure` gets those
 numbers from a model.
 
-For each built-in schedule and checkpoint mode the cut points are searched by
+For each built-in schedule and checkpoint mode (one for every stage, and, for
+up to :data:`MIXED_STAGES` stages, each mix of "never" and "always" per stage:
+recompute the blocks that fill memory, keep the head that is costly to
+recompute) the cut points are searched by
 simulating the schedule (:func:`~pipesched.partition.balance.search_schedule`,
 as ``balance="schedule"``), within the memory budget. Then, for the best cut
 of each placement (one stage per worker, and two in a V), a schedule is
@@ -50,7 +53,13 @@ from pipesched.schedule import (
 from pipesched.schedule.builders import SCHEDULES
 from pipesched.schedule.prediction import StepModel, predict
 
-__all__ = ["MARGIN", "peak_bytes", "plan_layers"]
+__all__ = ["MARGIN", "MIXED_STAGES", "peak_bytes", "plan_layers"]
+
+Modes = str | tuple[str, ...]
+"""One checkpoint mode for every stage, or one per stage."""
+
+MIXED_STAGES = 4
+"""Mixes of modes per stage are searched for schedules of at most this many stages (2^n - 2)."""
 
 MARGIN = 0.01
 """A synthesized schedule is picked only when predicted this much faster than every built-in
@@ -60,7 +69,7 @@ that fits: a built-in's order is known (drawn in the docs) and its memory closed
 class _Table:
     """Prefix sums of the layers' costs, and what a stage of layers ``[i, j)`` costs."""
 
-    def __init__(self, layers: Sequence[LayerCost], checkpoint: str, chunks: int) -> None:
+    def __init__(self, layers: Sequence[LayerCost], checkpoint: Modes, chunks: int) -> None:
         self.forward = prefix_sums(x.forward for x in layers)
         self.backward = prefix_sums(x.backward for x in layers)
         self.split = (  # B and W run apart, as measured, else the whole backward in halves
@@ -74,8 +83,20 @@ class _Table:
         self.activation = prefix_sums(x.activation_bytes for x in layers)
         self.params = prefix_sums(x.param_bytes for x in layers)
         self.input = [x.input_bytes for x in layers]
-        self.stop = checkpoint_stop(checkpoint, chunks)
-        self.kept = chunks - self.stop
+        self.mode = checkpoint
+        self.chunks = chunks
+        self._stops = (
+            checkpoint_stop(checkpoint, chunks)
+            if isinstance(checkpoint, str)
+            else tuple(checkpoint_stop(m, chunks) for m in checkpoint)
+        )
+
+    def stop(self, k: int) -> int:
+        """How many leading micro-batches stage ``k`` checkpoints."""
+        return self._stops if isinstance(self._stops, int) else self._stops[k]
+
+    def stops(self, num_stages: int) -> tuple[int, ...]:
+        return tuple(self.stop(k) for k in range(num_stages))
 
     def times(self, i: int, j: int) -> tuple[float, float]:
         return self.forward[j] - self.forward[i], self.backward[j] - self.backward[i]
@@ -93,14 +114,14 @@ class _Table:
         """For the cut search: (F, B with recomputation, bytes per held micro-batch)."""
         forward, backward = self.times(i, j)
         checkpointed, kept = self.held(i, j)
-        if self.stop == 0:
+        if self.stop(k) == 0:
             return forward, backward, kept
         return forward, backward + forward, checkpointed
 
     def fixed(self, k: int, i: int, j: int) -> float:
         """Parameters and gradients, and the kept micro-batch where others are checkpointed."""
         extra = 0.0
-        if self.stop and self.kept:
+        if 0 < self.stop(k) < self.chunks:
             extra = self.activation[j] - self.activation[i]
         return float(2.0 * (self.params[j] - self.params[i]) + extra)
 
@@ -114,6 +135,7 @@ def plan_layers(
     schedules: Sequence[str] | None = None,
     checkpoints: Sequence[str] = CHECKPOINT_MODES,
     counts: Sequence[int] | None = None,
+    mixed: bool = True,
     synthesized: bool = True,
     overhead: float = 0.0,
     source: str = "profiled layer costs",
@@ -127,6 +149,9 @@ def plan_layers(
         memory_budget: bytes per worker; None: no limit.
         schedules: built-in schedules to compare (default: all of them).
         checkpoints: checkpoint modes to compare.
+        mixed: also compare a mode per stage ("never" or "always", both in
+            ``checkpoints``) for schedules of up to :data:`MIXED_STAGES` stages,
+            under a budget (without one, recomputing only adds time).
         counts: layers per stage, fixed (only schedules of that many stages
             are compared); None: searched for each schedule.
         synthesized: also compare schedules synthesized for the costs.
@@ -156,9 +181,9 @@ def plan_layers(
         if why is not None:
             skipped.append((name, why))
             continue
-        for mode in checkpoints:
+        for modes in _modes(checkpoints, stages, mixed and memory_budget is not None):
             plan = get_schedule(name, stages, chunks)
-            found.append(_best_cut(plan, layers, mode, memory_budget, counts, overhead))
+            found.append(_best_cut(plan, layers, modes, memory_budget, counts, overhead))
     if synthesized:
         found += _synthesized(found, layers, num_workers, chunks, memory_budget, overhead)
     fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step, c.peak_bytes))
@@ -194,7 +219,7 @@ def plan_layers(
 
 def peak_bytes(
     timeline: Timeline,
-    stop: int,
+    stop: int | Sequence[int],
     held: Sequence[tuple[float, float]],
     fixed: Sequence[float],
 ) -> float:
@@ -202,20 +227,21 @@ def peak_bytes(
 
     Args:
         timeline: a step, planned or predicted.
-        stop: micro-batches ``i < stop`` are checkpointed.
+        stop: micro-batches ``i < stop`` are checkpointed (per stage: a sequence).
         held: per stage, (bytes of a checkpointed micro-batch before its
             backward, bytes of a whole one).
         fixed: per worker, bytes held all step.
     """
     last = WEIGHT if any(e.action.kind == WEIGHT for e in timeline.events) else BACKWARD
+    stops = [stop] * timeline.num_stages if isinstance(stop, int) else list(stop)
     changes: list[list[tuple[float, int, float]]] = [[] for _ in fixed]
     for e in timeline.events:
         s, kind, i = e.action
         light, whole = held[s]
         delta = changes[e.worker]
         if kind == FORWARD:
-            delta.append((e.start, 1, light if i < stop else whole))
-        if kind == BACKWARD and i < stop:
+            delta.append((e.start, 1, light if i < stops[s] else whole))
+        if kind == BACKWARD and i < stops[s]:
             delta.append((e.start, 1, whole - light))
         if kind == last:
             delta.append((e.end, 0, -whole))
@@ -240,7 +266,7 @@ def _unfit(name: str, stages: int, num_layers: int, counts: Sequence[int] | None
 def _best_cut(
     schedule: Schedule,
     layers: Sequence[LayerCost],
-    mode: str,
+    mode: Modes,
     budget: float | None,
     counts: Sequence[int] | None,
     overhead: float,
@@ -297,14 +323,15 @@ def _score(
         (overhead,) * schedule.num_workers,
         source="planner",
     )
-    timeline = predict(schedule, model, table.stop)
+    stops = table.stops(schedule.num_stages)
+    timeline = predict(schedule, model, stops)
     fixed = [0.0] * schedule.num_workers
     for k, (i, j) in enumerate(spans):
         fixed[schedule.placement[k]] += 2.0 * (table.params[j] - table.params[i])
-    peak = peak_bytes(timeline, table.stop, [table.held(i, j) for i, j in spans], fixed)
+    peak = peak_bytes(timeline, stops, [table.held(i, j) for i, j in spans], fixed)
     return Candidate(
         name,
-        _mode_of(table, schedule.num_microbatches),
+        table.mode,
         tuple(counts),
         schedule.num_microbatches,
         timeline.makespan,
@@ -315,11 +342,14 @@ def _score(
     )
 
 
-def _mode_of(table: _Table, chunks: int) -> str:
-    for mode in CHECKPOINT_MODES:
-        if checkpoint_stop(mode, chunks) == table.stop:
-            return mode
-    return "never"  # pragma: no cover - every stop comes from a mode
+def _modes(checkpoints: Sequence[str], stages: int, mixed: bool) -> list[Modes]:
+    """The checkpoint modes to compare for a schedule of ``stages`` stages."""
+    found: list[Modes] = list(checkpoints)
+    if mixed and "never" in checkpoints and "always" in checkpoints and stages <= MIXED_STAGES:
+        for modes in itertools.product(("never", "always"), repeat=stages):
+            if len(set(modes)) > 1:
+                found.append(modes)
+    return found
 
 
 def _synthesized(
@@ -348,10 +378,10 @@ def _synthesized(
             bounds = prefix_sums(base.counts)
             spans = list(itertools.pairwise(bounds))
             costs = []
-            for i, j in spans:
+            for k, (i, j) in enumerate(spans):
                 forward = table.times(i, j)[0]
                 b, w = table.split_times(i, j)
-                costs.append(Costs(forward, b + (forward if table.stop else 0.0), w))
+                costs.append(Costs(forward, b + (forward if table.stop(k) else 0.0), w))
             limit = _held_limit(table, spans, num_workers, v, budget)
             if limit is not None and limit < 1:
                 continue
@@ -383,8 +413,9 @@ def _held_limit(
         return None
     limit = math.inf
     for w in range(workers):
-        mine = [spans[w]] if v == 1 else [spans[w], spans[2 * workers - 1 - w]]
-        fixed = sum(table.fixed(0, i, j) for i, j in mine)
+        ks = [w] if v == 1 else [w, 2 * workers - 1 - w]
+        mine = [spans[k] for k in ks]
+        fixed = sum(table.fixed(k, *spans[k]) for k in ks)
         # In whole micro-batches (an order may hold a recomputed one from B to W) of the
         # worker's heaviest stage: the limit counts v stage-micro-batches per unit.
         per = v * max(table.held(i, j)[1] for i, j in mine)
