@@ -141,14 +141,15 @@ def main() -> None:
             pipe.step(data, loss_fn=loss_fn)
             times[name].append(time.perf_counter() - started)
     median = {name: statistics.median(t) for name, t in times.items()}
-    header = f"{'pipeline':<10} {'schedule':<12} {'checkpoint':<11} {'balance':<22}"
+    header = f"{'pipeline':<10} {'schedule':<12} {'checkpoint':<27} {'balance':<22}"
     print(
         f"{header} {'predicted':>10} {'measured':>10} {'best':>9} {'peak (est.)':>12} {'ratio':>6}"
     )
     for name, pipe in pipes.items():
         predicted = pipe.predict().step_time
+        modes = pipe.checkpoint if isinstance(pipe.checkpoint, str) else ",".join(pipe.checkpoint)
         print(
-            f"{name:<10} {pipe.schedule_name:<12} {pipe.checkpoint:<11} {pipe.balance!s:<22} "
+            f"{name:<10} {pipe.schedule_name:<12} {modes:<27} {pipe.balance!s:<22} "
             f"{predicted * 1e3:8.1f} ms {median[name] * 1e3:7.1f} ms "
             f"{min(times[name]) * 1e3:6.1f} ms {peaks[name] / 2**20:8.1f} MiB "
             f"{median[name] / median['baseline']:6.3f}"

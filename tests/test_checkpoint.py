@@ -428,7 +428,7 @@ def test_modes_per_stage_are_checked_against_the_stages():
         Pipeline(model, 2, balance=[1, 1], devices=["cpu"] * 2, checkpoint=["never"] * 3)
     with pytest.raises(ConfigError, match="'sometimes' is not known"):
         Pipeline(model, 2, balance=[1, 1], devices=["cpu"] * 2, checkpoint=["never", "sometimes"])
-    with pytest.raises(ConfigError, match="schedule='auto' searches one mode"):
+    with pytest.raises(ConfigError, match="schedule='auto' chooses the stages"):
         Pipeline(model, 2, schedule="auto", devices=["cpu"] * 2, checkpoint=["never", "always"])
     with pytest.raises(TypeError, match="checkpoint must be a mode"):
         Pipeline(model, 2, balance=[1, 1], devices=["cpu"] * 2, checkpoint=[])

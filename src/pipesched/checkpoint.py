@@ -259,8 +259,8 @@ def check_checkpoint(checkpoint: Any, *, planned: bool) -> str | tuple[str, ...]
 
     Args:
         checkpoint: as given.
-        planned: the planner picks the rest (``schedule="auto"``), which
-            searches one mode for every stage.
+        planned: the planner picks the rest (``schedule="auto"``): it searches
+            modes per stage itself (and the number of stages).
 
     Raises:
         ConfigTypeError: neither a str nor a list or tuple of str.
@@ -279,8 +279,8 @@ def check_checkpoint(checkpoint: Any, *, planned: bool) -> str | tuple[str, ...]
     if planned:
         raise ConfigError(
             f"checkpoint={list(checkpoint)!r} gives a mode per stage, but schedule='auto' "
-            "searches one mode for every stage (and the number of stages itself): give one "
-            "mode or none, or pick the schedule and balance yourself to give one per stage"
+            "chooses the stages (and, under a memory_budget, modes per stage) itself: give "
+            "one mode or none, or pick the schedule and balance yourself to give one per stage"
         )
     return tuple(checkpoint)
 

@@ -14,7 +14,8 @@ of each placement (one stage per worker, and two in a V), a schedule is
 synthesized for those stage costs and the budget
 (:func:`~pipesched.schedule.synthesize`). Every candidate is scored the same
 way: its step played by :func:`~pipesched.schedule.prediction.predict` (a
-checkpointed micro-batch's backward runs its forward again), and its memory
+checkpointed micro-batch's backward runs its forward again; where backward is
+split, B and W each do, but on stage 0), and its memory
 swept over that timeline:
 
 - a worker holds its stages' parameters and their gradients (twice the
@@ -316,10 +317,9 @@ def _score(
     else:
         backward = tuple(table.times(i, j)[1] for i, j in spans)
         weight = (0.0,) * len(spans)
-    zero = (0.0,) * len(spans)
     model = StepModel(
         {FORWARD: forward, BACKWARD: backward, WEIGHT: weight},
-        {FORWARD: zero, BACKWARD: forward, WEIGHT: zero},  # recomputation: B runs F again
+        StepModel.recomputation(forward, split_backward=schedule.split_backward),
         (overhead,) * schedule.num_workers,
         source="planner",
     )
@@ -381,7 +381,8 @@ def _synthesized(
             for k, (i, j) in enumerate(spans):
                 forward = table.times(i, j)[0]
                 b, w = table.split_times(i, j)
-                costs.append(Costs(forward, b + (forward if table.stop(k) else 0.0), w))
+                again = forward if table.stop(k) else 0.0
+                costs.append(Costs(forward, b + again, w + (again if k else 0.0)))
             limit = _held_limit(table, spans, num_workers, v, budget)
             if limit is not None and limit < 1:
                 continue

@@ -149,7 +149,8 @@ class StepModel:
         """Costs from a profile's per-stage forward and backward times: no overhead, no latency.
 
         A split backward is cut in equal halves (B and W), as the partition's
-        own simulation does; checkpointed micro-batches add the forward to B.
+        own simulation does; checkpointed micro-batches recompute as
+        :meth:`recomputation` says.
         """
         half = tuple(b / 2 for b in backward)
         passes: dict[str, tuple[float, ...]] = {
@@ -157,13 +158,22 @@ class StepModel:
             BACKWARD: half if split_backward else tuple(backward),
             WEIGHT: half if split_backward else (0.0,) * len(backward),
         }
-        zero = (0.0,) * len(forward)
-        recompute: dict[str, tuple[float, ...]] = {
-            FORWARD: zero,
-            BACKWARD: tuple(forward),
-            WEIGHT: zero,
-        }
+        recompute = cls.recomputation(forward, split_backward=split_backward)
         return cls(passes, recompute, (0.0,) * num_workers, source=source)
+
+    @staticmethod
+    def recomputation(
+        forward: Sequence[float], *, split_backward: bool
+    ) -> dict[str, tuple[float, ...]]:
+        """What a checkpointed micro-batch adds per pass kind and stage, from forward times.
+
+        B runs the forward again; where backward is split, W does too (B and W
+        cannot share a recomputation), except on stage 0, whose B computes no
+        input gradient and leaves nothing to recompute for W.
+        """
+        zero = (0.0,) * len(forward)
+        again = tuple(f if split_backward and s else 0.0 for s, f in enumerate(forward))
+        return {FORWARD: zero, BACKWARD: tuple(forward), WEIGHT: again}
 
 
 def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int | Sequence[int]) -> Timeline:
