@@ -185,6 +185,7 @@ def plan_layers(
         for modes in _modes(checkpoints, stages, mixed and memory_budget is not None):
             plan = get_schedule(name, stages, chunks)
             found.append(_best_cut(plan, layers, modes, memory_budget, counts, overhead))
+    found = _undominated(found)
     if synthesized:
         found += _synthesized(found, layers, num_workers, chunks, memory_budget, overhead)
     fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step, c.peak_bytes))
@@ -342,6 +343,24 @@ def _score(
     )
 
 
+def _undominated(found: list[Candidate]) -> list[Candidate]:
+    """``found`` without the modes per stage that another mode of their schedule beats on both
+    step and memory (a mix is only worth showing where it trades one for the other)."""
+    return [
+        c
+        for c in found
+        if isinstance(c.checkpoint, str)
+        or not any(
+            o is not c
+            and o.schedule == c.schedule
+            and o.step <= c.step
+            and o.peak_bytes <= c.peak_bytes
+            and (isinstance(o.checkpoint, str) or (o.step, o.peak_bytes) != (c.step, c.peak_bytes))
+            for o in found
+        )
+    ]
+
+
 def _modes(checkpoints: Sequence[str], stages: int, mixed: bool) -> list[Modes]:
     """The checkpoint modes to compare for a schedule of ``stages`` stages."""
     found: list[Modes] = list(checkpoints)
@@ -360,10 +379,18 @@ def _synthesized(
     budget: float | None,
     overhead: float,
 ) -> list[Candidate]:
-    """A schedule synthesized for the best cut of each placement and checkpoint mode."""
+    """A schedule synthesized for the best cut of each placement and checkpoint mode.
+
+    Of the modes per stage, only the fastest fitting mix of each placement:
+    one synthesis per mix would multiply the solve time (and the table) by up to 15.
+    """
     result = []
     for v in (1, 2):
-        for mode in dict.fromkeys(c.checkpoint for c in found):
+        placed = [c for c in found if stages_per_worker(c.schedule) == v]
+        mixes = [c for c in placed if not isinstance(c.checkpoint, str)]
+        best_mix = min(mixes, key=lambda c: (not c.fits, c.step)).checkpoint if mixes else None
+        modes = [c.checkpoint for c in placed if isinstance(c.checkpoint, str)] + [best_mix]
+        for mode in dict.fromkeys(m for m in modes if m is not None):
             same = [
                 c
                 for c in found
