@@ -112,6 +112,16 @@ def test_a_mode_per_stage_wins_where_only_some_stages_fill_memory() -> None:
     assert pick.fits and pick.step < 0.9 * uniform.pick.step
     assert pick.checkpoint[-1] == "never"  # the head's stage (the last) is not recomputed
     assert ",".join(pick.checkpoint) in str(mixed)
+    # A mix is shown only where it trades time for memory against its schedule's modes.
+    for c in mixed.candidates:
+        if isinstance(c.checkpoint, tuple) and c.table is None:
+            assert not any(
+                isinstance(o.checkpoint, str)
+                and o.schedule == c.schedule
+                and o.step <= c.step
+                and o.peak_bytes <= c.peak_bytes
+                for o in mixed.candidates
+            ), c
 
 
 def test_peak_bytes_is_the_closed_form_of_1f1b() -> None:
