@@ -15,7 +15,10 @@ one stage per rank), 256 micro-batches of 4 rows. pipesched 1f1b is
 ``Pipeline(..., balance=[2, 2], mesh=init_mesh(pp=2), schedule="1f1b",
 checkpoint="never")``; torch 1F1B is ``Schedule1F1B`` over a ``PipelineStage``
 of the same 2 Linear layers, same weights, same data and mean-squared-error
-loss. Target: pipesched 1f1b <= 1.0x torch 1F1B.
+loss. Target: pipesched 1f1b <= 1.0x torch 1F1B, on the medians and on the
+bests. Also printed: the median of the rounds' ratios (each round runs the
+two back to back, so load that drifts over a run hits both alike). gloo's
+latency makes single rounds vary by +-10%: run 31 rounds for a verdict.
 
 Local (this process, 2 CPU stages in 2 worker threads): the same model,
 ``Pipeline(model, chunks=m, balance=[2, 2], devices=["cpu", "cpu"],
