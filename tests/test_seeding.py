@@ -403,3 +403,21 @@ def test_a_mesh_learns_where_stages_draw_and_every_rank_reruns_a_spoiled_step(
         for r in (0, 1):  # the replicas stay equal
             for name, value in ranks[r]["learning"]["params"].items():
                 assert torch.equal(value, ranks[r + 2]["learning"]["params"][name]), name
+
+
+def test_a_mesh_step_whose_rerun_trips_again_fails_and_leaves_the_window_as_before(tmp_path):
+    """The rerun draws unseeded again (a backward that draws, seen after a forward that did):
+    UnseededDraws on every rank, and the gradient sums that step started over the replicas
+    are dropped: flush() ends the window exactly as if the step had not been taken."""
+    from tests.distributed import seeding_worker as w
+    from tests.distributed.launch import launch
+
+    exits = launch("failed-rerun", 4, tmp_path, timeout=150, worker=Path(w.__file__))
+    for e in exits:
+        assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-3000:]}"
+    for r in range(4):
+        result = torch.load(tmp_path / f"rank{r}.pt")
+        failed, skipped = result["failed"], result["skipped"]
+        assert failed["raised"] == "UnseededDraws", r
+        for name, value in failed["params"].items():
+            assert torch.equal(value, skipped["params"][name]), (r, name)

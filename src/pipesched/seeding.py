@@ -291,7 +291,7 @@ class StageSeeding:
                 with _seeded(context):
                     yield
                 self._learn(context, training)
-            elif backward and self.permanent:  # no rerun wanted (a mesh cannot): no tripwire
+            elif backward and self.permanent:  # seeded throughout, for good: no tripwire
                 yield
             else:
                 before = self._states()

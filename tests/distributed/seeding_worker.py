@@ -7,6 +7,10 @@ Scenarios (argv[1]):
   step a window of its own (gradients summed during the step): every replica
   must rerun with it. Each rank runs the steps twice, learning (tripwires) and
   seeded throughout, and saves both.
+- "failed-rerun" (pp=2, dp=2, windows of 2 steps): at a window's last step
+  ``LateNoise`` draws in forward and in backward, so the rerun trips again and
+  the step fails (UnseededDraws) on every rank; ``flush()`` then ends the
+  window as if that step never ran. Saved: that run and one that skips the step.
 """
 
 from __future__ import annotations
@@ -22,20 +26,34 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 from pipesched import GradientAccumulator, Pipeline
 from pipesched.distributed import init_mesh
+from pipesched.seeding import UnseededDraws
 
 ROWS, CHUNKS, BALANCE, STEPS = 8, 4, [3, 3], 5
 NOISE_FROM, LOSS_NOISE_FROM = 2, 3
 
 
+class BackwardNoise(torch.autograd.Function):
+    """The identity, whose backward draws."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
+        return g * (1 + 0.1 * torch.rand(()))
+
+
 class LateNoise(nn.Module):
-    """Draws only once switched on: a place the first steps never saw drawing."""
+    """Draws only once switched on (``back``: in backward too): a place never seen drawing."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.on = False
+        self.on = self.back = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + 0.1 * torch.randn_like(x) if self.on else x
+        x = x + 0.1 * torch.randn_like(x) if self.on else x
+        return BackwardNoise.apply(x) if self.back else x
 
 
 class NoisyLoss:
@@ -87,12 +105,40 @@ def seeded_throughout(pipe: Pipeline) -> Pipeline:
     return pipe
 
 
+def failed_rerun(mesh: object, fail: bool) -> dict[str, object]:
+    """Steps 0-2, then (``fail``) a window's last step that fails twice, then flush()."""
+    net = model()
+    pipe = Pipeline(net, CHUNKS, balance=BALANCE, mesh=mesh, schedule="1f1b")
+    acc = GradientAccumulator(
+        pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), accumulation_steps=2
+    )
+    torch.manual_seed(1)
+    for step in range(3):
+        acc.step(*data(step, pipe.mesh.dp_rank), loss_fn=F.mse_loss)
+    raised = None
+    if fail:
+        net[4].on = net[4].back = True
+        try:
+            acc.step(*data(3, pipe.mesh.dp_rank), loss_fn=F.mse_loss)
+        except UnseededDraws as error:
+            raised = type(error).__name__
+        net[4].on = net[4].back = False
+    acc.flush()
+    params = {n: p.detach().clone() for n, p in pipe.named_parameters() if p.device.type != "meta"}
+    return {"raised": raised, "params": params}
+
+
 def main() -> None:
     scenario, out = sys.argv[1], Path(sys.argv[2])
     torch.set_default_dtype(torch.float64)  # as the test's reference
-    dp = 2 if scenario == "late-dp" else 1
+    dp = 1 if scenario == "late" else 2
     mesh = init_mesh(pp=2, dp=dp, timeout=30)
     rank = torch.distributed.get_rank()
+    if scenario == "failed-rerun":
+        results = {"failed": failed_rerun(mesh, True), "skipped": failed_rerun(mesh, False)}
+        torch.save(results, out / f"rank{rank}.pt")
+        torch.distributed.destroy_process_group()
+        return
     results = {}
     for kind in ("learning", "throughout"):
         net = model()

@@ -34,7 +34,7 @@ from pipesched.distributed.mesh import MeshInfo, wait_kept
 from pipesched.distributed.placement import keep_own_stages
 from pipesched.errors import ConfigError, RemoteError
 from pipesched.runtime.agreement import StepShape, agreed_seed, mismatch
-from pipesched.runtime.failures import Failure, FailureChannel
+from pipesched.runtime.failures import Failure, FailureChannel, is_timeout
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import Link
@@ -193,9 +193,21 @@ class DistributedRuntime:
 
         self._collective(reduce, "waiting for the other ranks to finish the step")
         if replicas and self.info.dp_size > 1:
-            wait_kept(
-                dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.info.dp_group, async_op=True)
-            )
+            start = time.monotonic()
+            try:
+                wait_kept(
+                    dist.all_reduce(
+                        t, op=dist.ReduceOp.MAX, group=self.info.dp_group, async_op=True
+                    )
+                )
+            except Exception as error:  # another replica's pipeline failed or died
+                raise RemoteError(
+                    "pipesched: another replica did not finish the step (its pipeline failed, "
+                    f"died or hung; its ranks' errors say which): {error}",
+                    kind="timeout"
+                    if is_timeout(error, time.monotonic() - start, self.info.timeout)
+                    else "died",
+                ) from error
         return bool(t.item())
 
     def _exchange(self, shape: StepShape) -> list[StepShape]:

@@ -20,6 +20,7 @@ order, as torch.distributed requires.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Iterable
 from typing import Any, Protocol
 
@@ -51,7 +52,8 @@ class Sync(Protocol):
     def window_ends(self, ending: bool = True) -> None:
         """The next step is the window's last: reductions may start as its stages finish.
 
-        ``window_ends(False)`` takes it back (the step failed before running).
+        ``window_ends(False)`` takes it back (the step failed and was put
+        back): reductions it started are dropped.
         """
 
     def stage_done(self, stage: int) -> None:
@@ -136,6 +138,7 @@ class GradientSync:
         self._stage_buckets, self._rest = _stage_buckets(self.parameters, used, tied)
         self._armed = False
         self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
+        self._dropped: deque[Any] = deque(maxlen=64)  # freed by Python, not gloo's thread
         # One group per set of pp ranks sharing parameters, for each replica. Every rank
         # creates every group in the same order, as new_group requires; but only the ranks
         # of a pipeline know its tied sets, so they are gathered first.
@@ -184,6 +187,10 @@ class GradientSync:
 
     def window_ends(self, ending: bool = True) -> None:
         self._armed = ending and self.info.dp_size > 1
+        if not ending:  # the step failed and was put back: what it started to sum is not
+            # the window's. Kept, not waited for (a failed replica may never answer).
+            self._dropped.extend(work for _, _, work in self._in_flight)
+            self._in_flight = []
 
     @property
     def summing_in_step(self) -> bool:
