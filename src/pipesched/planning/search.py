@@ -35,11 +35,18 @@ import itertools
 import math
 from collections.abc import Sequence
 
-from pipesched.checkpoint import CHECKPOINT_MODES, checkpoint_stop
+from pipesched.checkpoint import CHECKPOINT_MODES
 from pipesched.errors import ConfigError, PartitionError, PipeschedError
 from pipesched.partition.balance import min_max_counts, search_schedule
 from pipesched.partition.cuts import prefix_sums
 from pipesched.planning.candidate import Candidate, LayerCost, Planning
+from pipesched.planning.stage_table import (
+    MIXED_STAGES,
+    Modes,
+    StageTable,
+    modes_to_compare,
+    undominated,
+)
 from pipesched.schedule import (
     BACKWARD,
     FORWARD,
@@ -56,75 +63,9 @@ from pipesched.schedule.prediction import StepModel, predict
 
 __all__ = ["MARGIN", "MIXED_STAGES", "peak_bytes", "plan_layers"]
 
-Modes = str | tuple[str, ...]
-"""One checkpoint mode for every stage, or one per stage."""
-
-MIXED_STAGES = 4
-"""Mixes of modes per stage are searched for schedules of at most this many stages (2^n - 2)."""
-
 MARGIN = 0.01
 """A synthesized schedule is picked only when predicted this much faster than every built-in
 that fits: a built-in's order is known (drawn in the docs) and its memory closed-form."""
-
-
-class _Table:
-    """Prefix sums of the layers' costs, and what a stage of layers ``[i, j)`` costs."""
-
-    def __init__(self, layers: Sequence[LayerCost], checkpoint: Modes, chunks: int) -> None:
-        self.forward = prefix_sums(x.forward for x in layers)
-        self.backward = prefix_sums(x.backward for x in layers)
-        self.split = (  # B and W run apart, as measured, else the whole backward in halves
-            prefix_sums(
-                x.backward / 2 if x.backward_input is None else x.backward_input for x in layers
-            ),
-            prefix_sums(
-                x.backward / 2 if x.backward_weight is None else x.backward_weight for x in layers
-            ),
-        )
-        self.activation = prefix_sums(x.activation_bytes for x in layers)
-        self.params = prefix_sums(x.param_bytes for x in layers)
-        self.input = [x.input_bytes for x in layers]
-        self.mode = checkpoint
-        self.chunks = chunks
-        self._stops = (
-            checkpoint_stop(checkpoint, chunks)
-            if isinstance(checkpoint, str)
-            else tuple(checkpoint_stop(m, chunks) for m in checkpoint)
-        )
-
-    def stop(self, k: int) -> int:
-        """How many leading micro-batches stage ``k`` checkpoints."""
-        return self._stops if isinstance(self._stops, int) else self._stops[k]
-
-    def stops(self, num_stages: int) -> tuple[int, ...]:
-        return tuple(self.stop(k) for k in range(num_stages))
-
-    def times(self, i: int, j: int) -> tuple[float, float]:
-        return self.forward[j] - self.forward[i], self.backward[j] - self.backward[i]
-
-    def split_times(self, i: int, j: int) -> tuple[float, float]:
-        """(B, W) of layers ``[i, j)`` when a schedule runs them apart."""
-        (b, w) = self.split
-        return b[j] - b[i], w[j] - w[i]
-
-    def held(self, i: int, j: int) -> tuple[float, float]:
-        """(bytes of a checkpointed micro-batch before its backward, of a kept one)."""
-        return self.input[i], self.input[i] + self.activation[j] - self.activation[i]
-
-    def search_passes(self, k: int, i: int, j: int) -> tuple[float, float, float]:
-        """For the cut search: (F, B with recomputation, bytes per held micro-batch)."""
-        forward, backward = self.times(i, j)
-        checkpointed, kept = self.held(i, j)
-        if self.stop(k) == 0:
-            return forward, backward, kept
-        return forward, backward + forward, checkpointed
-
-    def fixed(self, k: int, i: int, j: int) -> float:
-        """Parameters and gradients, and the kept micro-batch where others are checkpointed."""
-        extra = 0.0
-        if 0 < self.stop(k) < self.chunks:
-            extra = self.activation[j] - self.activation[i]
-        return float(2.0 * (self.params[j] - self.params[i]) + extra)
 
 
 def plan_layers(
@@ -182,10 +123,10 @@ def plan_layers(
         if why is not None:
             skipped.append((name, why))
             continue
-        for modes in _modes(checkpoints, stages, mixed and memory_budget is not None):
+        for modes in modes_to_compare(checkpoints, stages, mixed and memory_budget is not None):
             plan = get_schedule(name, stages, chunks)
             found.append(_best_cut(plan, layers, modes, memory_budget, counts, overhead))
-    found = _undominated(found)
+    found = undominated(found)
     if synthesized:
         found += _synthesized(found, layers, num_workers, chunks, memory_budget, overhead)
     fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step, c.peak_bytes))
@@ -274,7 +215,7 @@ def _best_cut(
     overhead: float,
 ) -> Candidate:
     """The schedule with the cut that simulates fastest within the budget (or the least memory)."""
-    table = _Table(layers, mode, schedule.num_microbatches)
+    table = StageTable(layers, mode, schedule.num_microbatches)
     chosen = list(counts) if counts is not None else None
     if chosen is None:
         start = min_max_counts(
@@ -304,7 +245,7 @@ def _score(
     schedule: Schedule,
     name: str,
     counts: Sequence[int],
-    table: _Table,
+    table: StageTable,
     budget: float | None,
     overhead: float,
     note: str = "",
@@ -343,34 +284,6 @@ def _score(
     )
 
 
-def _undominated(found: list[Candidate]) -> list[Candidate]:
-    """``found`` without the modes per stage that another mode of their schedule beats on both
-    step and memory (a mix is only worth showing where it trades one for the other)."""
-    return [
-        c
-        for c in found
-        if isinstance(c.checkpoint, str)
-        or not any(
-            o is not c
-            and o.schedule == c.schedule
-            and o.step <= c.step
-            and o.peak_bytes <= c.peak_bytes
-            and (isinstance(o.checkpoint, str) or (o.step, o.peak_bytes) != (c.step, c.peak_bytes))
-            for o in found
-        )
-    ]
-
-
-def _modes(checkpoints: Sequence[str], stages: int, mixed: bool) -> list[Modes]:
-    """The checkpoint modes to compare for a schedule of ``stages`` stages."""
-    found: list[Modes] = list(checkpoints)
-    if mixed and "never" in checkpoints and "always" in checkpoints and stages <= MIXED_STAGES:
-        for modes in itertools.product(("never", "always"), repeat=stages):
-            if len(set(modes)) > 1:
-                found.append(modes)
-    return found
-
-
 def _synthesized(
     found: Sequence[Candidate],
     layers: Sequence[LayerCost],
@@ -401,7 +314,7 @@ def _synthesized(
             if not same:
                 continue
             base = min(same, key=lambda c: (not c.fits, c.step))
-            table = _Table(layers, mode, chunks)
+            table = StageTable(layers, mode, chunks)
             bounds = prefix_sums(base.counts)
             spans = list(itertools.pairwise(bounds))
             costs = []
@@ -434,7 +347,7 @@ def _synthesized(
 
 
 def _held_limit(
-    table: _Table, spans: Sequence[tuple[int, int]], workers: int, v: int, budget: float | None
+    table: StageTable, spans: Sequence[tuple[int, int]], workers: int, v: int, budget: float | None
 ) -> float | None:
     """Micro-batches of its whole share each worker can hold within the budget (the least)."""
     if budget is None:
@@ -465,7 +378,7 @@ def _baseline(
     if num_workers > len(layers) or (counts is not None and len(counts) != num_workers):
         return None
     mode = "never" if "never" in checkpoints else checkpoints[0]
-    table = _Table(layers, mode, chunks)
+    table = StageTable(layers, mode, chunks)
     chosen = counts or min_max_counts(
         len(layers), num_workers, lambda k, i, j: sum(table.times(i, j))
     )
