@@ -29,7 +29,7 @@ from pipesched.partition import Partition, Plan, TracedStage, check_balance, pla
 from pipesched.partition.sequential import sequential_layers
 from pipesched.runtime.distributed import DistributedRuntime
 from pipesched.runtime.fused_linear import unshared_parameters
-from pipesched.runtime.gradsync import GradientSync
+from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
 from pipesched.runtime.interpreter import Runtime
 from pipesched.runtime.local import LocalRuntime
 from pipesched.stepper import Stepper
@@ -126,7 +126,7 @@ def assemble(
     register: Callable[[Sequence[nn.Module], list[int]], None],
     on_stage_done: Callable[[int], None],
     finish: Callable[[], None],
-    summing: Callable[[], bool] = lambda: False,
+    sync: Callable[[], Sync] = LocalSync,
 ) -> Assembly:
     """Cuts ``module`` into stages and builds what runs them.
 
@@ -140,8 +140,8 @@ def assemble(
             the stepper names the places of random draws by the pipeline's modules.
         on_stage_done: on a mesh, called with a stage once its gradients are final.
         finish: called at the end of each successful step (committing BatchNorm).
-        summing: on a mesh, whether the running step sums gradients over
-            replicas (a rerun then involves every replica).
+        sync: the pipeline's reductions over replicas now (a step put back
+            drops what it started; a rerun involves every replica it summed over).
     """
     sequential = isinstance(module, nn.Sequential)
     balance = cut.balance
@@ -207,15 +207,16 @@ def assemble(
         stage_devices,
         [r for r in random_ops if r is not None],
         finish=finish,
-        agree=_agreement(runtime, summing) if isinstance(runtime, DistributedRuntime) else None,
+        put_back=lambda: sync().drop_started(),
+        agree=_agreement(runtime, sync) if isinstance(runtime, DistributedRuntime) else None,
     )
     modes = () if sequential else _modes(module)
     return Assembly(key, modes, plan, stages, own, runtime, tied, stepper)
 
 
-def _agreement(runtime: DistributedRuntime, summing: Callable[[], bool]) -> Callable[[bool], bool]:
+def _agreement(runtime: DistributedRuntime, sync: Callable[[], Sync]) -> Callable[[bool], bool]:
     """Whether any rank saw an unseeded draw (every replica's where the step summed gradients)."""
-    return lambda spoiled: runtime.any_rank(spoiled, replicas=summing())
+    return lambda spoiled: runtime.any_rank(spoiled, replicas=sync().summing_in_step)
 
 
 def _example_rank(x: Any) -> tuple[int, int]:
@@ -274,7 +275,7 @@ class Assemblies:
             register=self._register_layers,
             on_stage_done=self._stage_done,
             finish=self._commit_batch_norm,
-            summing=lambda: pipe.sync.summing_in_step,
+            sync=lambda: pipe.sync,
         )
         if layout.mesh is not None:
             own = {s: assembly.stages[s] for s in assembly.own}

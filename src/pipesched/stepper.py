@@ -41,6 +41,8 @@ class Stepper:
             model's random operations).
         finish: called at the end of a successful run, inside the transaction
             (committing deferred BatchNorm statistics).
+        put_back: called when a run is put back (dropping the gradient sums
+            over replicas it started).
         agree: on a mesh, a collective: whether any rank (given whether this
             one did) saw an unseeded draw in the step just run. Tripwires then
             only mark the step spoiled, every rank finishes it, and all put it
@@ -60,6 +62,7 @@ class Stepper:
         extra_names: Sequence[nn.Module],
         *,
         finish: Callable[[], None],
+        put_back: Callable[[], None] = lambda: None,
         agree: Callable[[bool], bool] | None = None,
     ) -> None:
         names = module_names(model, stages, extra_names)
@@ -75,6 +78,7 @@ class Stepper:
         self.seedings = [*passes.seeding, passes.loss_seeding]
         self.model = model
         self.finish = finish
+        self.put_back = put_back
         self.agree = agree
         self.reruns = 0
         self._snapshot: Snapshot | None = None
@@ -154,6 +158,7 @@ class Stepper:
         except BaseException:
             with deferred_interrupts():
                 snapshot.restore()
+                self.put_back()
             raise
         finally:
             self._snapshot = None

@@ -52,9 +52,11 @@ class Sync(Protocol):
     def window_ends(self, ending: bool = True) -> None:
         """The next step is the window's last: reductions may start as its stages finish.
 
-        ``window_ends(False)`` takes it back (the step failed and was put
-        back): reductions it started are dropped.
+        ``window_ends(False)`` takes it back (the step failed before running).
         """
+
+    def drop_started(self) -> None:
+        """The running step was put back: the reductions it started are not the window's."""
 
     def stage_done(self, stage: int) -> None:
         """Called when ``stage`` has run its last backward action of a step."""
@@ -91,6 +93,9 @@ class LocalSync:
         return None
 
     def stage_done(self, stage: int) -> None:
+        return None
+
+    def drop_started(self) -> None:
         return None
 
     @property
@@ -187,10 +192,12 @@ class GradientSync:
 
     def window_ends(self, ending: bool = True) -> None:
         self._armed = ending and self.info.dp_size > 1
-        if not ending:  # the step failed and was put back: what it started to sum is not
-            # the window's. Kept, not waited for (a failed replica may never answer).
-            self._dropped.extend(work for _, _, work in self._in_flight)
-            self._in_flight = []
+
+    def drop_started(self) -> None:
+        # Kept, not waited for: a failed replica may never answer (a rerun's own
+        # reductions follow these on the same groups, in the same order on every replica).
+        self._dropped.extend(work for _, _, work in self._in_flight)
+        self._in_flight = []
 
     @property
     def summing_in_step(self) -> bool:
@@ -230,11 +237,6 @@ class GradientSync:
             [p.grad is not None for p in params], dtype=params[0].dtype, device=device
         )
         buffer = torch.cat([*flat, present])
-        for k, (earlier, _, pending) in enumerate(self._in_flight):
-            if earlier is params:  # started by a step put back and rerun: superseded
-                pending.wait()
-                del self._in_flight[k]
-                break
         work = dist.all_reduce(buffer, group=group, async_op=True)
         self.all_reduces += 1
         self._in_flight.append((params, buffer, work))
