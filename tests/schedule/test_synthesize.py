@@ -68,11 +68,65 @@ def test_synthesized_schedule_is_complete_valid_and_within_the_memory_limit(case
 def test_lower_bound_is_below_every_built_in_and_the_synthesized(case):
     p, m, v, costs, limit = case
     bound = lower_bound(p, m, costs, stages_per_worker=v)
+    within = lower_bound(p, m, costs, stages_per_worker=v, memory_limit=limit)
+    assert bound <= within
     resolved = stage_costs(costs, p * v).as_costs()
     for name, schedule in built_ins(p, m, v):
-        assert bound <= schedule.simulate(resolved).makespan, name
+        makespan = schedule.simulate(resolved).makespan
+        assert bound <= makespan, name
+        if limit is None or max(peak_memory(schedule, resolved)) <= limit:
+            assert within <= makespan, name
     schedule = synthesize(p, m, costs, stages_per_worker=v, memory_limit=limit, effort=EFFORT)
-    assert bound <= schedule.simulate(resolved).makespan
+    assert within <= schedule.simulate(resolved).makespan
+
+
+def in_order_rows(problem, worker: int):
+    """Every order of a worker's actions that keeps each (stage, kind)'s micro-batches in order."""
+    m = problem.num_microbatches
+    classes = [(s, k) for s, w in enumerate(problem.placement) if w == worker for k in range(3)]
+
+    def extend(taken: tuple[int, ...]):
+        if sum(taken) == m * len(classes):
+            yield []
+            return
+        for c, (s, k) in enumerate(classes):
+            if taken[c] < m:
+                rest = extend((*taken[:c], taken[c] + 1, *taken[c + 1 :]))
+                yield from ([problem.number(s, k, taken[c]), *tail] for tail in rest)
+
+    return list(extend((0,) * len(classes)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(f=QUARTERS, b=QUARTERS, w=QUARTERS, slots=st.sampled_from((1, 2)))
+def test_the_memory_bound_is_below_every_order_that_fits_on_two_workers(f, b, w, slots):
+    # The independent reference: every pair of in-order worker orders (90 x 90) played.
+    from pipesched.schedule.heuristic import Player, Problem
+
+    costs = Costs(f, b, w)
+    problem = Problem(synth_placement(2, 1), 2, stage_costs(costs, 2), slots)
+    player = Player(problem)
+    rows = [in_order_rows(problem, worker) for worker in (0, 1)]
+    best = min(player.makespan([a, c]) for a in rows[0] for c in rows[1])
+    bound = lower_bound(2, 2, costs, memory_limit=slots)
+    assert bound <= best < float("inf")
+
+
+def test_the_memory_bound_proves_zb_v_optimal_where_the_plain_bound_cannot():
+    # B twice F: worker 3 holds stages 3 and 4, its first B can start at 7, and before
+    # that its 8 slots take 8 forwards of 0.5: 3 units idle, so 7 + 32 - 4 = 35.
+    costs = Costs(0.5, 1.0, 0.5)
+    zb_v = get_schedule("zb-v", 8, 8)
+    assert max(peak_memory(zb_v, costs)) == 4
+    assert zb_v.simulate(costs).makespan == 35.0
+    assert lower_bound(4, 8, costs, stages_per_worker=2, memory_limit=4) == 35.0
+    assert lower_bound(4, 8, costs, stages_per_worker=2) == 33.5
+    # One stage per worker, 1F1B's memory: worker 0 waits p F + (p-1) B = 10 for its
+    # first B with 4 forwards to run: 10 + 32 - 4 = 38, zb-h1's makespan.
+    heavy_b = Costs(1, 2, 1)
+    assert get_schedule("zb-h1", 4, 8).simulate(heavy_b).makespan == 38.0
+    assert lower_bound(4, 8, heavy_b, memory_limit=4) == 38.0
+    assert lower_bound(4, 8, heavy_b) == 35.0  # zb-h2's, with twice the memory
 
 
 @settings(max_examples=25, deadline=None)
@@ -113,6 +167,8 @@ def test_a_memory_limit_below_one_micro_batch_is_refused_naming_the_minimum():
         synthesize(2, 4, Costs(), memory_limit=0.5)
     with pytest.raises(ConfigTypeError, match="memory_limit must be a number"):
         synthesize(2, 4, Costs(), memory_limit=True)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"memory_limit=0 is below the minimum feasible"):
+        lower_bound(2, 4, Costs(), memory_limit=0)
 
 
 def test_the_least_memory_runs_one_micro_batch_at_a_time_per_worker():
@@ -153,7 +209,7 @@ def test_exact_solver_lies_between_the_bound_and_the_heuristic(p, m, f, b, w, li
     result = solve(problem, time_limit=10)
     assert result is not None
     exact = Player(problem).makespan(result.rows)
-    assert lower_bound(p, m, costs) <= exact
+    assert lower_bound(p, m, costs, memory_limit=limit) <= exact
     if result.optimal:
         assert exact <= heuristic.simulate(costs).makespan
     best = synthesize(p, m, costs, memory_limit=limit, effort=EFFORT, solver="exact")

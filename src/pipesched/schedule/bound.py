@@ -23,11 +23,18 @@ threshold. That covers the worker's total work (all its classes), the
 unavoidable ramp before a worker's first action and after its last F or B,
 and the critical path of one micro-batch (``r + duration + q`` of any
 action, a smaller right-hand side than its whole class). The bound ignores
-memory, so under a tight ``memory_limit`` the optimum may lie above it.
+memory.
+
+Given a ``memory_limit``, one more bound holds, and it is the one that binds
+under 1F1B's memory: no worker can release a slot before its first B can
+start (a slot is released by a W, which follows its B), so before that
+instant it runs only forwards, at most ``slots`` of them; whatever else it
+has to do runs after. See :func:`lower_bound`.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -35,7 +42,7 @@ from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.schedule.builders._args import check_count
 from pipesched.schedule.costs import Costs
 
-__all__ = ["StageCosts", "lower_bound", "stage_costs", "synth_placement"]
+__all__ = ["StageCosts", "lower_bound", "memory_slots", "stage_costs", "synth_placement"]
 
 
 @dataclass(frozen=True)
@@ -157,6 +164,7 @@ def lower_bound(
     costs: Costs | Sequence[Costs],
     *,
     stages_per_worker: int = 1,
+    memory_limit: float | None = None,
 ) -> float:
     """A proven lower bound on the makespan of any schedule on this placement.
 
@@ -182,30 +190,56 @@ def lower_bound(
     its Ws), the work before its last B's chain back to stage 0 (its F and
     B classes), and the critical path of one micro-batch.
 
+    With a ``memory_limit`` (``slots`` stage-micro-batches per worker, as
+    :func:`pipesched.schedule.synthesize` counts them), also for every
+    worker: let ``T`` be the smallest head of its Bs. No B of the worker
+    starts before ``T``, so no W ends before it and no slot is released;
+    every F started before ``T`` still holds its slot at ``T``, so at most
+    ``slots`` Fs start before ``T``, and the worker's work before ``T`` is
+    at most ``min(T - its first head, the slots longest of its Fs)``. The
+    rest of its work runs after ``T``, one action at a time::
+
+        makespan >= T + total work - that most work before T.
+
+    Under 1F1B's memory and ``B`` above ``F`` this is the larger bound:
+    the last worker of a V waits out its first micro-batch's round trip
+    with only ``slots`` forwards to run.
+
     Args:
         num_workers: workers (devices).
         num_microbatches: micro-batches per step.
         costs: per-stage durations: one :class:`Costs` or one per stage
             (``num_workers x stages_per_worker`` stages).
         stages_per_worker: 1 (stage ``s`` on worker ``s``) or 2 (a V).
+        memory_limit: most activations a worker may hold at once, in
+            micro-batches of its whole share, as for
+            :func:`pipesched.schedule.synthesize`; None: no limit (the
+            bound holds for every schedule).
 
     Returns:
         The bound, in the units of ``costs``.
 
     Raises:
-        ConfigError: a count or the costs do not fit.
+        ConfigError: a count or the costs do not fit, or ``memory_limit``
+            is below 1.
 
     Example:
         >>> lower_bound(4, 8, Costs())  # 3m of work after a ramp of p - 1 forwards
         27.0
         >>> lower_bound(4, 8, Costs(0.5, 0.5, 0.5), stages_per_worker=2)  # zb-v's 25.5
         25.5
+        >>> costs = Costs(0.5, 1.0, 0.5)  # B twice F: the first round trip is long
+        >>> lower_bound(4, 8, costs, stages_per_worker=2)  # forwards could fill the wait...
+        33.5
+        >>> lower_bound(4, 8, costs, stages_per_worker=2, memory_limit=4)  # ...memory allowing
+        35.0
     """
     m = check_count("num_microbatches", num_microbatches)
     placement = synth_placement(num_workers, stages_per_worker)
     resolved = stage_costs(costs, len(placement))
+    slots = memory_slots(memory_limit, stages_per_worker, m)
     r, q = heads_and_tails(resolved, placement)
-    best = 0.0
+    best = _memory_bound(resolved, placement, m, slots, r) if memory_limit is not None else 0.0
     for worker in range(num_workers):
         classes = [
             (r[s][k], q[s][k], m * resolved.duration(s, k))
@@ -221,3 +255,44 @@ def lower_bound(
                     value = min(c[0] for c in chosen) + total + min(c[1] for c in chosen)
                     best = max(best, value)
     return best
+
+
+def _memory_bound(
+    costs: StageCosts, placement: tuple[int, ...], m: int, slots: int, r: list[list[float]]
+) -> float:
+    """The bound from a worker running only ``slots`` forwards before its first B can start."""
+    best = 0.0
+    for worker in range(max(placement) + 1):
+        stages = [s for s, w in enumerate(placement) if w == worker]
+        total = m * sum(costs.duration(s, k) for s in stages for k in range(3))
+        first_b = min(r[s][1] for s in stages)
+        forwards = sorted((costs.forward[s] for s in stages for _ in range(m)), reverse=True)
+        before = min(first_b - min(r[s][0] for s in stages), sum(forwards[:slots]))
+        best = max(best, first_b + total - before)
+    return best
+
+
+def memory_slots(memory_limit: object, stages_per_worker: int, m: int) -> int:
+    """The memory limit in stage-micro-batch slots per worker; a ConfigError below 1 share.
+
+    Example:
+        >>> memory_slots(4, 2, 8), memory_slots(None, 1, 8), memory_slots(1.5, 2, 8)
+        (8, 8, 3)
+    """
+    if memory_limit is None:
+        return stages_per_worker * m
+    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float):
+        raise ConfigTypeError(
+            f"memory_limit must be a number of micro-batches or None, got {memory_limit!r}"
+        )
+    if math.isnan(memory_limit):
+        raise ConfigError("memory_limit is NaN; give a number of micro-batches >= 1, or None")
+    if math.isinf(memory_limit):
+        return stages_per_worker * m
+    if memory_limit < 1:
+        raise ConfigError(
+            f"memory_limit={memory_limit!r} is below the minimum feasible, 1 micro-batch per "
+            "worker: each stage holds a micro-batch from its F to its W, and on a V the "
+            "turn holds both of a worker's stages; use memory_limit >= 1 or None"
+        )
+    return min(stages_per_worker * m, int(memory_limit * stages_per_worker + 1e-9))

@@ -18,9 +18,9 @@ import math
 from collections.abc import Sequence
 from typing import Literal
 
-from pipesched.errors import ConfigError, ConfigTypeError, PipeschedError, ScheduleError
+from pipesched.errors import ConfigError, PipeschedError, ScheduleError
 from pipesched.schedule.action import Action
-from pipesched.schedule.bound import stage_costs, synth_placement
+from pipesched.schedule.bound import memory_slots, stage_costs, synth_placement
 from pipesched.schedule.builders import SCHEDULES
 from pipesched.schedule.builders._args import check_count
 from pipesched.schedule.costs import Costs
@@ -89,7 +89,7 @@ def synthesize(
     n = len(placement)
     check_size(n, m, 3, error=ConfigError, prefix="synthesize: ")
     resolved = stage_costs(costs, n)
-    slots = _slots(memory_limit, stages_per_worker, m)
+    slots = memory_slots(memory_limit, stages_per_worker, m)
     if solver not in ("auto", "heuristic", "exact"):
         raise ConfigError(f"solver must be 'auto', 'heuristic' or 'exact', got {solver!r}")
     if isinstance(effort, bool) or not isinstance(effort, int) or effort < 0:
@@ -148,27 +148,6 @@ def peak_memory(schedule: Schedule, costs: Costs | None = None) -> tuple[float, 
     from pipesched.schedule.compare import Comparison
 
     return Comparison(schedule.name, schedule, schedule.simulate(costs)).peak_memory
-
-
-def _slots(memory_limit: object, stages_per_worker: int, m: int) -> int:
-    """The memory limit in stage-micro-batch slots per worker; a ConfigError below 1 share."""
-    if memory_limit is None:
-        return stages_per_worker * m
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float):
-        raise ConfigTypeError(
-            f"memory_limit must be a number of micro-batches or None, got {memory_limit!r}"
-        )
-    if math.isnan(memory_limit):
-        raise ConfigError("memory_limit is NaN; give a number of micro-batches >= 1, or None")
-    if math.isinf(memory_limit):
-        return stages_per_worker * m
-    if memory_limit < 1:
-        raise ConfigError(
-            f"memory_limit={memory_limit!r} is below the minimum feasible, 1 micro-batch per "
-            "worker: each stage holds a micro-batch from its F to its W, and on a V the "
-            "turn holds both of a worker's stages; use memory_limit >= 1 or None"
-        )
-    return min(stages_per_worker * m, int(memory_limit * stages_per_worker + 1e-9))
 
 
 def _candidates(problem: Problem) -> list[Rows]:
