@@ -165,3 +165,16 @@ def test_a_budget_that_is_not_positive_is_refused_before_anything_runs() -> None
                 example_inputs=(x,),
                 memory_budget=budget,
             )
+
+
+def test_the_profile_names_a_tied_parameter_on_every_layer_that_uses_it() -> None:
+    from pipesched.planning.measure import layer_costs
+
+    torch.manual_seed(0)
+    embed, head = nn.Embedding(64, 8), nn.Linear(8, 64, bias=False)
+    head.weight = embed.weight  # tied, as GPT-2's
+    model = nn.Sequential(embed, nn.Linear(8, 8), nn.Tanh(), head).double()
+    costs, _ = layer_costs(model, (torch.randint(0, 64, (4, 3)),))
+    tied = (("0.weight", 64 * 8 * 8.0),)
+    assert costs[0].shared == tied and costs[-1].shared == tied
+    assert all(c.shared == () for c in costs[1:-1])

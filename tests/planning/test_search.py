@@ -157,3 +157,26 @@ def test_the_pick_fits_and_no_fitting_candidate_is_faster_than_the_margin(
     assert planning.pick.fits and planning.pick.peak_bytes <= (budget or math.inf)
     assert all(c.step >= planning.pick.step for c in planning.candidates if c.fits)
     assert all(sum(c.counts) == len(layers) and min(c.counts) >= 1 for c in planning.candidates)
+
+
+def test_a_parameter_shared_by_layers_on_one_worker_is_held_once() -> None:
+    # A tied embedding and head (1000 bytes each as counted per layer): on a V both sit on
+    # worker 0, which holds the parameter and its gradient once; 1F1B puts them apart.
+    def layers(shared: bool) -> list[LayerCost]:
+        tied = (("wte", 1000.0),) if shared else ()
+        embed = LayerCost("embed", 0.1, 0.5, 10.0, 1000.0, 1.0, shared=tied)
+        body = [LayerCost(f"h.{k}", 1.0, 2.0, 10.0, 100.0, 1.0) for k in range(8)]
+        return [embed, *body, LayerCost("head", 2.0, 4.0, 10.0, 1000.0, 1.0, shared=tied)]
+
+    def peak(shared: bool, schedule: str, counts: list[int]) -> float:
+        planning = plan_layers(
+            layers(shared), 2, 4, schedules=[schedule], checkpoints=["never"], counts=counts
+        )
+        return next(c.peak_bytes for c in planning.candidates if c.schedule == schedule)
+
+    assert peak(False, "zb-v", [1, 4, 4, 1]) - peak(True, "zb-v", [1, 4, 4, 1]) == 2000.0
+    assert peak(False, "1f1b", [5, 5]) == peak(True, "1f1b", [5, 5])
+    # Within one stage too: one worker runs every layer.
+    whole = plan_layers(layers(True), 1, 4, schedules=["1f1b"], checkpoints=["never"])
+    apart = plan_layers(layers(False), 1, 4, schedules=["1f1b"], checkpoints=["never"])
+    assert apart.pick.peak_bytes - whole.pick.peak_bytes == 2000.0

@@ -44,6 +44,8 @@ StageCost = Callable[[int, int, int], float]
 """``cost(k, i, j)``: the cost of stage ``k`` holding layers ``i`` to ``j - 1``."""
 
 PassCosts = Callable[[int, int, int], tuple[float, float, float]]
+Overlap = Callable[[Sequence[tuple[int, int]]], float]
+"""Bytes a worker's summed stage memory counts twice, from its stages' ``[i, j)`` layer ranges."""
 """``costs(k, i, j)``: (forward seconds, backward seconds, memory bytes per held
 micro-batch) of stage ``k`` holding layers ``i`` to ``j - 1``."""
 
@@ -127,13 +129,18 @@ def min_max_counts(num_layers: int, num_stages: int, cost: StageCost) -> list[in
 
 
 def simulate_counts(
-    schedule: Schedule, counts: Sequence[int], costs: PassCosts, fixed_memory: StageCost
+    schedule: Schedule,
+    counts: Sequence[int],
+    costs: PassCosts,
+    fixed_memory: StageCost,
+    overlap: Overlap | None = None,
 ) -> Scored:
     """Simulates ``schedule`` with the stages ``counts`` cut out.
 
     Backward is split evenly into B and W for schedules that split it. Memory
     per worker: the sum over its stages of ``fixed_memory(k, i, j)`` plus the
-    bytes per micro-batch times the micro-batches the stage holds at its peak.
+    bytes per micro-batch times the micro-batches the stage holds at its peak,
+    less ``overlap`` of its stages' layer ranges (what the sum counts twice).
     """
     bounds = bounds_of(counts)
     passes = [costs(k, bounds[k], bounds[k + 1]) for k in range(len(counts))]
@@ -148,6 +155,10 @@ def simulate_counts(
     for k, (_, _, per_microbatch) in enumerate(passes):
         held = timeline.peak_activations[k] * per_microbatch
         memory[schedule.placement[k]] += fixed_memory(k, bounds[k], bounds[k + 1]) + held
+    if overlap is not None:
+        for w in range(schedule.num_workers):
+            spans = [(bounds[k], bounds[k + 1]) for k in schedule.stages_of(w)]
+            memory[w] -= overlap(spans)
     return Scored(tuple(counts), timeline, tuple(memory))
 
 
@@ -159,6 +170,7 @@ def search_schedule(
     *,
     start: Sequence[int],
     memory_budget: float | None = None,
+    overlap: Overlap | None = None,
 ) -> Scored:
     """The cut points with the smallest simulated makespan within the memory budget.
 
@@ -170,6 +182,8 @@ def search_schedule(
             (parameters and gradients).
         start: cut points to climb from when there are too many to try all.
         memory_budget: bytes per worker; None: no limit.
+        overlap: bytes a worker's summed ``fixed_memory`` counts twice, from
+            its stages' layer ranges (a parameter its layers share).
 
     Raises:
         PartitionError: no cut points fit the budget; the message gives the
@@ -194,15 +208,15 @@ def search_schedule(
     if math.comb(num_layers - 1, p - 1) <= EXHAUSTIVE_LIMIT:
         for cuts in itertools.combinations(range(1, num_layers), p - 1):
             counts = [b - a for a, b in itertools.pairwise([0, *cuts, num_layers])]
-            better(simulate_counts(schedule, counts, costs, fixed_memory))
+            better(simulate_counts(schedule, counts, costs, fixed_memory, overlap))
     else:
         current = list(start)
-        better(simulate_counts(schedule, current, costs, fixed_memory))
+        better(simulate_counts(schedule, current, costs, fixed_memory, overlap))
         improved = True
         while improved:
             improved = False
             for neighbour in _neighbours(current):
-                if better(simulate_counts(schedule, neighbour, costs, fixed_memory)):
+                if better(simulate_counts(schedule, neighbour, costs, fixed_memory, overlap)):
                     current, improved = neighbour, True
                     break
     if best is None:

@@ -26,6 +26,10 @@ class LayerCost:
         backward_input, backward_weight: seconds of its backward's B (input
             gradient) and W (weight gradient) run apart, as zero-bubble
             schedules run them; None: ``backward`` split evenly.
+        shared: ``(name, bytes)`` of each of its parameters that other
+            layers use too (a tied embedding and LM head): a worker running
+            several of those layers holds the parameter, and its gradient,
+            once, where ``param_bytes`` counts it in each.
     """
 
     name: str
@@ -36,6 +40,7 @@ class LayerCost:
     input_bytes: float
     backward_input: float | None = None
     backward_weight: float | None = None
+    shared: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -103,9 +104,12 @@ def layer_costs(
                 "plans with the per-operation profile, which can miss per-layer costs",
                 PipeschedWarning,
             )
+    users = Counter(p for u in units for p in u.params)
+    sizes = graph.graph["param_bytes"]
     result, running = [], 0.0
     for k, u in enumerate(units):
         running += crossing[k]
+        shared = tuple((p, float(sizes.get(p, 0))) for p in sorted(u.params) if users[p] > 1)
         result.append(
             LayerCost(
                 u.name,
@@ -116,6 +120,7 @@ def layer_costs(
                 running,
                 backward_input[k],
                 backward_weight[k],
+                shared,
             )
         )
     return result, source

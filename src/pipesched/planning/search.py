@@ -32,7 +32,6 @@ taken to be as fast as that one.
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Sequence
 
 from pipesched.checkpoint import CHECKPOINT_MODES
@@ -230,12 +229,18 @@ def _best_cut(
                     table.fixed,
                     start=start,
                     memory_budget=budget,
+                    overlap=table.counted_twice,
                 ).counts
             )
         except PartitionError:  # nothing fits: score the fastest cut anyway, shown over budget
             chosen = list(
                 search_schedule(
-                    schedule, len(layers), table.search_passes, table.fixed, start=start
+                    schedule,
+                    len(layers),
+                    table.search_passes,
+                    table.fixed,
+                    start=start,
+                    overlap=table.counted_twice,
                 ).counts
             )
     return _score(schedule, schedule.name, chosen, table, budget, overhead)
@@ -270,6 +275,8 @@ def _score(
     fixed = [0.0] * schedule.num_workers
     for k, (i, j) in enumerate(spans):
         fixed[schedule.placement[k]] += 2.0 * (table.params[j] - table.params[i])
+    for w in range(schedule.num_workers):
+        fixed[w] -= table.counted_twice([spans[k] for k in schedule.stages_of(w)])
     peak = peak_bytes(timeline, stops, [table.held(i, j) for i, j in spans], fixed)
     return Candidate(
         name,
@@ -324,13 +331,16 @@ def _synthesized(
                 again = forward if table.stop(k) else 0.0
                 costs.append(Costs(forward, b + again, w + (again if k else 0.0)))
             limit = _held_limit(table, spans, num_workers, v, budget)
-            if limit is not None and limit < 1:
-                continue
             try:
                 made = synthesize(
-                    num_workers, chunks, costs, stages_per_worker=v, memory_limit=limit
+                    num_workers,
+                    chunks,
+                    costs,
+                    stages_per_worker=v,
+                    memory_limit=limit,
+                    stage_memory=[table.held(i, j)[1] for i, j in spans],
                 )
-            except PipeschedError:
+            except PipeschedError:  # the budget is below one micro-batch of a worker's share
                 continue
             result.append(
                 _score(
@@ -348,21 +358,22 @@ def _synthesized(
 
 def _held_limit(
     table: StageTable, spans: Sequence[tuple[int, int]], workers: int, v: int, budget: float | None
-) -> float | None:
-    """Micro-batches of its whole share each worker can hold within the budget (the least)."""
+) -> list[float] | None:
+    """Per worker, the bytes of activations it may hold: the budget less its fixed bytes.
+
+    Each stage's micro-batch is counted whole from its F to its W (an order
+    may hold a recomputed one from B to W), as ``stage_memory``.
+    """
     if budget is None:
         return None
-    limit = math.inf
+    limits = []
     for w in range(workers):
         ks = [w] if v == 1 else [w, 2 * workers - 1 - w]
-        mine = [spans[k] for k in ks]
-        fixed = sum(table.fixed(k, *spans[k]) for k in ks)
-        # In whole micro-batches (an order may hold a recomputed one from B to W) of the
-        # worker's heaviest stage: the limit counts v stage-micro-batches per unit.
-        per = v * max(table.held(i, j)[1] for i, j in mine)
-        if per > 0:
-            limit = min(limit, (budget - fixed) / per)
-    return None if math.isinf(limit) else math.floor(limit * v) / v
+        fixed = sum(table.fixed(k, *spans[k]) for k in ks) - table.counted_twice(
+            [spans[k] for k in ks]
+        )
+        limits.append(budget - fixed)
+    return limits
 
 
 def _baseline(

@@ -38,6 +38,7 @@ class StageTable:
         )
         self.activation = prefix_sums(x.activation_bytes for x in layers)
         self.params = prefix_sums(x.param_bytes for x in layers)
+        self.shared = [x.shared for x in layers]
         self.input = [x.input_bytes for x in layers]
         self.mode = checkpoint
         self.chunks = chunks
@@ -73,6 +74,32 @@ class StageTable:
         if self.stop(k) == 0:
             return forward, backward, kept
         return forward, backward + forward, checkpointed
+
+    def counted_twice(self, spans: Sequence[tuple[int, int]]) -> float:
+        """Bytes that :meth:`fixed` of these layer ranges (one worker's) counts more than once.
+
+        A parameter several of the layers use (a tied embedding and head on
+        one worker) is one tensor with one gradient; each layer's
+        ``param_bytes`` counts it.
+
+        Example:
+            >>> from pipesched.planning.candidate import LayerCost
+            >>> tied = (("wte", 8.0),)
+            >>> embed = LayerCost("embed", 1, 1, 0, 8, 0, shared=tied)
+            >>> head = LayerCost("head", 1, 1, 0, 8, 0, shared=tied)
+            >>> table = StageTable([embed, LayerCost("block", 1, 1, 0, 2, 0), head], "never", 4)
+            >>> table.counted_twice([(0, 1), (2, 3)]), table.counted_twice([(0, 2)])
+            (16.0, 0.0)
+        """
+        seen: dict[str, float] = {}
+        extra = 0.0
+        for i, j in spans:
+            for layer in range(i, j):
+                for name, size in self.shared[layer]:
+                    if name in seen:
+                        extra += 2.0 * size  # the parameter and its gradient
+                    seen[name] = size
+        return extra
 
     def fixed(self, k: int, i: int, j: int) -> float:
         """Parameters and gradients, and the kept micro-batch where others are checkpointed."""

@@ -41,8 +41,9 @@ from dataclasses import dataclass
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.schedule.builders._args import check_count
 from pipesched.schedule.costs import Costs
+from pipesched.schedule.memory_cap import MemoryCap, memory_cap
 
-__all__ = ["StageCosts", "lower_bound", "memory_slots", "stage_costs", "synth_placement"]
+__all__ = ["StageCosts", "lower_bound", "stage_costs", "synth_placement"]
 
 
 @dataclass(frozen=True)
@@ -164,7 +165,8 @@ def lower_bound(
     costs: Costs | Sequence[Costs],
     *,
     stages_per_worker: int = 1,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+    stage_memory: Sequence[float] | None = None,
 ) -> float:
     """A proven lower bound on the makespan of any schedule on this placement.
 
@@ -190,14 +192,16 @@ def lower_bound(
     its Ws), the work before its last B's chain back to stage 0 (its F and
     B classes), and the critical path of one micro-batch.
 
-    With a ``memory_limit`` (``slots`` stage-micro-batches per worker, as
-    :func:`pipesched.schedule.synthesize` counts them), also for every
-    worker: let ``T`` be the smallest head of its Bs. No B of the worker
-    starts before ``T``, so no W ends before it and no slot is released;
-    every F started before ``T`` still holds its slot at ``T``, so at most
-    ``slots`` Fs start before ``T``, and the worker's work before ``T`` is
-    at most ``min(T - its first head, the slots longest of its Fs)``. The
-    rest of its work runs after ``T``, one action at a time::
+    With a ``memory_limit`` (as :func:`pipesched.schedule.synthesize`
+    counts it), also for every worker: let ``T`` be the smallest head of
+    its Bs. No B of the worker starts before ``T``, so no W ends before it
+    and nothing it holds is released; every F started before ``T`` still
+    holds its micro-batch at ``T``, so the Fs started before ``T`` fit in
+    its limit together, and the worker's work before ``T`` is at most
+    ``min(T - its first head, the most F time that fits in the limit)``
+    (the ``slots`` longest Fs; with ``stage_memory``, a fractional
+    knapsack of its stages' Fs, an upper bound on it). The rest of its
+    work runs after ``T``, one action at a time::
 
         makespan >= T + total work - that most work before T.
 
@@ -211,10 +215,13 @@ def lower_bound(
         costs: per-stage durations: one :class:`Costs` or one per stage
             (``num_workers x stages_per_worker`` stages).
         stages_per_worker: 1 (stage ``s`` on worker ``s``) or 2 (a V).
-        memory_limit: most activations a worker may hold at once, in
-            micro-batches of its whole share, as for
-            :func:`pipesched.schedule.synthesize`; None: no limit (the
-            bound holds for every schedule).
+        memory_limit: most activations a worker may hold at once, as for
+            :func:`pipesched.schedule.synthesize` (micro-batches of its
+            whole share, or the units of ``stage_memory``; one number, or
+            one per worker); None: no limit (the bound holds for every
+            schedule).
+        stage_memory: what one micro-batch holds on each stage, from its F
+            to its W, in the units of ``memory_limit``; None: equal stages.
 
     Returns:
         The bound, in the units of ``costs``.
@@ -237,9 +244,9 @@ def lower_bound(
     m = check_count("num_microbatches", num_microbatches)
     placement = synth_placement(num_workers, stages_per_worker)
     resolved = stage_costs(costs, len(placement))
-    slots = memory_slots(memory_limit, stages_per_worker, m)
+    cap = memory_cap(memory_limit, stage_memory, placement, m)
     r, q = heads_and_tails(resolved, placement)
-    best = _memory_bound(resolved, placement, m, slots, r) if memory_limit is not None else 0.0
+    best = 0.0 if cap is None else _memory_bound(resolved, placement, m, cap, r)
     for worker in range(num_workers):
         classes = [
             (r[s][k], q[s][k], m * resolved.duration(s, k))
@@ -258,41 +265,24 @@ def lower_bound(
 
 
 def _memory_bound(
-    costs: StageCosts, placement: tuple[int, ...], m: int, slots: int, r: list[list[float]]
+    costs: StageCosts, placement: tuple[int, ...], m: int, cap: MemoryCap, r: list[list[float]]
 ) -> float:
-    """The bound from a worker running only ``slots`` forwards before its first B can start."""
+    """The bound from a worker running only the forwards its cap holds before its first B."""
     best = 0.0
     for worker in range(max(placement) + 1):
         stages = [s for s, w in enumerate(placement) if w == worker]
         total = m * sum(costs.duration(s, k) for s in stages for k in range(3))
         first_b = min(r[s][1] for s in stages)
-        forwards = sorted((costs.forward[s] for s in stages for _ in range(m)), reverse=True)
-        before = min(first_b - min(r[s][0] for s in stages), sum(forwards[:slots]))
+        room, work = cap.capacity[worker], 0.0  # a fractional knapsack: F time per unit held
+        for s in sorted(stages, key=lambda s: _per_unit(costs.forward[s], cap.sizes[s])):
+            count = m if cap.sizes[s] <= 0 else min(m, room / cap.sizes[s])
+            work += count * costs.forward[s]
+            room -= count * cap.sizes[s]
+        before = min(first_b - min(r[s][0] for s in stages), work)
         best = max(best, first_b + total - before)
     return best
 
 
-def memory_slots(memory_limit: object, stages_per_worker: int, m: int) -> int:
-    """The memory limit in stage-micro-batch slots per worker; a ConfigError below 1 share.
-
-    Example:
-        >>> memory_slots(4, 2, 8), memory_slots(None, 1, 8), memory_slots(1.5, 2, 8)
-        (8, 8, 3)
-    """
-    if memory_limit is None:
-        return stages_per_worker * m
-    if isinstance(memory_limit, bool) or not isinstance(memory_limit, int | float):
-        raise ConfigTypeError(
-            f"memory_limit must be a number of micro-batches or None, got {memory_limit!r}"
-        )
-    if math.isnan(memory_limit):
-        raise ConfigError("memory_limit is NaN; give a number of micro-batches >= 1, or None")
-    if math.isinf(memory_limit):
-        return stages_per_worker * m
-    if memory_limit < 1:
-        raise ConfigError(
-            f"memory_limit={memory_limit!r} is below the minimum feasible, 1 micro-batch per "
-            "worker: each stage holds a micro-batch from its F to its W, and on a V the "
-            "turn holds both of a worker's stages; use memory_limit >= 1 or None"
-        )
-    return min(stages_per_worker * m, int(memory_limit * stages_per_worker + 1e-9))
+def _per_unit(forward: float, size: float) -> float:
+    """Sort key of the knapsack: the most F time per unit held first (held nothing: first)."""
+    return -math.inf if size <= 0 else -forward / size

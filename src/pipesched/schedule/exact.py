@@ -4,7 +4,7 @@ Every action is an interval of its duration; a worker's actions do not
 overlap (``add_no_overlap``); each action starts after its data predecessor
 ends, plus the send latency across workers; and each stage's hold of a
 micro-batch, an interval from the start of its F to the end of its W, uses
-one slot of its worker's ``slots`` (``add_cumulative``: an interval is
+its stage's size in slots of its worker's (``add_cumulative``: an interval is
 ``[start, end)``, so a release and an acquire at one instant share a slot,
 as the Timeline counts). The objective is the makespan. Micro-batches are
 interchangeable, so they are numbered in the order their first forward
@@ -90,6 +90,7 @@ def solve(
         if pred[a] >= 0:
             model.add(start[a] >= end[pred[a]] + (send if worker[pred[a]] != worker[a] else 0))
     holds: list[list[Any]] = [[] for _ in range(p)]
+    demands: list[list[int]] = [[] for _ in range(p)]
     holds_size: list[list[Any]] = [[] for _ in range(n)]
     for s in range(n):
         for i in range(m):
@@ -97,11 +98,12 @@ def solve(
             size = model.new_int_var(0, horizon, f"h{s}_{i}")
             holds_size[s].append(size)
             holds[placement[s]].append(model.new_interval_var(start[f], size, end[w], f"h{s}_{i}"))
+            demands[placement[s]].append(problem.size(s))
     makespan = model.new_int_var(0, horizon, "makespan")
     for w in range(p):
         model.add_no_overlap(per_worker[w])
-        if problem.slots < n // p * m:
-            model.add_cumulative(holds[w], [1] * len(holds[w]), problem.slots)
+        if problem.limited(w):
+            model.add_cumulative(holds[w], demands[w], problem.capacity(w))
     for i in range(m - 1):
         model.add(start[problem.number(0, 0, i)] <= start[problem.number(0, 0, i + 1)])
     model.add_max_equality(makespan, end)

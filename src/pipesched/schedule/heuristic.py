@@ -13,7 +13,9 @@ simulator.
 
 Memory is counted in *slots*: one stage holding one micro-batch, from the
 start of its F to the end of its W, a release before an acquire at equal
-times (as :attr:`Timeline.activations_over_time`).
+times (as :attr:`Timeline.activations_over_time`). With ``sizes``, a stage's
+micro-batch takes that many slots (the synthesizer's integer units of its
+activation bytes), and each worker has its own number of slots.
 """
 
 from __future__ import annotations
@@ -37,13 +39,29 @@ class Problem:
         placement: ``placement[s]`` is the worker of stage ``s``.
         num_microbatches: micro-batches per step.
         costs: per-stage durations and the send latency.
-        slots: most stage-micro-batches a worker may hold at once.
+        slots: most slots a worker may hold at once: one number for every
+            worker, or one per worker.
+        sizes: slots one micro-batch takes on each stage; None: 1 each.
     """
 
     placement: tuple[int, ...]
     num_microbatches: int
     costs: StageCosts
-    slots: int
+    slots: int | tuple[int, ...]
+    sizes: tuple[int, ...] | None = None
+
+    def size(self, stage: int) -> int:
+        """Slots one micro-batch takes on ``stage``."""
+        return 1 if self.sizes is None else self.sizes[stage]
+
+    def capacity(self, worker: int) -> int:
+        """Slots ``worker`` may hold at once."""
+        return self.slots if isinstance(self.slots, int) else self.slots[worker]
+
+    def limited(self, worker: int) -> bool:
+        """Whether the cap can bind on ``worker``: it holds less than all its micro-batches."""
+        mine = sum(self.size(s) for s, w in enumerate(self.placement) if w == worker)
+        return self.capacity(worker) < mine * self.num_microbatches
 
     @property
     def num_workers(self) -> int:
@@ -87,10 +105,13 @@ class Player:
         self.dur, self.pred, self.worker = problem.tables()
         self.send = problem.costs.send
         m = problem.num_microbatches
-        self.held = [  # for each action: +1 slot at its start (F), -1 at its end (W), else 0
-            1 if (a // m) % 3 == 0 else (-1 if (a // m) % 3 == 2 else 0)
-            for a in range(len(self.dur))
-        ]
+        self.held = []  # for each action: + its stage's size at its start (F), - at its end (W)
+        for a in range(len(self.dur)):
+            kind, size = (a // m) % 3, problem.size(a // (3 * m))
+            self.held.append(size if kind == 0 else -size if kind == 2 else 0)
+        self.caps = {  # the workers whose cap can bind
+            w: problem.capacity(w) for w in range(problem.num_workers) if problem.limited(w)
+        }
 
     def play(self, rows: Rows) -> tuple[float, list[float], list[float]] | None:
         """(makespan, starts, ends) of ``rows``, or None if it deadlocks or exceeds the slots."""
@@ -125,19 +146,16 @@ class Player:
                     moved = True
             if not moved:
                 return None
-        if self.peak_slots(rows, start, end) > self.problem.slots:
+        if any(self.peak_slots(rows[w], start, end) > cap for w, cap in self.caps.items()):
             return None
         return max(free), start, end
 
-    def peak_slots(self, rows: Rows, start: list[float], end: list[float]) -> int:
-        """The most slots any worker holds at once (a release first at equal times)."""
-        held, peak = self.held, 0
-        for row in rows:
-            changes = sorted((start[a], 1) if held[a] > 0 else (end[a], -1) for a in row if held[a])
-            level = 0
-            for _, delta in changes:
-                level += delta
-                peak = max(peak, level)
+    def peak_slots(self, row: list[int], start: list[float], end: list[float]) -> int:
+        """The most slots the worker of ``row`` holds at once (a release first at equal times)."""
+        held, peak, level = self.held, 0, 0
+        for _, delta in sorted((start[a] if held[a] > 0 else end[a], held[a]) for a in row):
+            level += delta
+            peak = max(peak, level)
         return peak
 
     def makespan(self, rows: Rows) -> float:
@@ -199,24 +217,27 @@ def list_schedule(problem: Problem, policy: Policy) -> Rows | None:
     Each worker runs, per stage and kind, its micro-batches in order. Time
     advances to the worker that can start something first; it starts its
     best-ranked ready action (or waits for a better one by ``lookahead``).
-    An F on the way down a V takes two slots, its own and the one its way up
-    on the same worker will need, so held micro-batches can always finish:
-    no deadlock (unless ``policy.headroom`` trades that guarantee for more
+    An F on the way down a V takes its own slots and those its way up on the
+    same worker will need, so held micro-batches can always finish: no
+    deadlock (unless ``policy.headroom`` trades that guarantee for more
     forwards in flight).
     """
-    m, placement, slots = problem.num_microbatches, problem.placement, problem.slots
+    m, placement = problem.num_microbatches, problem.placement
     n, p = len(placement), problem.num_workers
     dur, pred, worker = problem.tables()
     send = problem.costs.send
     stages = [[s for s in range(n) if placement[s] == w] for w in range(p)]
-    vee, h = n > p, policy.headroom
-    need = [1 if not vee or h is not None else (2 if s < p else 0) for s in range(n)]
-    extra = [h if vee and h is not None and s < p else 0 for s in range(n)]  # kept free
+    vee, h, size = n > p, policy.headroom, problem.size
+    need = [
+        size(s) if not vee or h is not None else (size(s) + size(n - 1 - s) if s < p else 0)
+        for s in range(n)
+    ]
+    extra = [h * size(n - 1 - s) if vee and h is not None and s < p else 0 for s in range(n)]
     nxt = [[0, 0, 0] for _ in range(n)]
     end = [-1.0] * len(dur)
     free = [0.0] * p
     used = [0] * p  # slots taken (with reservations) and not yet released
-    releases: list[list[float]] = [[] for _ in range(p)]
+    releases: list[list[tuple[float, int]]] = [[] for _ in range(p)]  # (time, slots)
     rows: Rows = [[] for _ in range(p)]
     sign = -1 if policy.later_stage_first else 1
 
@@ -234,11 +255,12 @@ def list_schedule(problem: Problem, policy: Policy) -> Rows | None:
                     if end[q] < 0:
                         continue
                     ready = max(ready, end[q] + (send if worker[q] != w else 0.0))
-                over = used[w] + need[s] + extra[s] - slots if k == 0 else 0
+                over = used[w] + need[s] + extra[s] - problem.capacity(w) if k == 0 else 0
                 if over > 0:  # wait for the earliest releases that make room
-                    if over > len(releases[w]):
+                    room = _room_at(releases[w], over)
+                    if room is None:
                         continue
-                    ready = max(ready, sorted(releases[w])[over - 1])
+                    ready = max(ready, room)
                 options.append((ready, (policy.rank[k], i, sign * s), s, k, dur[a]))
         if not options:
             return None
@@ -264,14 +286,23 @@ def list_schedule(problem: Problem, policy: Policy) -> Rows | None:
         nxt[s][k] += 1
         end[a] = free[w] = t + dur[a]
         rows[w].append(a)
-        while releases[w] and releases[w][0] <= t:
-            heapq.heappop(releases[w])
-            used[w] -= 1
+        while releases[w] and releases[w][0][0] <= t:
+            used[w] -= heapq.heappop(releases[w])[1]
         if k == 0:
             used[w] += need[s]
         elif k == 2:
-            heapq.heappush(releases[w], end[a])
+            heapq.heappush(releases[w], (end[a], size(s)))
     return rows
+
+
+def _room_at(releases: list[tuple[float, int]], over: int) -> float | None:
+    """When releases have freed ``over`` slots; None if they never do."""
+    freed = 0
+    for t, slots in sorted(releases):
+        freed += slots
+        if freed >= over:
+            return t
+    return None
 
 
 def improve(player: Player, rows: Rows, budget: int, seed: int = 0) -> tuple[Rows, float]:

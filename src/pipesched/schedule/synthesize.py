@@ -20,12 +20,13 @@ from typing import Literal
 
 from pipesched.errors import ConfigError, PipeschedError, ScheduleError
 from pipesched.schedule.action import Action
-from pipesched.schedule.bound import memory_slots, stage_costs, synth_placement
+from pipesched.schedule.bound import stage_costs, synth_placement
 from pipesched.schedule.builders import SCHEDULES
 from pipesched.schedule.builders._args import check_count
 from pipesched.schedule.costs import Costs
 from pipesched.schedule.heuristic import POLICIES, Player, Problem, Rows, improve, list_schedule
 from pipesched.schedule.limits import check_size
+from pipesched.schedule.memory_cap import MemoryCap, memory_cap
 from pipesched.schedule.schedule import Schedule
 
 __all__ = ["peak_memory", "synthesize"]
@@ -41,7 +42,8 @@ def synthesize(
     costs: Costs | Sequence[Costs],
     *,
     stages_per_worker: int = 1,
-    memory_limit: float | None = None,
+    memory_limit: float | Sequence[float] | None = None,
+    stage_memory: Sequence[float] | None = None,
     solver: Solver = "heuristic",
     time_limit: float = 10.0,
     effort: int = 1500,
@@ -61,7 +63,13 @@ def synthesize(
             held micro-batches summed at each instant over
             ``stages_per_worker``, as :attr:`Comparison.peak_memory`
             measures a simulated Timeline (a stage holds a micro-batch from
-            the start of its F to the end of its W). None: no limit.
+            the start of its F to the end of its W). One number, or one per
+            worker. None: no limit.
+        stage_memory: what one micro-batch holds on each stage, from its F
+            to its W (bytes, say); ``memory_limit`` is then in the same
+            units. For stages that hold very different amounts (a language
+            model's head holds its logits): an order can then keep many
+            small micro-batches in flight and few large ones.
         solver: ``"heuristic"``; ``"exact"`` also runs CP-SAT for up to
             ``time_limit`` seconds (needs ``pip install pipesched[solver]``);
             ``"auto"`` does so when installed and the schedule has at most
@@ -74,8 +82,9 @@ def synthesize(
 
     Raises:
         ConfigError: a count, the costs or the placement do not fit, or
-            ``memory_limit`` is below 1, the least any schedule can hold
-            (each micro-batch is held on a stage from its F to its W).
+            ``memory_limit`` is below the least any schedule can hold, one
+            micro-batch of a worker's whole share (each micro-batch is
+            held on a stage from its F to its W).
         ImportError: ``solver="exact"`` without OR-Tools installed.
 
     Example:
@@ -89,14 +98,15 @@ def synthesize(
     n = len(placement)
     check_size(n, m, 3, error=ConfigError, prefix="synthesize: ")
     resolved = stage_costs(costs, n)
-    slots = memory_slots(memory_limit, stages_per_worker, m)
+    cap = memory_cap(memory_limit, stage_memory, placement, m)
     if solver not in ("auto", "heuristic", "exact"):
         raise ConfigError(f"solver must be 'auto', 'heuristic' or 'exact', got {solver!r}")
     if isinstance(effort, bool) or not isinstance(effort, int) or effort < 0:
         raise ConfigError(f"effort must be an integer >= 0 (local-search moves), got {effort!r}")
     if not isinstance(time_limit, int | float) or not 0 < time_limit < math.inf:
         raise ConfigError(f"time_limit must be a positive number of seconds, got {time_limit!r}")
-    problem = Problem(placement, m, resolved, slots)
+    slots, sizes = (stages_per_worker * m, None) if cap is None else cap.slots()
+    problem = Problem(placement, m, resolved, slots, sizes)
     player = Player(problem)
     found: list[tuple[float, Rows]] = []
     for rows in _candidates(problem):
@@ -104,7 +114,7 @@ def synthesize(
         if makespan < math.inf:
             found.append((makespan, rows))
     if not found:  # cannot happen: the reserving policies never deadlock within 1 share
-        raise ScheduleError(f"synthesize found no order within {slots} slots per worker")
+        raise ScheduleError(f"synthesize found no order within {cap} per worker")
     found.sort(key=lambda c: c[0])
     best_makespan, best = found[0]
     for seed, (_, rows) in enumerate(found[:2]):
@@ -118,36 +128,66 @@ def synthesize(
             exact = solve(problem, time_limit=time_limit, hint=best)
             if exact is not None and player.makespan(exact.rows) < best_makespan:
                 best_makespan, best = player.makespan(exact.rows), exact.rows
-    return _checked(_schedule(problem, best), resolved.as_costs(), best_makespan, slots)
+    return _checked(_schedule(problem, best), resolved.as_costs(), best_makespan, cap)
 
 
-def _checked(schedule: Schedule, costs: Costs, makespan: float, slots: int) -> Schedule:
+def _checked(schedule: Schedule, costs: Costs, makespan: float, cap: MemoryCap | None) -> Schedule:
     """``schedule``, once the real simulator agrees with the fast model on time and memory."""
     timeline = schedule.simulate(costs)
-    v = schedule.virtual_stages
-    peak = max(peak_memory(schedule, costs))
-    if timeline.makespan > makespan or peak * v > slots:
+    sizes = cap.sizes if cap is not None and cap.in_bytes else None
+    peaks = peak_memory(schedule, costs, stage_memory=sizes)
+    v = 1 if sizes is not None else schedule.virtual_stages
+    over = cap is not None and any(
+        peak * v > limit * (1 + 1e-9) for peak, limit in zip(peaks, cap.capacity, strict=True)
+    )
+    if timeline.makespan > makespan or over:
         raise ScheduleError(
-            f"synthesize: the simulator gives makespan {timeline.makespan} and peak {peak} for "
-            f"an order planned at {makespan} within {slots / v}; please report this"
+            f"synthesize: the simulator gives makespan {timeline.makespan} and peaks {peaks} "
+            f"for an order planned at {makespan} within {cap}; please report this"
         )
     return schedule
 
 
-def peak_memory(schedule: Schedule, costs: Costs | None = None) -> tuple[float, ...]:
+def peak_memory(
+    schedule: Schedule, costs: Costs | None = None, *, stage_memory: Sequence[float] | None = None
+) -> tuple[float, ...]:
     """Per worker, the most activations it holds at once, in micro-batches of its whole share.
 
     The measure ``memory_limit`` bounds: :attr:`Comparison.peak_memory` of
-    the simulated timeline.
+    the simulated timeline; with ``stage_memory`` (what one micro-batch
+    holds on each stage), the most it holds in those units.
 
     Example:
         >>> from pipesched.schedule import get_schedule
         >>> peak_memory(get_schedule("zb-v", 4, 8))
         (2.0, 2.0)
+        >>> peak_memory(get_schedule("zb-v", 4, 8), stage_memory=[1, 1, 1, 1])
+        (4.0, 4.0)
+        >>> peak_memory(get_schedule("zb-v", 4, 8), stage_memory=[1, 1, 1, 10])  # a heavy head
+        (13.0, 4.0)
     """
     from pipesched.schedule.compare import Comparison
 
-    return Comparison(schedule.name, schedule, schedule.simulate(costs)).peak_memory
+    timeline = schedule.simulate(costs)
+    if stage_memory is None:
+        return Comparison(schedule.name, schedule, timeline).peak_memory
+    peaks = []
+    for w in range(schedule.num_workers):
+        changes = sorted(  # (time, change in what the worker holds); a release first
+            (t, (level - before) * stage_memory[s])
+            for s in schedule.stages_of(w)
+            for (t, level), before in zip(
+                timeline.activations_over_time[s],
+                [0, *(lv for _, lv in timeline.activations_over_time[s])],
+                strict=False,
+            )
+        )
+        held, peak = 0.0, 0.0
+        for _, change in changes:
+            held += change
+            peak = max(peak, held)
+        peaks.append(peak)
+    return tuple(peaks)
 
 
 def _candidates(problem: Problem) -> list[Rows]:
