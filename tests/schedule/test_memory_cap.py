@@ -115,7 +115,9 @@ def test_memory_limits_per_worker_and_their_errors():
     placement = synth_placement(2, 2)
     cap = memory_cap([5, 9], [1, 2, 3, 4], placement, 4)
     assert cap is not None and cap.capacity == (5, 9) and cap.sizes == (1, 2, 3, 4)
-    assert cap.slots() == ((1250, 2250), (250, 500, 750, 1000))  # units of 4 / 1000
+    assert cap.slots() == ((5, 9), (1, 2, 3, 4))  # whole numbers (bytes) are kept
+    halves = memory_cap([5, 9], [0.5, 2, 3, 4], placement, 4)
+    assert halves is not None and halves.slots() == ((1250, 2250), (125, 500, 750, 1000))
     assert memory_cap(None, [1, 2, 3, 4], placement, 4) is None
     with pytest.raises(
         ConfigError, match=r"memory_limit=4 for worker 0 is below the minimum .*, 5"
@@ -129,6 +131,16 @@ def test_memory_limits_per_worker_and_their_errors():
         lower_bound(2, 4, Costs(), memory_limit=4, stage_memory=[1, -1])
     with pytest.raises(ConfigTypeError, match="stage_memory must be a number or a list"):
         lower_bound(2, 4, Costs(), memory_limit=4, stage_memory=[1, "2"])  # type: ignore[list-item]
+    # At the minimum but for the synthesizer's rounding (units of 10 / 1000): it says how much.
+    with pytest.raises(ConfigError, match="within rounding of one micro-batch .* needs 11.01"):
+        synthesize(
+            2,
+            4,
+            Costs(),
+            stages_per_worker=2,
+            memory_limit=11.0004,
+            stage_memory=[1.0004, 1, 1, 10],
+        )
     free = synthesize(2, 4, Costs(), memory_limit=[2, 3], stage_memory=[0, 0])  # holds nothing
     assert free.simulate().makespan == synthesize(2, 4, Costs()).simulate().makespan
 

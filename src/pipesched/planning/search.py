@@ -128,7 +128,10 @@ def plan_layers(
     found = undominated(found)
     if synthesized:
         found += _synthesized(found, layers, num_workers, chunks, memory_budget, overhead)
-    fitting = sorted((c for c in found if c.fits), key=lambda c: (c.step, c.peak_bytes))
+    fitting = sorted(  # at a tie, one mode for every stage: the simpler to run and read
+        (c for c in found if c.fits),
+        key=lambda c: (c.step, c.peak_bytes, not isinstance(c.checkpoint, str)),
+    )
     if not fitting:
         if not found:
             raise ConfigError(

@@ -153,7 +153,8 @@ class Player:
     def peak_slots(self, row: list[int], start: list[float], end: list[float]) -> int:
         """The most slots the worker of ``row`` holds at once (a release first at equal times)."""
         held, peak, level = self.held, 0, 0
-        for _, delta in sorted((start[a] if held[a] > 0 else end[a], held[a]) for a in row):
+        changes = sorted((start[a] if held[a] > 0 else end[a], held[a]) for a in row if held[a])
+        for _, delta in changes:
             level += delta
             peak = max(peak, level)
         return peak

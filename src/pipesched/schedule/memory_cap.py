@@ -22,7 +22,8 @@ from pipesched.errors import ConfigError, ConfigTypeError
 __all__ = ["QUANTUM", "MemoryCap", "memory_cap", "memory_slots"]
 
 QUANTUM = 1000
-"""With ``stage_memory``, the synthesizer counts in units of the largest stage's size / QUANTUM."""
+"""With ``stage_memory`` not all whole numbers, the synthesizer counts in units of the largest
+stage's size / QUANTUM (whole numbers, as bytes are, it counts as they are)."""
 
 
 @dataclass(frozen=True)
@@ -43,18 +44,37 @@ class MemoryCap:
     def slots(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """Integer (capacity per worker, size per stage) for the synthesizer, rounded safely.
 
+        Whole-number sizes are kept; others are counted in units of the
+        largest / :data:`QUANTUM`.
         Sizes round up and capacities down, so an order within the integer
         cap is within the real one. Without bytes the values are integers
         already and sizes are None (1 each).
+
+        Raises:
+            ConfigError: a worker's limit is within that rounding of one
+                micro-batch of its share (the message gives the least that
+                works).
         """
         if not self.in_bytes:
             return tuple(int(c) for c in self.capacity), None
         largest = max(self.sizes)
         if largest <= 0:  # nothing held anywhere: no cap
             return tuple(0 for _ in self.capacity), tuple(0 for _ in self.sizes)
-        unit = largest / QUANTUM
+        exact = all(float(s).is_integer() for s in self.sizes)  # bytes: counted as they are
+        unit = 1.0 if exact else largest / QUANTUM
         sizes = tuple(math.ceil(s / unit) for s in self.sizes)
-        return tuple(math.floor(c / unit) for c in self.capacity), sizes
+        capacity = tuple(math.floor(c / unit) for c in self.capacity)
+        p = len(self.capacity)
+        for w, c in enumerate(capacity):
+            share = sizes[w] + (sizes[2 * p - 1 - w] if len(sizes) > p else 0)
+            if c < share:
+                raise ConfigError(
+                    f"memory_limit={self.capacity[w]!r} for worker {w} is within rounding "
+                    f"of one micro-batch of its stages; the synthesizer needs "
+                    f"{share * unit:.6g} (it counts in units of the largest stage_memory / "
+                    f"{QUANTUM}); raise the limit that much"
+                )
+        return capacity, sizes
 
 
 def memory_cap(
