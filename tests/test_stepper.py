@@ -67,7 +67,7 @@ def test_an_early_commit_is_undone_when_the_step_fails_later():
     assert torch.equal(p.grad, torch.full((3,), 3.0))
 
 
-def test_ctrl_c_is_held_back_until_the_gradients_are_whole():
+def test_ctrl_c_is_held_back_until_the_gradients_are_whole(ctrl_c):
     done = []
     with pytest.raises(KeyboardInterrupt), deferred_interrupts():
         signal.raise_signal(signal.SIGINT)
@@ -95,7 +95,7 @@ class Slow(nn.Module):
         return SlowBackward.apply(x)
 
 
-def test_ctrl_c_during_a_long_backward_returns_only_after_the_workers_stop():
+def test_ctrl_c_during_a_long_backward_returns_only_after_the_workers_stop(ctrl_c):
     # On Python 3.11 a Thread.join cut by Ctrl-C marks the thread stopped while it
     # runs: the caller got the KeyboardInterrupt while a worker still wrote .grad.
     torch.manual_seed(0)

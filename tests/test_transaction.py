@@ -148,7 +148,7 @@ def test_an_interrupt_in_a_stage_stops_every_worker_and_changes_nothing(error):
     _assert_same(_state(pipe), before)
 
 
-def test_ctrl_c_while_waiting_stops_the_workers_before_the_caller_sees_it():
+def test_ctrl_c_while_waiting_stops_the_workers_before_the_caller_sees_it(ctrl_c):
     # SIGINT reaches the main thread while it waits for the stage threads.
     model = _model(Slow(0.05))
     pipe = _pipe(model)
@@ -174,6 +174,7 @@ def test_a_script_interrupted_mid_step_exits_cleanly():
     script = textwrap.dedent(
         """
         import signal, threading, time
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # as in a terminal
         import torch
         from torch import nn
         from pipesched import Pipeline
