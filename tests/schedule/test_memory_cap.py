@@ -141,6 +141,10 @@ def test_memory_limits_per_worker_and_their_errors():
             memory_limit=11.0004,
             stage_memory=[1.0004, 1, 1, 10],
         )
+    with pytest.raises(ConfigTypeError, match="memory_limit must be a number"):
+        synthesize(2, 2, Costs(), memory_limit="4")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="stage_memory has 2 entries; give one per stage"):
+        peak_memory(get_schedule("zb-v", 4, 8), stage_memory=[1, 1])
     free = synthesize(2, 4, Costs(), memory_limit=[2, 3], stage_memory=[0, 0])  # holds nothing
     assert free.simulate().makespan == synthesize(2, 4, Costs()).simulate().makespan
 
@@ -162,3 +166,15 @@ def test_the_exact_solver_keeps_each_worker_within_its_bytes():
     assert held[0] <= 14 and held[1] <= 12
     bound = lower_bound(2, 4, costs, stages_per_worker=2, memory_limit=limit, stage_memory=sizes)
     assert bound <= made.simulate(costs).makespan
+
+
+@pytest.mark.parametrize("m", [1, 2, 8])
+def test_a_limit_that_cannot_bind_is_no_limit_whatever_the_rounding(m):
+    # Sizes far apart: the small stage is a fraction of a unit (largest / 1000). A limit
+    # above everything a worker could hold must not be refused for rounding.
+    plain = synthesize(2, m, Costs(), effort=EFFORT).simulate().makespan
+    for limit in (float("inf"), 1e9):
+        made = synthesize(2, m, Costs(), memory_limit=limit, stage_memory=[1.5, 0.0001])
+        assert made.simulate().makespan == plain
+    made = synthesize(3, 1, Costs(), memory_limit=1e9, stage_memory=[0.1, 0.62, 0.987])
+    assert made.simulate().makespan == synthesize(3, 1, Costs()).simulate().makespan

@@ -44,10 +44,11 @@ StageCost = Callable[[int, int, int], float]
 """``cost(k, i, j)``: the cost of stage ``k`` holding layers ``i`` to ``j - 1``."""
 
 PassCosts = Callable[[int, int, int], tuple[float, float, float]]
-Overlap = Callable[[Sequence[tuple[int, int]]], float]
-"""Bytes a worker's summed stage memory counts twice, from its stages' ``[i, j)`` layer ranges."""
 """``costs(k, i, j)``: (forward seconds, backward seconds, memory bytes per held
 micro-batch) of stage ``k`` holding layers ``i`` to ``j - 1``."""
+
+Overlap = Callable[[Sequence[tuple[int, int]]], float]
+"""Bytes a worker's summed stage memory counts twice, from its stages' ``[i, j)`` layer ranges."""
 
 
 @dataclass(frozen=True)

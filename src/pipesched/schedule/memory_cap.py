@@ -35,11 +35,14 @@ class MemoryCap:
         sizes: per stage.
         in_bytes: whether the units are the user's (``stage_memory`` given)
             rather than slots of ``1 / stages_per_worker`` share.
+        num_microbatches: micro-batches per step (a limit above them all
+            does not bind).
     """
 
     capacity: tuple[float, ...]
     sizes: tuple[float, ...]
     in_bytes: bool
+    num_microbatches: int
 
     def slots(self) -> tuple[tuple[int, ...], tuple[int, ...] | None]:
         """Integer (capacity per worker, size per stage) for the synthesizer, rounded safely.
@@ -63,18 +66,23 @@ class MemoryCap:
         exact = all(float(s).is_integer() for s in self.sizes)  # bytes: counted as they are
         unit = 1.0 if exact else largest / QUANTUM
         sizes = tuple(math.ceil(s / unit) for s in self.sizes)
-        capacity = tuple(math.floor(c / unit) for c in self.capacity)
         p = len(self.capacity)
-        for w, c in enumerate(capacity):
-            share = sizes[w] + (sizes[2 * p - 1 - w] if len(sizes) > p else 0)
-            if c < share:
+        capacity = []
+        for w, limit in enumerate(self.capacity):
+            mine = [w] if len(sizes) == p else [w, 2 * p - 1 - w]
+            share = sum(sizes[s] for s in mine)
+            if limit >= self.num_microbatches * sum(self.sizes[s] for s in mine):
+                capacity.append(self.num_microbatches * share)  # never binds: hold them all
+                continue
+            capacity.append(math.floor(limit / unit))
+            if capacity[-1] < share:
                 raise ConfigError(
                     f"memory_limit={self.capacity[w]!r} for worker {w} is within rounding "
                     f"of one micro-batch of its stages; the synthesizer needs "
                     f"{share * unit:.6g} (it counts in units of the largest stage_memory / "
                     f"{QUANTUM}); raise the limit that much"
                 )
-        return capacity, sizes
+        return tuple(capacity), sizes
 
 
 def memory_cap(
@@ -100,29 +108,23 @@ def memory_cap(
             raise ConfigError(f"stage_memory must be finite and >= 0, got {list(stage_memory)}")
     if memory_limit is None:
         return None
-    if isinstance(memory_limit, Sequence):
+    if isinstance(memory_limit, Sequence) and not isinstance(memory_limit, str):
         limits = _numbers("memory_limit", memory_limit, p, "one per worker")
     else:
         limits = _numbers("memory_limit", [memory_limit], 1, "a number")
         limits = limits * p
     if stage_memory is None:
-        return MemoryCap(
-            tuple(float(memory_slots(x, v, m)) for x in limits), (1.0,) * n, in_bytes=False
-        )
+        return MemoryCap(tuple(float(memory_slots(x, v, m)) for x in limits), (1.0,) * n, False, m)
     for w, limit in enumerate(limits):
         least = sum(stage_memory[s] for s in range(n) if placement[s] == w)
         if not limit >= least:
             raise ConfigError(
                 f"memory_limit={limit!r} for worker {w} is below the minimum feasible, "
-                f"{least:g} (one micro-batch of each of its stages, stage_memory): each stage "
+                f"{least!r} (one micro-batch of each of its stages, stage_memory): each stage "
                 "holds a micro-batch from its F to its W, and on a V the turn holds both of "
                 "a worker's stages; raise the limit or give None"
             )
-    holds_all = [  # a limit above everything a worker could hold does not bind
-        m * sum(stage_memory[s] for s in range(n) if placement[s] == w) for w in range(p)
-    ]
-    capacity = tuple(min(x, y) for x, y in zip(limits, holds_all, strict=True))
-    return MemoryCap(capacity, tuple(stage_memory), in_bytes=True)
+    return MemoryCap(tuple(limits), tuple(stage_memory), True, m)
 
 
 def _numbers(name: str, values: Sequence[object], count: int, what: str) -> list[float]:

@@ -171,6 +171,7 @@ def peak_memory(
     timeline = schedule.simulate(costs)
     if stage_memory is None:
         return Comparison(schedule.name, schedule, timeline).peak_memory
+    memory_cap(None, stage_memory, schedule.placement, schedule.num_microbatches)  # checked
     peaks = []
     for w in range(schedule.num_workers):
         changes = sorted(  # (time, change in what the worker holds); a release first
