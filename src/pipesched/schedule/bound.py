@@ -228,7 +228,8 @@ def lower_bound(
 
     Raises:
         ConfigError: a count or the costs do not fit, or ``memory_limit``
-            is below 1.
+            is below one micro-batch of a worker's share (1, or its stages'
+            ``stage_memory`` summed).
 
     Example:
         >>> lower_bound(4, 8, Costs())  # 3m of work after a ramp of p - 1 forwards
