@@ -157,3 +157,42 @@ def test_initialize_equals_itself_on_meta_and_on_a_built_model():
     built = pipesched.initialize(models.GPT(), models.gpt_init, seed=7)
     for (name, a), b in zip(on_meta.state_dict().items(), built.state_dict().values(), strict=True):
         assert torch.equal(a, b), name
+
+
+def test_skip_with_nothing_loaded_refuses_to_run_naming_the_tensors():
+    """Issue 25 item 7: uninitialized memory (6.9e-310, a loss of ln 4) trained on silently."""
+    pipe = Pipeline(models.build("seq", True), 2, devices=["cpu", "cpu"], init_weights="skip")
+    x, y = models.batch(0)
+    with pytest.raises(ConfigError, match=r"init_weights='skip'.*never written \(0\.weight"):
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    with pytest.raises(ConfigError, match="pipe\\(x\\) ran before the weights were loaded"):
+        with torch.no_grad():
+            pipe(x)
+    assert all(p.grad is None for p in pipe.parameters())
+
+
+def test_skip_with_part_loaded_names_only_what_is_left():
+    state = models.build("seq", False).state_dict()
+    pipe = Pipeline(models.build("seq", True), 2, devices=["cpu", "cpu"], init_weights="skip")
+    first = next(iter(state))
+    pipe.load_state_dict({k: v for k, v in state.items() if k != first}, strict=False)
+    with pytest.raises(ConfigError, match=rf"1 of them were never written \({first}\)"):
+        pipe.step(*models.batch(0), loss_fn=nn.functional.mse_loss)
+
+
+def test_skip_then_load_trains_like_the_normal_build():
+    reference = Pipeline(models.build("seq", False), 2, devices=["cpu", "cpu"])
+    pipe = Pipeline(models.build("seq", True), 2, devices=["cpu", "cpu"], init_weights="skip")
+    pipe.load_state_dict(reference.state_dict())
+    x, y = models.batch(0)
+    for p in (reference, pipe):
+        p.step(x, y, loss_fn=nn.functional.mse_loss)
+    for (n, a), (_, b) in zip(reference.named_parameters(), pipe.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), n
+
+
+def test_skip_then_an_assigning_load_counts_as_loaded():
+    state = models.build("seq", False).state_dict()
+    pipe = Pipeline(models.build("seq", True), 2, devices=["cpu", "cpu"], init_weights="skip")
+    pipe.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
+    pipe.step(*models.batch(0), loss_fn=nn.functional.mse_loss)

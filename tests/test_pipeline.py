@@ -263,3 +263,18 @@ def test_batch_sizes_must_agree_and_loss_must_be_scalar():
         )
     with pytest.raises(ConfigError, match="num_items must be > 0, got 0"):
         pipe.step(torch.randn(4, 6), torch.randn(4, 6), loss_fn=nn.functional.mse_loss, num_items=0)
+
+
+@pytest.mark.parametrize("model", ["none", "frozen"])
+def test_a_step_with_nothing_to_train_raises(model):
+    """Issue 25 item 8: a model with no parameters trained nothing, silently."""
+    if model == "none":
+        module = nn.Sequential(nn.Tanh(), nn.ReLU())
+    else:
+        module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)).requires_grad_(False)
+    pipe = Pipeline(module, 2, balance=[1, 1], devices=["cpu", "cpu"])
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    with pytest.raises(ConfigError, match="nothing to train: no parameter .* requires grad"):
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), module(x))  # evaluation still runs

@@ -24,7 +24,7 @@ from pipesched.distributed.mesh import rank0_value
 from pipesched.distributed.placement import stage_parameters
 from pipesched.errors import ConfigError, RetraceWarning, warn_user
 from pipesched.layout import Cut, Layout
-from pipesched.materialize import materialize_stages, on_meta
+from pipesched.materialize import Unloaded, materialize_stages, on_meta
 from pipesched.partition import Partition, Plan, TracedStage, check_balance, plan_partition
 from pipesched.partition.sequential import sequential_layers
 from pipesched.runtime.distributed import DistributedRuntime
@@ -60,6 +60,8 @@ class Assembly:
         tied: on a mesh, for each of this rank's parameters that stages on
             other pp ranks use too, the sorted pp ranks that use it.
         stepper: runs steps as transactions, seeded.
+        unloaded: what ``init_weights="skip"`` left for a load and no load
+            has written yet (checked before every call), or None.
     """
 
     key: tuple[Any, ...] | None
@@ -70,6 +72,7 @@ class Assembly:
     runtime: Runtime
     tied: dict[int, tuple[int, ...]]
     stepper: Stepper
+    unloaded: Unloaded | None = None
 
     @property
     def partition(self) -> Partition:
@@ -180,10 +183,13 @@ def assemble(
             if pipe._modules.get(name) is not child:
                 pipe._modules[name] = child
     stages = plan.build(module, stage_devices)
+    unloaded = None
     if on_meta(module):  # built on meta: this process allocates its own stages, nothing else
         mine = [s for s, w in enumerate(layout.placement) if info is None or w == info.pp_rank]
         seed = torch.initial_seed() if info is None else rank0_value(torch.initial_seed())
-        materialize_stages(stages, mine, stage_devices, module, [pipe], cut.init_weights, seed)
+        unloaded = materialize_stages(
+            stages, mine, stage_devices, module, [pipe], cut.init_weights, seed
+        )
     runtime: Runtime
     tied: dict[int, tuple[int, ...]] = {}
     if info is None:
@@ -211,7 +217,7 @@ def assemble(
         agree=_agreement(runtime, sync) if isinstance(runtime, DistributedRuntime) else None,
     )
     modes = () if sequential else _modes(module)
-    return Assembly(key, modes, plan, stages, own, runtime, tied, stepper)
+    return Assembly(key, modes, plan, stages, own, runtime, tied, stepper, unloaded)
 
 
 def _agreement(runtime: DistributedRuntime, sync: Callable[[], Sync]) -> Callable[[bool], bool]:

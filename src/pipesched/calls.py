@@ -48,6 +48,8 @@ def run_forward(pipe: Pipeline, batch: Any) -> Any:
         )
     micro = scatter(batch, pipe.chunks)
     assembly = pipe._assembly_for(batch if isinstance(batch, Call) else None, micro)
+    if assembly.unloaded is not None:
+        assembly.unloaded.check("pipe(x)")
     rows = [batch_size(m) for m in micro]
     warn_micro_batch_norm(pipe, rows)
     stop = stage_stops(pipe.checkpoint, pipe.num_stages, len(micro))
@@ -87,8 +89,17 @@ def run_training(
     Sets ``pipe.last_timeline`` and ``pipe.last_step_seconds`` (this call's wall time).
     """
     begin = time.perf_counter()
+    if not any(p.requires_grad for p in pipe.parameters()):  # every rank holds every name
+        raise ConfigError(
+            "the training step has nothing to train: no parameter of the model requires "
+            "grad (it has none, or all were frozen with requires_grad_(False)), so backward "
+            "would compute nothing (the plain model's loss.backward() raises here too). "
+            "Unfreeze the parameters to train, or evaluate with pipe(x) under torch.no_grad()"
+        )
     m = len(batches.inputs)
     assembly = pipe._assembly_for(one_call(batches.inputs), batches.inputs)
+    if assembly.unloaded is not None:
+        assembly.unloaded.check("the training step")
     warn_micro_batch_norm(pipe, batches.rows)
     warn_gradient_hooks(pipe, m)
     weights = [scale if summed else scale * rows for rows in batches.rows]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -37,6 +38,7 @@ from pipesched.errors import ConfigError, ConfigTypeError
 __all__ = [
     "SKIP",
     "InitWeights",
+    "Unloaded",
     "check_init_weights",
     "check_meta",
     "initialize",
@@ -141,7 +143,7 @@ def materialize(
     *,
     holders: Sequence[nn.Module] = (),
     every: bool = False,
-) -> None:
+) -> list[tuple[str, torch.Tensor]]:
     """Allocates the meta tensors of ``owners`` on ``device`` and initializes their modules.
 
     Args:
@@ -154,6 +156,10 @@ def materialize(
             Pipeline, traced stages): their references follow.
         every: initialize every module holding a tensor of ``owners``, meta or not
             (:func:`initialize`); else only those holding a tensor allocated here.
+
+    Returns:
+        Under ``"skip"``, each tensor allocated and left for a load, with its
+        name in the model (see :class:`Unloaded`); else nothing.
 
     Raises:
         ConfigError: a tensor was left uninitialized, or (``"skip"``) a
@@ -175,7 +181,13 @@ def materialize(
     ]
     if init_weights == SKIP:
         _check_skippable(touched)
-        return
+        return [
+            (f"{name}.{key}" if name else key, t)
+            for name, m in touched
+            for d in _dicts(m)
+            for key, t in d.items()
+            if t is not None and id(t) in replaced
+        ]
     versions = {id(t): t._version for t in replaced.values()}
     before = {(id(d), k): (d, k, t) for _, m in touched for d in _dicts(m) for k, t in d.items()}
     for name, module in touched:
@@ -194,6 +206,7 @@ def materialize(
     }
     _swap([model, *holders], assigned)
     _check_written([model, *holders], replaced, versions)
+    return []
 
 
 def _swap(roots: Sequence[nn.Module], new: dict[int, torch.Tensor]) -> None:
@@ -321,7 +334,7 @@ def materialize_stages(
     holders: Sequence[nn.Module],
     init_weights: InitWeights,
     seed: int,
-) -> None:
+) -> Unloaded:
     """Allocates and initializes stages ``own`` of a meta-device model, each on its device.
 
     Args:
@@ -331,10 +344,69 @@ def materialize_stages(
         model: the model.
         holders: what else holds the model's tensors (the Pipeline).
         init_weights, seed: see :func:`materialize`.
+
+    Returns:
+        What ``"skip"`` left for a load (empty otherwise).
     """
+    left: dict[int, tuple[str, torch.Tensor]] = {}
     for s in own:
         stage = stages[s]
         # A traced stage holds the model's tensors through their owners (and its constants).
         traced: Sequence[nn.Module] | None = getattr(stage, "owners", None)
         owners = [*traced, stage] if traced is not None else list(stage.modules())
-        materialize(owners, model, devices[s], init_weights, seed, holders=[*holders, *stages])
+        for name, t in materialize(
+            owners, model, devices[s], init_weights, seed, holders=[*holders, *stages]
+        ):
+            left.setdefault(id(t), (name, t))
+    return Unloaded(model, list(left.values()))
+
+
+@dataclass(eq=False)
+class Unloaded:
+    """The tensors ``init_weights="skip"`` allocated, until a load has written every one.
+
+    Why: ``"skip"`` leaves memory as allocated for a checkpoint load; a run
+    that forgets the load would train on whatever the memory held (denormals
+    like 6.9e-310, a loss of exactly ln 4), silently. A tensor counts as
+    loaded once it was written in place (its version counter moved: every
+    ``load_state_dict``, ``load_model`` and checkpoint load copies into it) or
+    the model holds another tensor in its place (``load_state_dict(assign=True)``).
+    Once all are loaded the record is empty and checking it costs nothing.
+
+    Args:
+        model: the model, whose current tensors are looked up by name.
+        tensors: each tensor left for a load, with its name in the model.
+    """
+
+    model: nn.Module
+    tensors: list[tuple[str, torch.Tensor]]
+    versions: list[int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.versions = [t._version for _, t in self.tensors]
+
+    def check(self, call: str) -> None:
+        """Raises ConfigError naming the tensors no load has written yet, before ``call`` runs."""
+        if not self.tensors:
+            return
+        held = dict(self.model.named_parameters(remove_duplicate=False))
+        held.update(self.model.named_buffers(remove_duplicate=False))
+        left = [
+            (name, t, v)
+            for (name, t), v in zip(self.tensors, self.versions, strict=True)
+            if held.get(name) is t and t._version == v
+        ]
+        self.tensors = [(name, t) for name, t, _ in left]
+        self.versions = [v for _, _, v in left]
+        if not left:
+            return
+        names = [name for name, _, _ in left]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        raise ConfigError(
+            f"{call} ran before the weights were loaded: the model was built with "
+            f"init_weights='skip', which leaves its tensors as allocated for a checkpoint "
+            f"load, and {len(names)} of them were never written ({shown}). Load first "
+            "(acc.load(path), pipesched.train.load_model(pipe, path) or "
+            "pipe.load_state_dict(state)), or build the Pipeline with init_weights=None "
+            "(each layer's reset_parameters) or init_weights=fn"
+        )
