@@ -165,9 +165,8 @@ def test_skip_with_nothing_loaded_refuses_to_run_naming_the_tensors():
     x, y = models.batch(0)
     with pytest.raises(ConfigError, match=r"init_weights='skip'.*never written \(0\.weight"):
         pipe.step(x, y, loss_fn=nn.functional.mse_loss)
-    with pytest.raises(ConfigError, match="pipe\\(x\\) ran before the weights were loaded"):
-        with torch.no_grad():
-            pipe(x)
+    with torch.no_grad(), pytest.raises(ConfigError, match=r"pipe\(x\) ran before the weights"):
+        pipe(x)
     assert all(p.grad is None for p in pipe.parameters())
 
 
