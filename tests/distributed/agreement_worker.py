@@ -114,6 +114,18 @@ def main() -> None:
         for _ in range(2):
             pipe.step(x, y, loss_fn=loss)
         result["seeds"] = seeds
+    elif scenario == "destroyed":  # the user destroys the process group, then steps again
+        pipe.step(x, y, loss_fn=loss)
+        dist.destroy_process_group()
+        start = time.monotonic()
+        try:
+            pipe.step(x, y, loss_fn=loss)
+            result["error"] = None
+        except Exception as error:
+            result["error"] = error_record(error, time.monotonic() - start)
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+        return
     else:  # "except", "hung", "none": the step fails; the user's except block looks
         start = time.monotonic()
         try:

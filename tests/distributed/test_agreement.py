@@ -101,3 +101,13 @@ def test_ranks_run_with_pp_rank_0s_seed_whatever_their_generators(tmp_path):
     assert len(ranks[0]["seeds"]) == 2
     assert ranks[0]["seeds"] == ranks[1]["seeds"]
     assert ranks[0]["seeds"][0] != ranks[0]["seeds"][1]  # a new seed each step
+
+
+def test_a_step_after_destroy_process_group_says_so_not_that_a_rank_died(tmp_path):
+    """Issue 25 item 10: the next step said the other rank "died"."""
+    for rank, seen in enumerate(_run("destroyed", tmp_path, timeout=60)):
+        error = seen["error"]
+        assert error is not None and error["type"] == "ConfigError", (rank, error)
+        assert "destroy_process_group()" in error["message"], error
+        assert "died" not in error["message"], error
+        assert error["elapsed"] < 5, error

@@ -141,6 +141,13 @@ class DistributedRuntime:
             RemoteError: another rank failed, died or did not answer; or this
                 pipeline stopped after an earlier failure.
         """
+        if not dist.is_initialized():
+            raise ConfigError(
+                "this pipeline's process group was destroyed "
+                "(torch.distributed.destroy_process_group() ran on this rank), so its ranks "
+                "cannot talk any more; destroy the process group only after the last step, "
+                "or call init_mesh again and build a new Pipeline on every rank"
+            )
         if self.stopped is not None:
             raise RemoteError(
                 "pipesched: this pipeline stopped after a failed step and its connections to "
