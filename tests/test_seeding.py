@@ -406,7 +406,7 @@ def test_a_mesh_learns_where_stages_draw_and_every_rank_reruns_a_spoiled_step(
 
 
 def test_a_mesh_step_whose_rerun_trips_again_fails_and_leaves_the_window_as_before(tmp_path):
-    """The rerun draws unseeded again (a backward that draws, seen after a forward that did):
+    """The rerun draws unseeded again (a backward drawing on another thread, after a forward):
     UnseededDraws on every rank, and the gradient sums that step started over the replicas
     are dropped: flush() ends the window exactly as if the step had not been taken."""
     from tests.distributed import seeding_worker as w

@@ -34,11 +34,20 @@ a model with no random operations (or only ones that draw nothing, like a
 dropout of p = 0) leaves that generator as the plain model would, and
 ``torch.manual_seed`` makes runs repeat.
 
+An operation given a generator of the user's own (``generator=g``) is
+seeded the same way, from ``g`` instead of the default generator: ``g``
+gives one seed per step (drawn at the step's first draw from it, under the
+lock: whichever thread gets there first draws the same number), and each
+draw's numbers are a function of (that seed, micro-batch, place, count).
+So ``g.manual_seed`` makes runs repeat, ``g`` moves by one draw per step
+that used it, and recomputation, threads, schedules and balance change
+nothing, as for default-generator draws. (Drawing from ``g`` itself, in the
+order draws happen, would tie the numbers to the order stages run in, and a
+recomputation would draw ``g``'s later numbers.)
+
 What this cannot cover: random numbers drawn outside torch's dispatcher
-(Python's ``random``, NumPy), draws inside a custom autograd Function's
-backward, and operations given an explicit ``generator=`` (they draw from the
-user's generator, which is left alone). A model's non-random operations pay
-one Python dispatch per operation in forward (a few microseconds each).
+(Python's ``random``, NumPy). A model's non-random operations pay one Python
+dispatch per operation in forward (a few microseconds each).
 """
 
 from __future__ import annotations
@@ -65,6 +74,7 @@ __all__ = [
     "SeededRandomness",
     "StepSeed",
     "draw_seed",
+    "generator_key",
     "generator_of",
     "module_names",
     "same_state",
@@ -86,25 +96,31 @@ _CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 
 
 class StepSeed:
-    """A step's seed: given, or drawn from torch's default CPU generator when first asked for.
+    """A step's seed: given, or drawn from a generator when first asked for.
 
-    A seed drawn for an operation that then drew nothing (a dropout of p = 0)
-    is given back (:meth:`undraw`): whether a step consumes the generator
-    depends only on whether the model drew, never on how pipesched seeded it.
+    The step's seed is drawn from torch's default CPU generator; a user's
+    generator that the step's operations draw from gets a seed of its own,
+    drawn from it (:meth:`of`). A seed drawn for an operation that then drew
+    nothing (a dropout of p = 0) is given back (:meth:`undraw`): whether a
+    step consumes a generator depends only on whether the model drew from it,
+    never on how pipesched seeded it.
 
     Args:
         value: the seed (every rank of a mesh must use one value); None: draw it lazily.
+        generator: where it is drawn from; None: torch's default CPU generator.
 
     Attributes:
-        transition: the CPU generator's state just before and just after the
+        transition: the generator's state just before and just after the
             draw (None: not drawn here), so a tripwire can tell it from an
             unseeded draw.
     """
 
-    def __init__(self, value: int | None = None) -> None:
+    def __init__(self, value: int | None = None, generator: torch.Generator | None = None) -> None:
         self._value = value
         self._given = value is not None
+        self.generator = generator
         self.transition: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._users: dict[int, StepSeed] = {}  # user's generator (generator_key) -> its seed
 
     @property
     def drawn(self) -> bool:
@@ -115,23 +131,52 @@ class StepSeed:
         """The seed, drawing it on the first call (thread-safe)."""
         with LOCK:
             if self._value is None:
-                before = torch.default_generator.get_state()
-                self._value = draw_seed()
-                self.transition = (before, torch.default_generator.get_state())
+                generator = self.generator or torch.default_generator
+                before = generator.get_state()
+                self._value = draw_seed(self.generator)
+                self.transition = (before, generator.get_state())
             return self._value
 
     def undraw(self) -> None:
-        """Gives a drawn seed back: the CPU generator returns to its state before the draw."""
+        """Gives a drawn seed back: its generator returns to its state before the draw."""
         with LOCK:
             if not self._given and self.transition is not None:
-                torch.default_generator.set_state(self.transition[0])
+                (self.generator or torch.default_generator).set_state(self.transition[0])
                 self._value = None
 
+    def of(self, generator: torch.Generator) -> StepSeed:
+        """The step's seed for draws from ``generator`` (a user's own), drawn from it lazily."""
+        key = generator_key(generator)
+        seed = self._users.get(key)
+        if seed is None:
+            with LOCK:
+                seed = self._users.setdefault(key, StepSeed(generator=generator))
+        return seed
+
+    def seen(self, generator: torch.Generator) -> StepSeed | None:
+        """The seed of ``generator`` this step, if one was asked for (:meth:`of`)."""
+        return self._users.get(generator_key(generator))
+
+    def put_back(self) -> None:
+        """A failed step: every user's generator it drew a seed from goes back (not the CPU's:
+        the step's transaction restores that one)."""
+        for seed in self._users.values():
+            seed.undraw()
+
     def explains(self, before: torch.Tensor, after: torch.Tensor) -> bool:
-        """Whether the CPU generator going from ``before`` to ``after`` is this seed's draw."""
+        """Whether the generator going from ``before`` to ``after`` is this seed's draw."""
         if self.transition is None:
             return False
         return all(any(same_state(s, t) for t in self.transition) for s in (before, after))
+
+
+def generator_key(generator: torch.Generator) -> int:
+    """Which generator ``generator`` is: the C++ object's address.
+
+    Why not ``id``: the dispatcher hands an operation's ``generator=`` to a
+    dispatch mode as a new Python object for the same generator.
+    """
+    return int(getattr(generator, "_cdata", id(generator)))
 
 
 def same_state(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -143,9 +188,11 @@ def same_state(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(a.numpy().tobytes() == b.numpy().tobytes())
 
 
-def draw_seed() -> int:
-    """A 62-bit seed from torch's default CPU generator."""
-    return int(torch.randint(0, 2**62, ()).item())
+def draw_seed(generator: torch.Generator | None = None) -> int:
+    """A 62-bit seed from ``generator`` (None: torch's default CPU generator)."""
+    if generator is None:
+        return int(torch.randint(0, 2**62, ()).item())
+    return int(torch.randint(0, 2**62, (), generator=generator, device=generator.device).item())
 
 
 def module_names(
@@ -191,6 +238,7 @@ class DrawContext:
             (None: no named module); a dropout of p = 0 draws none.
         checkpointed: a draw ran inside ``torch.utils.checkpoint`` (the model
             checkpoints itself): its backward recomputes, and must be seeded.
+        users: the user's own generators drawn from (``generator=``), by :func:`generator_key`.
     """
 
     def __init__(
@@ -209,8 +257,11 @@ class DrawContext:
         self.counts: dict[tuple[str, str], int] = {}
         self.drawn: dict[int, nn.Module | None] = {}
         self.checkpointed = False
+        self.users: dict[int, torch.Generator] = {}
 
-    def seed_for(self, frame: FrameType | None) -> tuple[int, nn.Module | None]:
+    def seed_for(
+        self, frame: FrameType | None, user: StepSeed | None = None
+    ) -> tuple[int, nn.Module | None]:
         """The seed of the next draw made from ``frame``: (step, micro-batch, place, count).
 
         The place is the innermost of the model's named modules running a
@@ -220,6 +271,12 @@ class DrawContext:
         forward did.
         Sets :attr:`checkpointed` when the draw is inside a ``torch.utils.checkpoint``
         that the pass runs (pipesched's own checkpoint of a stage runs the pass).
+
+        Args:
+            frame: where the draw is made.
+            user: the seed of the user's generator the draw names
+                (:meth:`StepSeed.of`); None: a draw from a default generator.
+                Its draws are counted apart.
 
         Returns the seed and that module (None: none).
         """
@@ -234,11 +291,12 @@ class DrawContext:
                 self.checkpointed = True
                 break
             frame = frame.f_back
-        key = (self.place, name)
+        key = (self.place, name) if user is None else (self.place, name + "#generator")
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
+        value = (self.seed if user is None else user).get()
         digest = hashlib.blake2b(
-            repr((self.seed.get(), self.microbatch, key, count)).encode(), digest_size=8
+            repr((value, self.microbatch, key, count)).encode(), digest_size=8
         ).digest()
         return int.from_bytes(digest, "little") >> 1, innermost
 
@@ -249,8 +307,9 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
     Operations tagged ``nondeterministic_seeded`` draw from this thread's
     own generator, seeded (or, lacking a ``generator=`` argument, from their
     device's default generator, seeded under a process-wide lock and
-    restored afterwards). Operations given an explicit ``generator=`` are
-    left alone.
+    restored afterwards). Operations given an explicit ``generator=`` draw
+    from this thread's own generator too, seeded from the step's seed of
+    that generator (see the module), which is left otherwise alone.
 
     Args:
         context: the stage forward the draws belong to.
@@ -268,14 +327,19 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if _SEEDED not in func.tags or kwargs.get("generator") is not None:
+        if _SEEDED not in func.tags:
             return func(*args, **kwargs)
         context = self.context
-        fresh = not context.seed.drawn
+        given: torch.Generator | None = kwargs.get("generator")
+        user = None if given is None else context.seed.of(given)
+        step_seed = context.seed if user is None else user
+        fresh = not step_seed.drawn
         with LOCK if fresh else nullcontext():  # a seed drawn here is given back atomically
-            seed, module = context.seed_for(sys._getframe(1))
-            device = _device(args, kwargs)
-            if _takes_generator(func):  # a private generator: the shared one is never touched
+            seed, module = context.seed_for(sys._getframe(1), user)
+            if given is not None:
+                context.users[generator_key(given)] = given
+            device = _device(args, kwargs) if given is None else given.device
+            if given is not None or _takes_generator(func):  # a private generator, seeded
                 generator = _private_generator(device)
                 generator.manual_seed(seed)
                 seeded = generator.get_state()
@@ -295,7 +359,7 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if drew:
                 context.drawn[id(module)] = module
             elif fresh:
-                context.seed.undraw()
+                step_seed.undraw()
             return result
 
 

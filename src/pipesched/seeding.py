@@ -48,7 +48,15 @@ from torch import nn
 
 from pipesched.errors import PipeschedError
 from pipesched.internals import global_module_hooks, has_module_hooks
-from pipesched.rng import LOCK, DrawContext, SeededRandomness, StepSeed, generator_of, same_state
+from pipesched.rng import (
+    LOCK,
+    DrawContext,
+    SeededRandomness,
+    StepSeed,
+    generator_key,
+    generator_of,
+    same_state,
+)
 
 __all__ = ["StageSeeding", "UnseededDraws", "draws_nothing", "loss_draws_nothing"]
 
@@ -101,8 +109,11 @@ def draws_nothing(module: nn.Module) -> bool:
 class UnseededDraws(PipeschedError, RuntimeError):
     """A stage drew random numbers while its seeding was off; the pipeline reruns the step.
 
-    Seen by users only when a rerun trips again: another thread drew from
-    torch's default generator while the pipeline ran.
+    Seen by users only when the rerun, every pass of every stage seeded
+    throughout, trips again: a draw pipesched cannot seed (one made on
+    another thread, such as an autograd thread of another device running a
+    backward, or another thread of the program drawing from torch's default
+    generator, or from a generator a stage uses, while the step ran).
     """
 
 
@@ -163,11 +174,15 @@ class StageSeeding:
         deferred: a tripwire that trips marks the step :attr:`spoiled`
             instead of raising (a mesh: every rank finishes the step, then the
             ranks agree on a rerun).
+        label: what the stage is called in messages (``"stage 1"``).
 
     Attributes:
         recomputes: the stage's backward draws too (the model checkpoints
-            itself, so backward recomputes its forward): backwards are seeded
-            like forwards.
+            itself, so backward recomputes its forward, or an autograd
+            Function's backward or a gradient hook draws): backwards are
+            seeded like forwards.
+        checkpoints: the model checkpoints itself inside the stage
+            (``torch.utils.checkpoint``, seen in a seeded pass).
         spoiled: ``deferred`` only: a tripwire tripped in this step (reset by
             :meth:`begin`).
     """
@@ -181,8 +196,10 @@ class StageSeeding:
         adaptive: bool,
         loss: bool = False,
         deferred: bool = False,
+        label: str = "a stage",
     ) -> None:
         self.names = names
+        self.label = label
         self.deferred = deferred
         self.spoiled = False
         self.module = module
@@ -193,6 +210,10 @@ class StageSeeding:
         self.permanent = not adaptive
         self.strikes = 0
         self.recomputes = False
+        self.checkpoints = False
+        self.probing = False  # a rerun: backwards seeded throughout too, a trip is the user's
+        self.users: dict[int, torch.Generator] = {}  # users' generators the tripwire watches
+        self._scanned = False  # whether the modules were searched for generators (begin())
         self.full = {True: True, False: True}  # per training mode: seed the whole forward
         self.hooked: dict[int, list[Any]] = {}
         self._learning: set[bool] = set()  # modes seeded throughout since the last settle()
@@ -219,14 +240,24 @@ class StageSeeding:
         """
         self._quiet = self.plain and draws_nothing(self.module)
         self.spoiled = False
+        if not self._scanned:  # the modules' own generators are watched from the first step
+            self._scanned = True
+            self.users.update((generator_key(g), g) for g in _generators_in(self.module))
 
     def end(self) -> None:
         """The step has ended: passes outside a step read the stage again each time."""
         self._quiet = None
 
     def probe(self) -> None:
-        """Before a rerun: every forward of the step is seeded throughout (and learned from)."""
+        """Before a rerun: every pass of the step is seeded throughout (and learned from).
+
+        Backwards too: the draw that tripped may have been in another stage's
+        backward (an autograd Function drawing there) that the failed run
+        never reached.
+        """
         self.full = {True: True, False: True}
+        self.probing = True
+        self._scanned = False
 
     def settle(self, *, pin: bool = False) -> None:
         """After a step: from now on, seeding only in the modules seen drawing.
@@ -236,6 +267,7 @@ class StageSeeding:
                 pipeline checkpoints itself: torch's recomputation moves the
                 shared generator from its thread, which would trip others).
         """
+        self.probing = False
         if pin:
             self.permanent = True
             self.full = {True: True, False: True}
@@ -286,45 +318,102 @@ class StageSeeding:
         mode = _thread.mode
         if mode is not None:  # nested (a recomputation inside a backward): the inner pass keys
             outer, mode.context = mode.context, context
+        seeded = self.recomputes or self.probing if backward else self.full[training]
         try:
-            if mode is not None or (self.recomputes if backward else self.full[training]):
+            if mode is not None or seeded:
+                # In the rerun, seeded passes are watched too: a draw no seeding reaches (on
+                # another thread) fails the step with what to change, not silently.
+                watch = self.probing and mode is None and not self.checkpoints
+                users = list(self.users.values()) if watch else []
+                before = self._states(users) if watch else []
                 with _seeded(context):
                     yield
+                if watch and not self._explained(seed, users, before, self._states(users)):
+                    if self.deferred:
+                        self.spoiled = True
+                    else:
+                        raise UnseededDraws(self._tripped(microbatch, backward))
+                if backward and context.drawn:  # a recomputation, or a draw in backward
+                    self.recomputes = True
                 self._learn(context, training)
             elif backward and self.permanent:  # seeded throughout, for good: no tripwire
                 yield
             else:
-                before = self._states()
+                users = list(self.users.values())
+                before = self._states(users)
                 yield
-                after = self._states()
-                cpu = seed.explains(before[0], after[0]) or same_state(before[0], after[0])
-                if not (cpu and all(map(same_state, before[1:], after[1:]))):
+                after = self._states(users)
+                if not self._explained(seed, users, before, after):
                     if self.spoiled:  # deferred, tripped already: the step reruns anyway
                         return  # (a recomputation of the same draw teaches nothing)
                     self.strikes += 1
                     self.permanent = self.permanent or self.strikes >= _STRIKES
-                    self.recomputes = self.recomputes or backward
                     if self.deferred:
                         self.spoiled = True
                         return
-                    raise UnseededDraws(
-                        f"micro-batch {microbatch} drew random numbers where none were seen "
-                        "before: the step is rerun with seeding on throughout (a second time "
-                        "means another thread drew from torch's default generator meanwhile)"
-                    )
+                    raise UnseededDraws(self._tripped(microbatch, backward))
         finally:
             _thread.context = previous
             if mode is not None:
                 mode.context = outer
+            self.checkpoints = self.checkpoints or context.checkpointed
             self.recomputes = self.recomputes or context.checkpointed
 
-    def _states(self) -> list[torch.Tensor]:
+    def _states(self, users: list[torch.Generator]) -> list[torch.Tensor]:
         with LOCK:
-            return [g.get_state() for g in self.generators]
+            return [g.get_state() for g in (*self.generators, *users)]
+
+    def _explained(
+        self,
+        seed: StepSeed,
+        users: list[torch.Generator],
+        before: list[torch.Tensor],
+        after: list[torch.Tensor],
+    ) -> bool:
+        """Whether every watched generator is where it was, or moved only by a step seed's draw."""
+        if not (seed.explains(before[0], after[0]) or same_state(before[0], after[0])):
+            return False
+        k = len(self.generators)
+        if not all(map(same_state, before[1:k], after[1:k])):
+            return False
+        for g, b, a in zip(users, before[k:], after[k:], strict=True):
+            own = seed.seen(g)
+            if not (same_state(b, a) or (own is not None and own.explains(b, a))):
+                return False
+        return True
+
+    def _tripped(self, microbatch: int, backward: bool) -> str:
+        """What an unseeded draw means: a rerun (first time), or what the user must change."""
+        where = "backward" if backward else "forward"
+        if not self.probing:
+            # Caught by the stepper, which reruns the step seeded throughout.
+            return (
+                f"{self.label} drew random numbers in its {where} of micro-batch {microbatch} "
+                "where none were seen before: the step is rerun with seeding on throughout"
+            )
+        if backward:
+            return (
+                f"{self.label} drew random numbers in its backward of micro-batch {microbatch} "
+                "(in an autograd.Function's backward or a gradient hook) that pipesched could "
+                "not seed, though the step was rerun with every pass seeded: the draw ran on "
+                "a thread other than the stage's (an autograd thread of another device), so "
+                "recomputation and a split (zero-bubble) backward cannot replay it and runs "
+                "would not repeat. Draw the noise in the forward and save it for backward "
+                "(ctx.save_for_backward), or draw in backward from a torch.Generator of your "
+                "own seeded from the forward's; the step was put back"
+            )
+        return (
+            f"{self.label} drew random numbers in its forward of micro-batch {microbatch} "
+            "that pipesched could not seed, though the step was rerun with every pass seeded: "
+            "another thread of the program drew from torch's default generator (or from a "
+            "generator this stage uses) while the step ran. Give that thread a "
+            "torch.Generator of its own; the step was put back"
+        )
 
     def _learn(self, context: DrawContext, training: bool) -> None:
         """After a pass seeded throughout: hooks on the modules that drew (:meth:`settle`)."""
         self._learning.add(training)
+        self.users.update(context.users)  # watched by the tripwire from now on
         if self.permanent:
             return
         if any(module is None for module in context.drawn.values()):
@@ -336,6 +425,16 @@ class StageSeeding:
                     module.register_forward_pre_hook(_enter, prepend=True),
                     module.register_forward_hook(_exit, always_call=True),
                 ]
+
+
+def _generators_in(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` attributes of ``module``'s modules (``self.g``)."""
+    return [
+        value
+        for m in module.modules()
+        for value in vars(m).values()
+        if isinstance(value, torch.Generator)
+    ]
 
 
 @contextmanager

@@ -68,12 +68,15 @@ class Stepper:
         names = module_names(model, stages, extra_names)
         passes, deferred = runtime.passes, agree is not None
         passes.seeding = [
-            StageSeeding(names[s], stage, devices[s], adaptive=True, deferred=deferred)
+            StageSeeding(
+                names[s], stage, devices[s], adaptive=True, deferred=deferred, label=f"stage {s}"
+            )
             for s, stage in enumerate(stages)
         ]
         passes.loss_seeding = StageSeeding(
-            {}, stages[-1], devices[-1], adaptive=True, loss=True, deferred=deferred
-        )
+            {}, stages[-1], devices[-1], adaptive=True, loss=True, deferred=deferred,
+            label="the loss_fn",
+        )  # fmt: skip
         self.runtime = runtime
         self.seedings = [*passes.seeding, passes.loss_seeding]
         self.model = model
@@ -148,10 +151,13 @@ class Stepper:
             if self.agree is not None and self.agree(any(s.spoiled for s in self.seedings)):
                 raise UnseededDraws(  # seen only after the rerun: run() catches the first
                     "a stage on some rank drew random numbers where none were seen before, "
-                    "in a step already rerun with every stage seeded throughout: another "
-                    "thread drew from torch's default generator while the step ran (the "
-                    "step was put back on every rank; give that thread a torch.Generator "
-                    "of its own)"
+                    "in a step already rerun with every pass of every stage seeded "
+                    "throughout: the draw ran where pipesched cannot seed it (another thread "
+                    "of the program drawing from torch's default generator, or from a "
+                    "generator a stage uses, while the step ran; or an autograd.Function's "
+                    "backward or a gradient hook run by an autograd thread of another device). "
+                    "The step was put back on every rank; give that thread a torch.Generator "
+                    "of its own, or draw the backward's noise in the forward and save it"
                 )
             self.finish()
             _settle_generators(start, run.seed, snapshot.rng[1])
@@ -164,9 +170,11 @@ class Stepper:
             self._snapshot = None
         with deferred_interrupts():
             snapshot.commit()
-        recomputes = any(s.recomputes for s in self.seedings)
+        # Only torch's own recomputation moves the shared generator (a draw in backward is
+        # seeded on the stage's private generator): only it pins every stage.
+        checkpoints = any(s.checkpoints for s in self.seedings)
         for seeding in self.seedings:
-            seeding.settle(pin=recomputes)
+            seeding.settle(pin=checkpoints)
         return run
 
 

@@ -8,7 +8,8 @@ Scenarios (argv[1]):
   must rerun with it. Each rank runs the steps twice, learning (tripwires) and
   seeded throughout, and saves both.
 - "failed-rerun" (pp=2, dp=2, windows of 2 steps): at a window's last step
-  ``LateNoise`` draws in forward and in backward, so the rerun trips again and
+  ``LateNoise`` draws in forward and in backward, the latter on another thread
+  (as an autograd thread of a device would), so the rerun trips again and
   the step fails (UnseededDraws) on every rank; ``flush()`` then ends the
   window as if that step never ran. Saved: that run and one that skips the step.
 """
@@ -16,6 +17,7 @@ Scenarios (argv[1]):
 from __future__ import annotations
 
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -41,7 +43,13 @@ class BackwardNoise(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: object, g: torch.Tensor) -> torch.Tensor:
-        return g * (1 + 0.1 * torch.rand(()))
+        # Drawn on another thread, as an autograd thread of a CUDA device would: no seeding
+        # reaches it (one on the stage's thread is seeded in the rerun).
+        noise: list[torch.Tensor] = []
+        thread = threading.Thread(target=lambda: noise.append(torch.rand(())))
+        thread.start()
+        thread.join()
+        return g * (1 + 0.1 * noise[0])
 
 
 class LateNoise(nn.Module):

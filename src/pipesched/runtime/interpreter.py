@@ -124,15 +124,27 @@ class Interpreter:
         previous_threads = torch.get_num_threads()
         errors: list[tuple[BaseException, Action, int]] = []
         self.passes.begin()
+        # Stages in several threads: tied weights' contributions summed in stage order.
+        tied = self.passes.tied if len(jobs) > 1 and detach and not forward_only else None
+        if tied is not None:
+            tied.begin()
         try:
             if len(jobs) == 1:  # one worker (a rank of a mesh): no thread to hand over to
                 self._work(*jobs[0], schedule, state, transport, threads, origin, errors)
             else:
                 self._start_threads(jobs, schedule, state, transport, threads, origin, errors)
+            if tied is not None and not errors:
+                tied.finish()
+        except BaseException:
+            state.seed.put_back()  # users' generators as before the step
+            raise
         finally:
+            if tied is not None:
+                tied.end()
             self.passes.end()
             torch.set_num_threads(previous_threads)
         if errors:
+            state.seed.put_back()
             error, action, worker = errors[0]
             error.add_note(
                 f"pipesched: raised by stage {action.stage} on micro-batch {action.microbatch} "

@@ -25,6 +25,7 @@ from pipesched.rng import StepSeed
 from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
 from pipesched.runtime.streams import Stream, copy_to, new_stream
+from pipesched.runtime.tied import TiedGradients
 from pipesched.schedule import Event, Timeline
 from pipesched.seeding import StageSeeding, loss_draws_nothing
 from pipesched.tree import map_tensors, tensors
@@ -120,6 +121,8 @@ class StagePasses:
             {}, _modules(self.stages)[-1], cpu, adaptive=False, loss=True
         )
         """How the loss function's random draws are seeded."""
+        self.tied = TiedGradients(self.stages)
+        """Shared parameters' gradients, summed in stage order (steps in several threads)."""
         self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
         """Optional: a context manager entered around each forward of stage ``s``
         (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
@@ -161,7 +164,7 @@ class StagePasses:
         else:
             with self.forward_context(s):
                 y = self._run(s, i, x, state, fused)
-        if not state.detach and self.seeding[s].recomputes and torch.is_grad_enabled():
+        if not state.detach and self.seeding[s].checkpoints and torch.is_grad_enabled():
             raise ConfigError(
                 f"stage {s} checkpoints itself (torch.utils.checkpoint) around random "
                 "operations: the backward you run after pipe(x) would recompute them with "
@@ -203,14 +206,25 @@ class StagePasses:
         if i < (stop if isinstance(stop, int) else stop[s]) and torch.is_grad_enabled():
             # No RNG replay: _Seeded reseeds random operations itself, and torch's
             # replay sets the process-wide generator unlocked (racing other stages).
-            seeded = _Seeded(stage, seeding, state.seed, i, fused)  # type: ignore[arg-type]
+            seeded = _Seeded(stage, seeding, state.seed, i, fused, own=state.detach)  # type: ignore[arg-type]
             return checkpoint(seeded, x, preserve_rng_state=False)
+        handed: list[tuple[torch.Tensor, torch.Tensor]] = []
+        if state.detach:  # the stage may modify its input in place, as in the plain model
+            x = _hand_over(x, handed)
         # What _Seeded.forward does, without building a module per micro-batch.
         if fused:
             with seeding.forward(state.seed, i), FusedLinearMode(fused):
-                return stage(x)  # type: ignore[misc]
-        with seeding.forward(state.seed, i):
-            return stage(x)  # type: ignore[misc]
+                y = stage(x)  # type: ignore[misc]
+        else:
+            with seeding.forward(state.seed, i):
+                y = stage(x)  # type: ignore[misc]
+        for received, given in handed:
+            # Modified in place: what an earlier stage saved from that data must see it (not
+            # stage 0's micro-batch: a view sharing its version with the others, saved by
+            # their checkpoints; the user's input was saved by no stage).
+            if given._version and s > 0:
+                torch.autograd.graph.increment_version(received)
+        return y
 
     def backward(self, s: int, i: int, grads: Any, state: StepState) -> list[torch.Tensor | None]:
         """B: stage ``s``'s backward for micro-batch ``i`` from its output gradients ``grads``.
@@ -235,7 +249,8 @@ class StagePasses:
             ]
             outputs, given = [t for t, _ in pairs], [g for _, g in pairs]
         inputs = [x] if isinstance(x, torch.Tensor) else list(tensors(x))
-        with self.seeding[s].backward(state.seed, i):  # the model's own checkpoints recompute
+        tied = self.tied.stage(s) if self.tied.active else nullcontext()
+        with tied, self.seeding[s].backward(state.seed, i):  # the model's checkpoints recompute
             if state.split_backward:
                 input_grads, pending = backward_input(outputs, given, inputs)
                 state.pending_weights[s, i] = pending
@@ -245,7 +260,8 @@ class StagePasses:
 
     def weight(self, s: int, i: int, state: StepState) -> None:
         """W: the weight gradients B of stage ``s``, micro-batch ``i`` left pending."""
-        with self.seeding[s].backward(state.seed, i):
+        tied = self.tied.stage(s) if self.tied.active else nullcontext()
+        with tied, self.seeding[s].backward(state.seed, i):
             state.pending_weights.pop((s, i)).run()
 
 
@@ -284,19 +300,55 @@ class _Seeded(nn.Module):
         seed: StepSeed,
         microbatch: int,
         fused: frozenset[int] | None,
+        *,
+        own: bool = False,
     ) -> None:
         super().__init__()
         self.stage = stage
         self.seeding, self.seed, self.microbatch = seeding, seed, microbatch
         self.fused = fused
+        self.own = own
 
     def forward(self, x: Any) -> Any:
+        if self.own:  # a copy of its own: the recomputation must see the input unmodified
+            x = map_tensors(x, _own_copy)
         with self.seeding.forward(self.seed, self.microbatch), _fusing(self.fused):
             return self.stage(x)
 
 
 def _fusing(fused: frozenset[int] | None) -> AbstractContextManager[Any]:
     return FusedLinearMode(fused) if fused else nullcontext()
+
+
+def _hand_over(x: Any, handed: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """``x`` as a stage may receive it: tensors it may modify in place, as in the plain model.
+
+    Why: a stage's input is a leaf that requires grad (in-place ops on it are
+    refused), or stage 0's micro-batch, a view sharing one version counter
+    with every other micro-batch of the input (modifying one spoils the
+    others' saved tensors). Each plain tensor is given as an ``_unsafe_view``
+    of itself: no copy, the same data, a node the gradient flows through, and
+    a version counter of its own. The pairs ``(received, given)`` are
+    appended to ``handed``: where ``given`` was modified, the caller bumps
+    ``received``'s version, so a tensor an earlier stage saved from that data
+    is refused in backward as the plain model would refuse it.
+    """
+
+    def hand(t: torch.Tensor) -> torch.Tensor:
+        if type(t) is not torch.Tensor or t.layout != torch.strided:
+            return t
+        given: torch.Tensor = torch.ops.aten._unsafe_view(t, t.shape)
+        handed.append((t, given))
+        return given
+
+    if isinstance(x, torch.Tensor):
+        return hand(x)
+    return map_tensors(x, hand)
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy a checkpointed stage may modify (plain tensors; the gradient flows through)."""
+    return t.clone() if type(t) is torch.Tensor and t.layout == torch.strided else t
 
 
 def _fresh_leaf(t: torch.Tensor) -> torch.Tensor:
