@@ -26,6 +26,8 @@ micro-batches it had.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -254,7 +256,7 @@ class DeferredBatchNorm(_BatchNorm):
         return replacement
 
 
-def is_plain_batch_norm(module: nn.Module) -> bool:
+def is_plain_batch_norm(module: nn.Module) -> TypeGuard[_BatchNorm]:
     """Whether ``module`` is a BatchNorm whose ``forward`` is torch's own, and nothing more.
 
     A layer is what its code does, not what its class is called: a

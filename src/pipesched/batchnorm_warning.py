@@ -139,7 +139,7 @@ def _message(names: list[str], own: list[str], rows: list[int], chunks: int) -> 
         "deferred_batch_norm=True (running statistics of the whole batch; normalization "
         "stays per micro-batch, and this warning is not shown); GroupNorm or LayerNorm "
         "instead of BatchNorm (per sample: no batch dependence); larger micro-batches "
-        f"(fewer chunks) for statistics closer to the batch's.{subclasses} Shown once per Pipeline; "
-        "silence it with warnings.filterwarnings('ignore', "
+        f"(fewer chunks) for statistics closer to the batch's.{subclasses} Shown once per "
+        "Pipeline; silence it with warnings.filterwarnings('ignore', "
         "category=pipesched.MicroBatchNormWarning)."
     )

@@ -1,4 +1,4 @@
-"""A layer is split by what its code does: a BatchNorm subclass with its own forward runs as written."""
+"""Layers are split by what their code does: a BatchNorm subclass with its own forward runs it."""
 
 from __future__ import annotations
 
@@ -120,7 +120,8 @@ def test_batchnorm_subclass_in_training_equals_the_plain_model_per_microbatch(ki
         loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
     subclass = piped.bn if kind == "traced" else piped[1]
     assert type(subclass) is BatchNormAct  # deferred_batch_norm leaves its forward in place
-    expected = sum(nn.functional.mse_loss(plain(a), b) for a, b in zip(x.chunk(4), y.chunk(4)))
+    pairs = zip(x.chunk(4), y.chunk(4), strict=True)
+    expected = sum(nn.functional.mse_loss(plain(a), b) for a, b in pairs)
     (expected / 4).backward()
     torch.testing.assert_close(loss, expected.detach() / 4, rtol=1e-12, atol=0)
     plain_params = dict(plain.named_parameters())
