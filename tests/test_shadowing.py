@@ -76,6 +76,12 @@ def test_a_model_named_like_pipeline_attributes_trains_and_keeps_its_names(make,
     saved = torch.load(path, weights_only=False)
     assert any(list(plain.state_dict()) == list(v) for v in _dicts(saved))  # the plain names
     pipe.load_state_dict(plain.state_dict())  # the plain model's checkpoint loads as it is
+    with torch.no_grad():
+        for p in pipe.parameters():
+            p.zero_()
+    acc.load(path)  # and the pipeline's own checkpoint loads back
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[name], value, rtol=1e-12, atol=0, msg=name)
 
 
 def test_shadowed_names_leave_the_pipelines_attributes_assignable():

@@ -153,3 +153,29 @@ def test_a_subclass_keeping_torchs_forward_stays_a_deferred_batchnorm(kind):
     reference = whole.bn if kind == "traced" else whole[1]
     torch.testing.assert_close(layer.running_mean, reference.running_mean, rtol=1e-12, atol=0)
     torch.testing.assert_close(layer.running_var, reference.running_var, rtol=1e-12, atol=0)
+
+
+class DropoutAct(nn.Dropout):
+    """A Dropout subclass whose forward adds a child's activation: also run as written."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__(p)
+        self.act = nn.Tanh()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(super().forward(x))
+
+
+def test_a_dropout_subclass_with_its_own_forward_in_eval_is_the_plain_model():
+    class Small(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.drop, self.b = nn.Linear(4, 8), DropoutAct(0.5), nn.Linear(8, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(self.drop(self.a(x)))
+
+    plain, piped = _pair(Small)
+    x = torch.randn(6, 4)
+    pipe = Pipeline(piped.eval(), chunks=1, devices=["cpu"] * 2, example_inputs=(x[:2],))
+    assert torch.equal(pipe(x), plain.eval()(x))
