@@ -25,8 +25,11 @@ and computed from a pooled value (``x - x.mean(0)``), or when a scan along a
 batch dim makes it (softmax, cumsum, sort, flip, roll over dim 0).
 BatchNorm's operations count as per sample here: their coupling is told by
 :mod:`pipesched.batchnorm_warning`. Sizes are read as traced, before the
-trace pinned any (CLIP's ``len(logits)`` fixes its batch to the example's,
-but every size still names the symbol it came from). What this cannot see: a nonlinear
+trace pinned any: CLIP's ``len(logits)`` fixes its batch to the example's
+size, but every value computed before that still names the batch's symbol
+(values computed after it carry plain numbers, count as not indexed by the
+batch, and so are coupled only through their inputs: a pin never makes an
+output coupled, it can only hide one). What this cannot see: a nonlinear
 function of pooled values (``exp(loss)``, a product of two batch means) is
 taken for a mean over samples. Where the batch was never symbolic (nothing
 to tell by), no output counts as coupled.
