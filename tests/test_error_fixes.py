@@ -40,28 +40,6 @@ class _Net(nn.Module):
         return self.b(torch.relu(self.a(x)))
 
 
-class _Clash(nn.Module):
-    """A model with a child named like a Pipeline attribute."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.partition, self.b = nn.Linear(4, 8), nn.Linear(8, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.b(self.partition(x))
-
-
-class _Holder(nn.Module):
-    """The fix the clash's message suggests: self.model = model."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.model(x)
-
-
 def _trains(pipe: Pipeline) -> None:
     loss = pipe.step(*_batch(), loss_fn=mse)
     assert torch.isfinite(loss)
@@ -113,15 +91,6 @@ FIXES: dict[str, Fix] = {
         lambda: _trains(
             Pipeline(
                 _Net(), 2, devices=["cpu", "cpu"], example_inputs=(torch.randn(3, 4),), num_stages=2
-            )
-        ),
-    ),
-    "attribute clash": Fix(
-        lambda: Pipeline(_Clash(), 2, devices=["cpu", "cpu"], example_inputs=(torch.randn(3, 4),)),
-        "(e.g. self.model = model)",
-        lambda: _trains(
-            Pipeline(
-                _Holder(_Clash()), 2, devices=["cpu", "cpu"], example_inputs=(torch.randn(3, 4),)
             )
         ),
     ),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 # needs torch loads on first use, so `import pipesched.schedule` (and the CLI's
 # schedule commands) never import torch; a test checks it.
 from pipesched.errors import (
+    BatchCoupledWarning,
     CheckpointError,
     ConfigError,
     ConfigTypeError,
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Action",
+    "BatchCoupledWarning",
     "CheckpointError",
     "ConfigError",
     "ConfigTypeError",

@@ -32,13 +32,14 @@ from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
 from pipesched.runtime.interpreter import Runtime
 from pipesched.runtime.local import LocalRuntime
+from pipesched.shadowing import register_named
 from pipesched.stepper import Stepper
 from pipesched.tree import map_tensors, tensors
 
 if TYPE_CHECKING:
     from pipesched.pipeline import Pipeline
 
-__all__ = ["MAX_CUTS", "Assemblies", "Assembly", "assemble", "check_free", "register_model"]
+__all__ = ["MAX_CUTS", "Assemblies", "Assembly", "assemble", "register_model"]
 
 MAX_CUTS = 8
 """Traces one pipeline keeps at most (kinds of call x training modes): more is a ConfigError."""
@@ -344,8 +345,7 @@ class Assemblies:
         if isinstance(self._model, nn.Sequential):
             for s in own:
                 for name, layer in sequential_layers(stages[s]):
-                    check_free(self._pipe, name)
-                    self._pipe.add_module(name, layer)
+                    register_named(self._pipe, name, layer)
 
     def running_here(self) -> bool:
         """Whether the calling thread is one of the workers, inside a step."""
@@ -384,24 +384,9 @@ class Assemblies:
 def register_model(pipe: nn.Module, module: nn.Module) -> None:
     """Registers ``module``'s children, parameters and buffers on ``pipe``, under their names."""
     for name, layer in module.named_children():
-        check_free(pipe, name)
-        pipe.add_module(name, layer)
+        register_named(pipe, name, layer)
     for name, param in module.named_parameters(recurse=False):
-        check_free(pipe, name)
-        pipe.register_parameter(name, param)
+        register_named(pipe, name, param)
     for name, buffer in module.named_buffers(recurse=False):
-        check_free(pipe, name)
-        pipe.register_buffer(
-            name, buffer, persistent=name not in module._non_persistent_buffers_set
-        )
-
-
-def check_free(pipe: nn.Module, name: str) -> None:
-    """Raises ConfigError if ``name`` is already a Pipeline attribute (not calling properties)."""
-    held = (pipe.__dict__, pipe._modules, pipe._parameters, pipe._buffers)
-    if hasattr(type(pipe), name) or any(name in names for names in held):
-        raise ConfigError(
-            f"the model has a submodule or parameter named {name!r}, which is also a Pipeline "
-            "attribute; rename it, or wrap the model in an nn.Module that holds it under another "
-            "name (e.g. self.model = model)"
-        )
+        persistent = name not in module._non_persistent_buffers_set
+        register_named(pipe, name, buffer, persistent=persistent)

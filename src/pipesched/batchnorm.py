@@ -26,6 +26,8 @@ micro-batches it had.
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -35,7 +37,7 @@ from torch.nn.modules.lazy import LazyModuleMixin
 from pipesched.checkpoint import is_recomputing
 from pipesched.errors import ConfigError
 
-__all__ = ["DeferredBatchNorm", "commit_all"]
+__all__ = ["DeferredBatchNorm", "commit_all", "is_plain_batch_norm"]
 
 
 class DeferredBatchNorm(_BatchNorm):
@@ -200,8 +202,11 @@ class DeferredBatchNorm(_BatchNorm):
         ``affine``, ``track_running_stats`` and the training mode, and takes
         over the very parameter and buffer tensors of the BatchNorm it
         replaces, so an optimizer built before the conversion still updates
-        them. ``SyncBatchNorm`` and existing DeferredBatchNorms are left as
-        they are. Children are replaced in place, like
+        them. Only a plain BatchNorm is replaced (:func:`is_plain_batch_norm`:
+        its ``forward`` is torch's): a subclass with a ``forward`` of its own
+        (timm's ``BatchNormAct2d`` normalizes, then applies an activation) is
+        left as it is, its code running as written, as are ``SyncBatchNorm``
+        and existing DeferredBatchNorms. Children are replaced in place, like
         ``nn.SyncBatchNorm.convert_sync_batchnorm``.
 
         Args:
@@ -220,7 +225,7 @@ class DeferredBatchNorm(_BatchNorm):
             'DeferredBatchNorm'
         """
         output = module
-        if isinstance(module, _BatchNorm) and not isinstance(module, (cls, nn.SyncBatchNorm)):
+        if is_plain_batch_norm(module):
             output = cls._replace(module)
         for name, child in module.named_children():
             output.add_module(name, cls.convert(child))
@@ -249,6 +254,26 @@ class DeferredBatchNorm(_BatchNorm):
             replacement.register_buffer(name, getattr(bn, name))
         replacement.train(bn.training)
         return replacement
+
+
+def is_plain_batch_norm(module: nn.Module) -> TypeGuard[_BatchNorm]:
+    """Whether ``module`` is a BatchNorm whose ``forward`` is torch's own, and nothing more.
+
+    A layer is what its code does, not what its class is called: a
+    ``_BatchNorm`` subclass that overrides ``forward`` (normalize, then an
+    activation or a dropout) is not a plain BatchNorm, and neither are
+    ``SyncBatchNorm`` (its own forward) and :class:`DeferredBatchNorm`.
+    Subclasses that keep torch's ``forward`` (``LazyBatchNorm2d``, or one
+    that only changes ``_check_input_dim``) are.
+
+    Example:
+        >>> class BatchNormReLU(nn.BatchNorm1d):
+        ...     def forward(self, x):
+        ...         return super().forward(x).relu()
+        >>> is_plain_batch_norm(nn.BatchNorm1d(2)), is_plain_batch_norm(BatchNormReLU(2))
+        (True, False)
+    """
+    return isinstance(module, _BatchNorm) and type(module).forward is _BatchNorm.forward
 
 
 def commit_all(module: nn.Module) -> None:

@@ -16,7 +16,11 @@ statistics in eval too). Not counted: BatchNorms in eval mode with running
 statistics (they normalize with those, whatever the batch); InstanceNorm,
 LayerNorm and GroupNorm (per sample); and :class:`~pipesched.DeferredBatchNorm`
 (``deferred_batch_norm=True``): choosing it is choosing per-micro-batch
-normalization with whole-batch running statistics. A step with one
+normalization with whole-batch running statistics. A BatchNorm subclass with
+a ``forward`` of its own (normalize, then an activation) counts even then:
+``deferred_batch_norm=True`` replaces only plain BatchNorms
+(:func:`~pipesched.batchnorm.is_plain_batch_norm`), so its running statistics
+move once per micro-batch, and the message says so. A step with one
 micro-batch (``chunks=1``, or a batch of one row) changes nothing and warns
 nothing.
 
@@ -34,7 +38,7 @@ from collections.abc import Sequence
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipesched.batchnorm import DeferredBatchNorm
+from pipesched.batchnorm import DeferredBatchNorm, is_plain_batch_norm
 from pipesched.errors import MicroBatchNormWarning, warn_user
 
 __all__ = ["MicroBatchNormWarning", "micro_batch_norms", "warn_micro_batch_norm"]
@@ -90,7 +94,15 @@ def warn_micro_batch_norm(pipeline: nn.Module, rows: Sequence[int]) -> None:
             return
         _warned.add(pipeline)
     chunks = getattr(pipeline, "chunks", len(rows))
-    warn_user(_message(names, list(rows), chunks), MicroBatchNormWarning)
+    own = [n for n in names if not is_plain_batch_norm(_layer(pipeline, n))]
+    warn_user(_message(names, own, list(rows), chunks), MicroBatchNormWarning)
+
+
+def _layer(pipeline: nn.Module, name: str) -> nn.Module:
+    try:
+        return pipeline.get_submodule(name)
+    except AttributeError:  # the pipeline itself, named by its type
+        return pipeline
 
 
 def _normalizes_batch(layer: nn.Module) -> bool:
@@ -99,7 +111,7 @@ def _normalizes_batch(layer: nn.Module) -> bool:
     return layer.training or (layer.running_mean is None and layer.running_var is None)
 
 
-def _message(names: list[str], rows: list[int], chunks: int) -> str:
+def _message(names: list[str], own: list[str], rows: list[int], chunks: int) -> str:
     shown = ", ".join(names[:_SHOWN_NAMES])
     if len(names) > _SHOWN_NAMES:
         shown += f" and {len(names) - _SHOWN_NAMES} more"
@@ -108,6 +120,17 @@ def _message(names: list[str], rows: list[int], chunks: int) -> str:
     low, high = min(rows), max(rows)
     size = f"{low}" if low == high else f"{low} to {high}"
     count = "" if len(rows) == chunks else f": {len(rows)} micro-batches"
+    subclasses = ""
+    if own:
+        listed = ", ".join(own[:_SHOWN_NAMES]) + (
+            f" and {len(own) - _SHOWN_NAMES} more" if len(own) > _SHOWN_NAMES else ""
+        )
+        subclasses = (
+            f" {listed} {'runs its' if len(own) == 1 else 'run their'} own forward (a BatchNorm "
+            "subclass): deferred_batch_norm=True leaves such a layer as it is, so its running "
+            "statistics move once per micro-batch whatever that option; for the whole batch's, "
+            "run it with chunks=1 or give it torch's BatchNorm forward."
+        )
     return (
         f"BatchNorm {layers} ({shown}) {verb} over micro-batches of {size} "
         f"row{'s' if high != 1 else ''} (batch {sum(rows)} / chunks {chunks}{count}), "
@@ -116,7 +139,7 @@ def _message(names: list[str], rows: list[int], chunks: int) -> str:
         "deferred_batch_norm=True (running statistics of the whole batch; normalization "
         "stays per micro-batch, and this warning is not shown); GroupNorm or LayerNorm "
         "instead of BatchNorm (per sample: no batch dependence); larger micro-batches "
-        "(fewer chunks) for statistics closer to the batch's. Shown once per Pipeline; "
-        "silence it with warnings.filterwarnings('ignore', "
+        f"(fewer chunks) for statistics closer to the batch's.{subclasses} Shown once per "
+        "Pipeline; silence it with warnings.filterwarnings('ignore', "
         "category=pipesched.MicroBatchNormWarning)."
     )

@@ -7,7 +7,9 @@ cut's stepper (one transaction, seeded), and gathers what comes back.
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -17,9 +19,10 @@ from pipesched.batches import StepBatches
 from pipesched.batchnorm_warning import warn_micro_batch_norm
 from pipesched.call import Call, one_call
 from pipesched.checkpoint import stage_stops
-from pipesched.errors import ConfigError
+from pipesched.errors import BatchCoupledWarning, ConfigError, warn_user
 from pipesched.hooks_warning import warn_gradient_hooks
 from pipesched.microbatch import batch_size, join_outputs, scatter
+from pipesched.partition.coupling import coupled_flags, coupled_paths
 from pipesched.partition.per_sample import leaf_paths, per_sample_flags
 from pipesched.partition.stage import TracedStage
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
@@ -67,11 +70,14 @@ def run_forward(pipe: Pipeline, batch: Any) -> Any:
     outputs = [run.outputs[i] for i in range(len(micro))]
     last = assembly.stages[-1]
     fixed: list[str] = []
+    coupled: list[str] = []
     if isinstance(last, TracedStage):  # the export says which outputs follow the batch
         paths = leaf_paths(outputs[0])
         if len(paths) == len(flags := per_sample_flags(last.traced)):
             fixed = [path for path, flag in zip(paths, flags, strict=True) if not flag]
-    return join_outputs(outputs, rows, "sum" if summed else "mean", fixed)
+        if len(paths) == len(mixed := coupled_flags(last.traced)):
+            coupled = [path for path, flag in zip(paths, mixed, strict=True) if flag]
+    return join_outputs(outputs, rows, "sum" if summed else "mean", fixed, coupled)
 
 
 def run_training(
@@ -102,6 +108,9 @@ def run_training(
         assembly.unloaded.check("the training step")
     warn_micro_batch_norm(pipe, batches.rows)
     warn_gradient_hooks(pipe, m)
+    traced = assembly.plan.traced
+    if m > 1 and traced is not None:
+        _warn_coupled(pipe, coupled_paths(traced), m)
     weights = [scale if summed else scale * rows for rows in batches.rows]
 
     def make_step(seed: int | None) -> StepInputs:
@@ -122,6 +131,32 @@ def run_training(
         total = broadcast_loss(run.losses, m, pipe.placement[-1], pipe.mesh)
     pipe.last_step_seconds = time.perf_counter() - begin
     return total
+
+
+_warned: weakref.WeakSet[Pipeline] = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def _warn_coupled(pipe: Pipeline, paths: list[str], m: int) -> None:
+    """Warns once per ``pipe`` that its loss_fn gets batch-coupled outputs per micro-batch."""
+    if not paths or pipe in _warned:
+        return
+    with _lock:
+        if pipe in _warned:
+            return
+        _warned.add(pipe)
+    shown = ", ".join(f"output{p}" for p in paths)
+    warn_user(
+        f"{shown} of the model mix{'es' if len(paths) == 1 else ''} rows of different samples "
+        "(each sample's value depends on the other samples of the batch: an in-batch "
+        f"contrastive loss or a similarity matrix over the batch); this step runs {m} "
+        "micro-batches, so loss_fn receives each micro-batch's value, not the plain model's "
+        "on the batch, and a loss or gradient computed from it is another model's. Fix: have "
+        "the model return per-sample outputs (embeddings) only, and compute the coupled loss "
+        "outside the pipeline on the whole batch's (pipe(x) under autograd, then "
+        "loss.backward()), or use chunks=1. Shown once per Pipeline",
+        BatchCoupledWarning,
+    )
 
 
 def gather_timeline(pipe: Pipeline, *, everywhere: bool = False) -> Timeline | None:

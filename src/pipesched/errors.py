@@ -6,6 +6,7 @@ import sys
 import warnings
 
 __all__ = [
+    "BatchCoupledWarning",
     "CheckpointError",
     "ConfigError",
     "ConfigTypeError",
@@ -118,6 +119,18 @@ class MicroBatchNormWarning(PipeschedWarning):
     and the remedies (:mod:`pipesched.batchnorm_warning`). A ``UserWarning``:
     silence it with ``warnings.filterwarnings("ignore",
     category=pipesched.MicroBatchNormWarning)``.
+    """
+
+
+class BatchCoupledWarning(PipeschedWarning):
+    """A traced model's output mixes rows of different samples: no micro-batch can compute it.
+
+    An in-batch contrastive loss, or a similarity matrix over the batch
+    (CLIP's ``logits_per_image``), computed per micro-batch is not the plain
+    model's on the batch. ``pipe(x)`` then returns such an output as the list
+    of the micro-batches' values, and a training step says so once per
+    Pipeline, before its ``loss_fn`` reads them; each message names the
+    outputs and the fix (:mod:`pipesched.partition.coupling`).
     """
 
 

@@ -37,6 +37,11 @@ Checked, with a fallback (the table in docs/guide.md says what each costs):
   hooks on every module could draw random numbers inside a stage of plain
   layers (:mod:`pipesched.seeding`). Without them: every stage is seeded.
 
+- ``SymNode._expr`` (:func:`size_symbols`): a symbolic size as traced, before
+  the shape environment specialized it (CLIP's ``len(logits)`` pins the
+  batch to the example's size). Without it: the specialized size, so a model
+  that pins its batch has no output told as batch-coupled.
+
 Hard requirements, re-exported without a fallback: there is no public
 alternative, and no exact path without them.
 
@@ -85,6 +90,7 @@ __all__ = [
     "parse_to",
     "pytree",
     "run_backward",
+    "size_symbols",
     "top_saved_tensors_hooks",
 ]
 
@@ -397,3 +403,27 @@ def has_module_hooks(module: nn.Module) -> bool:
     return bool(
         m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
     )
+
+
+# -- Symbolic sizes as traced -----------------------------------------------------------
+
+
+def size_symbols(size: torch.SymInt) -> set[Any]:
+    """The symbols of a traced size, as traced: a size the trace later pinned keeps them."""
+    node = size.node
+    expr = getattr(node, "_expr", None)
+    if expr is None or not hasattr(expr, "free_symbols"):
+        expr = node.expr
+    return set(expr.free_symbols)
+
+
+def _check_size_symbols() -> bool:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    symbol = env.create_unbacked_symint()
+    return hasattr(symbol.node, "_expr") and bool(size_symbols(symbol))
+
+
+if not _probe(_check_size_symbols):
+    _missing("SymNode._expr", "a model that pins its batch has no output told as batch-coupled")

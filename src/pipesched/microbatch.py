@@ -29,7 +29,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from pipesched.errors import ConfigError, ConfigTypeError, PipeschedWarning, warn_user
+from pipesched.errors import (
+    BatchCoupledWarning,
+    ConfigError,
+    ConfigTypeError,
+    PipeschedWarning,
+    warn_user,
+)
 
 __all__ = ["batch_size", "gather", "microbatch_sizes", "scatter"]
 
@@ -178,6 +184,7 @@ def join_outputs(
     rows: Sequence[int],
     scalars: str = "mean",
     not_per_sample: Collection[str] = (),
+    coupled: Collection[str] = (),
 ) -> Any:
     """The batch's output from its micro-batches', as the plain model would return it.
 
@@ -198,11 +205,30 @@ def join_outputs(
         scalars: ``"mean"`` or ``"sum"``.
         not_per_sample: paths (``"['mean']"``, ``"[1]"``) of tensors known
             not to follow the batch in dim 0 (a traced model's export says).
+        coupled: paths of tensors that mix rows of different samples (an
+            in-batch contrastive loss, a similarity matrix over the batch:
+            :mod:`pipesched.partition.coupling`): with more than one
+            micro-batch, returned as the list of the micro-batches' values,
+            with a :class:`~pipesched.errors.BatchCoupledWarning` naming them
+            and the fix.
     """
     total = sum(rows)
     weights = [r / total for r in rows] if scalars == "mean" else [1.0] * len(rows)
 
     def special(values: list[Any], path: str) -> Any:
+        if path in coupled and len(values) > 1:
+            warn_user(
+                f"pipe(x): output{path or ''} mixes rows of different samples (each "
+                "sample's value depends on the other samples of the batch: an in-batch "
+                "contrastive loss or a similarity matrix over the batch), so the "
+                f"micro-batches of {list(rows)} rows cannot rebuild the plain model's value "
+                "on the batch; it is returned as the list of the micro-batches' values. "
+                "Fix: have the model return per-sample outputs (embeddings) and compute the "
+                "coupled value from the whole batch's outside the pipeline, or call with "
+                "chunks=1",
+                BatchCoupledWarning,
+            )
+            return list(values)
         if all(isinstance(v, Tensor) and v.ndim == 0 and v.is_floating_point() for v in values):
             return sum(w * v for w, v in zip(weights, values, strict=True))
         if not all(isinstance(v, Tensor) and v.ndim >= 1 for v in values):

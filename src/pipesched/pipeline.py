@@ -31,12 +31,13 @@ from pipesched.runtime.gradsync import LocalSync, Sync
 from pipesched.runtime.interpreter import Runtime
 from pipesched.schedule import Schedule, Timeline
 from pipesched.schedule.spec import check_spec, schedule_for, spec_name
+from pipesched.shadowing import Shadowing
 from pipesched.stepper import Stepper
 
 __all__ = ["Pipeline"]
 
 
-class Pipeline(Pinned):
+class Pipeline(Shadowing, Pinned):
     """A model cut into stages across devices, fed ``chunks`` micro-batches at a time.
 
     ``pipe(x)`` is autograd-transparent with GPipe semantics: the output and

@@ -14,7 +14,11 @@ Three kinds of operations are not copied as they are:
   its random draws are seeded by :mod:`pipesched.rng` like any
   module's, checkpointing's BatchNorm guard finds it, and
   ``deferred_batch_norm=True`` replaces it (a layer is replaced only where
-  its operations take one activation and give one).
+  its operations take one activation and give one). Only a layer whose
+  ``forward`` is torch's own counts, whatever its class: a subclass with a
+  ``forward`` of its own (timm's ``BatchNormAct2d``: normalize, then a child
+  activation) has its operations copied as traced, each child's included,
+  like any module's, with its mode fixed by the trace (a change retraces).
 - Other random operations (functional or attention dropout) run as a
   :class:`~pipesched.partition.stage.RandomOp`, seeded the same way. A
   dropout's switch (``train``, or attention's ``dropout_p``) follows the mode
@@ -35,6 +39,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from pipesched.batchnorm import DeferredBatchNorm
 from pipesched.errors import PartitionError
 from pipesched.internals import OpOverload, pytree
 from pipesched.partition.stage import ModeCheck, RandomOp, Switch, TracedStage
@@ -44,6 +49,26 @@ from pipesched.rng import RANDOM_MODULES
 __all__ = ["split_traced"]
 
 _LAYERS_CALLED_AS_MODULES: tuple[type[nn.Module], ...] = (_BatchNorm, *RANDOM_MODULES)
+
+_TORCH_FORWARDS = frozenset(
+    [DeferredBatchNorm.forward]
+    + [
+        c.forward
+        for c in vars(nn).values()
+        if isinstance(c, type) and issubclass(c, _LAYERS_CALLED_AS_MODULES)
+    ]
+)
+"""The ``forward`` of each torch layer class above (and ours): what calling the layer runs."""
+
+
+def _called_as_layer(module: nn.Module) -> bool:
+    """Whether ``module``'s operations may be replaced by a call of ``module``: its code is torch's.
+
+    The class says nothing: a BatchNorm subclass whose ``forward`` adds an
+    activation (run by a child, so traced under the child's name) would run
+    that activation twice, once in the call and once as traced.
+    """
+    return isinstance(module, _LAYERS_CALLED_AS_MODULES) and type(module).forward in _TORCH_FORWARDS
 
 
 @dataclass(frozen=True)
@@ -228,7 +253,7 @@ def _regions(traced: TracedModel) -> dict[fx.Node, _Region]:
             module = traced.model.get_submodule(name)
         except AttributeError:
             continue
-        if not isinstance(module, _LAYERS_CALLED_AS_MODULES):
+        if not _called_as_layer(module):
             continue
         members = frozenset(nodes)
         own = {
