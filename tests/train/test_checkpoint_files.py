@@ -403,3 +403,43 @@ def test_stale_temp_files_of_dead_processes_of_this_target_only_are_removed(tmp_
     assert names["stale"] not in left
     assert {names[k] for k in ("live", "own", "other host", "other target")} <= left
     assert remove_stale_temp_files(path) == []
+
+
+def _sgd(momentum: float = 0.9) -> GradientAccumulator:
+    """Like :func:`_acc`, with SGD (momentum) instead of Adam."""
+    pipe = Pipeline(_model(), 2, balance=[2, 1], devices=["cpu", "cpu"], schedule="1f1b")
+    opt = torch.optim.SGD(pipe.parameters(), lr=1e-2, momentum=momentum)
+    return GradientAccumulator(
+        pipe,
+        opt,
+        accumulation_steps=WINDOW,
+        max_grad_norm=1.0,
+        scaler=torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=1),
+        lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, 0.9),
+    )
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_another_optimizer_type_changes_nothing(tmp_path, sharded):
+    # Issue 25 item 2: Adam's checkpoint into SGD(momentum) was accepted, SGD's groups became
+    # Adam's (no "momentum") and the next window end raised KeyError: 'momentum'.
+    acc = _acc()
+    _train(acc, range(SAVED_AT))
+    path = str(tmp_path / ("ckpt" if sharded else "ckpt.pt"))
+    acc.save(path, sharded=sharded)
+    target = _refused_and_unchanged(
+        path, "torch.optim.adam.Adam", "torch.optim.sgd.SGD", target=_sgd()
+    )
+    _train(target, range(SAVED_AT, STEPS))  # and it still trains as it was
+    assert target.windows == STEPS // WINDOW
+
+
+def test_an_old_checkpoint_without_types_is_checked_by_its_param_groups(tmp_path):
+    def untyped(state):
+        del state["optimizer_types"]  # as written before types were recorded
+
+    path = _edited(tmp_path, untyped)
+    _refused_and_unchanged(path, "lacks 'dampening', 'momentum'", target=_sgd())
+    fits = _acc()
+    fits.load(path)  # into the optimizer it came from: loads
+    assert fits.steps == SAVED_AT

@@ -21,7 +21,13 @@ import torch
 from pipesched.arguments import check_number, check_positive_int
 from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError, RemoteError
 from pipesched.microbatch import batch_size
-from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, describe
+from pipesched.train.checkpoint_check import (
+    FIX,
+    Snapshot,
+    check_fits,
+    describe,
+    optimizer_type,
+)
 from pipesched.train.gradients import all_finite, clip_to_, scaled
 from pipesched.train.loss_scale import LossScale
 from pipesched.train.result import StepResult, log_line
@@ -349,13 +355,14 @@ class GradientAccumulator:
         Like torch's own ``state_dict``s, the model and optimizer entries
         alias live tensors: save it (:meth:`save`) or deep-copy it to keep it.
 
-        The model under its original parameter names, the optimizers,
-        schedulers, scaler, RNG states, counters, and the window so far: its
+        The model under its original parameter names, the optimizers (and
+        their classes, checked on load), schedulers, scaler, RNG states, counters, and the window so far: its
         position, item and sample counts, loss, scale and accumulated gradients.
         """
         return {
             "model": self.pipe.state_dict(),
             "optimizers": [o.state_dict() for o in self.optimizers],
+            "optimizer_types": [optimizer_type(o) for o in self.optimizers],
             "schedulers": [s.state_dict() for s in self.schedulers],
             "loss_scale": self.loss_scale.state_dict(),
             "rng": rng_state(),

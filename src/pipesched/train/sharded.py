@@ -35,7 +35,7 @@ from torch import nn
 
 from pipesched.errors import CheckpointError
 from pipesched.train import store
-from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits
+from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, optimizer_type
 from pipesched.train.state import rng_state
 
 if TYPE_CHECKING:
@@ -80,6 +80,7 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
         },
         "accumulation_steps": acc.accumulation_steps,
         "schedulers": [s.state_dict() for s in acc.schedulers],
+        "optimizer_types": [optimizer_type(o) for o in acc.optimizers],
         "loss_scale": acc.loss_scale.state_dict(),
         "layout": _layout(acc),
     }
@@ -185,6 +186,7 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
     return {
         "model": {k: data.get(f"model/{k}", v) for k, v in live.items()},
         "optimizers": [_optimizer_state(o, saved, data, path) for o in acc.optimizers],
+        "optimizer_types": extra.get("optimizer_types"),  # (None: saved before they were)
         "schedulers": extra["schedulers"],
         "loss_scale": extra["loss_scale"],
         "rng": data[rng_key],
