@@ -23,6 +23,7 @@ from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline
 from pipesched.errors import CheckpointError
+from pipesched.train.integrity import CHECKSUM, digest
 from pipesched.train.state import _HOST, remove_stale_temp_files
 
 pytestmark = pytest.mark.usefixtures("fp64")
@@ -81,9 +82,11 @@ def _saved(tmp_path, name: str = "ckpt.pt", **kwargs) -> str:
 
 
 def _edited(tmp_path, edit) -> str:
-    """A fitting checkpoint, changed by ``edit(state)``."""
+    """A fitting checkpoint, changed by ``edit(state)`` (and sealed again with its checksum)."""
     state = torch.load(_saved(tmp_path, "good.pt"), weights_only=False)
+    del state[CHECKSUM]
     edit(state)
+    state[CHECKSUM] = digest(state)
     path = str(tmp_path / "edited.pt")
     torch.save(state, path)
     return path
@@ -435,11 +438,51 @@ def test_another_optimizer_type_changes_nothing(tmp_path, sharded):
 
 
 def test_an_old_checkpoint_without_types_is_checked_by_its_param_groups(tmp_path):
-    def untyped(state):
-        del state["optimizer_types"]  # as written before types were recorded
-
-    path = _edited(tmp_path, untyped)
+    state = torch.load(_saved(tmp_path, "good.pt"), weights_only=False)
+    del state["optimizer_types"], state[CHECKSUM]  # as written before either was recorded
+    path = str(tmp_path / "old.pt")
+    torch.save(state, path)
     _refused_and_unchanged(path, "lacks 'dampening', 'momentum'", target=_sgd())
     fits = _acc()
     fits.load(path)  # into the optimizer it came from: loads
     assert fits.steps == SAVED_AT
+
+
+def test_ctrl_c_during_a_save_is_a_keyboard_interrupt_and_leaves_the_old_file(
+    tmp_path, monkeypatch, ctrl_c
+):
+    # Issue 25 item 10: torch's writer turned the Ctrl-C into
+    # "RuntimeError: [enforce fail at inline_container.cc]".
+    path = _saved(tmp_path)
+    good = open(path, "rb").read()
+    acc = _acc()
+    _train(acc, range(SAVED_AT + 1))
+    real = os.fdopen
+
+    class Interrupted:  # the file a save writes: Ctrl-C comes on its third write
+        def __init__(self, f) -> None:
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                signal.raise_signal(signal.SIGINT)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: Interrupted(real(*a, **k)))
+    with pytest.raises(KeyboardInterrupt):
+        acc.save(path)
+    monkeypatch.undo()
+    assert open(path, "rb").read() == good
+    assert _temp_files(tmp_path) == []
+    acc.save(path)  # and the next save goes through
+    _acc().load(path)

@@ -29,6 +29,7 @@ from pipesched.train.checkpoint_check import (
     optimizer_type,
 )
 from pipesched.train.gradients import all_finite, clip_to_, scaled
+from pipesched.train.integrity import CHECKSUM, digest, verified
 from pipesched.train.loss_scale import LossScale
 from pipesched.train.result import StepResult, log_line
 from pipesched.train.sharded import load_sharded, save_sharded
@@ -356,8 +357,9 @@ class GradientAccumulator:
         alias live tensors: save it (:meth:`save`) or deep-copy it to keep it.
 
         The model under its original parameter names, the optimizers (and
-        their classes, checked on load), schedulers, scaler, RNG states, counters, and the window so far: its
-        position, item and sample counts, loss, scale and accumulated gradients.
+        their classes, checked on load), schedulers, scaler, RNG states,
+        counters, and the window so far: its position, item and sample
+        counts, loss, scale and accumulated gradients.
         """
         return {
             "model": self.pipe.state_dict(),
@@ -422,7 +424,7 @@ class GradientAccumulator:
         else:
             state = self.state_dict()
             check_fits(self, state, path)  # never replace a good file with one load refuses
-            save_checkpoint(state, path)
+            save_checkpoint({**state, CHECKSUM: digest(state)}, path)
 
     def _check_committed(self, call: str) -> None:
         """Refuses to save the state a failed window end left (a full window, not stepped)."""
@@ -439,11 +441,14 @@ class GradientAccumulator:
 
         A directory is a sharded checkpoint, read at this pipeline's layout
         (on a mesh, every rank calls it; each reads only its stages' part).
+        What is read is checked against the content checksums the save
+        wrote (a file saved before pipesched wrote them loads unchecked).
 
         Raises:
             FileNotFoundError: there is nothing at ``path``.
             CheckpointError: the checkpoint cannot be read (truncated, empty,
-                not a checkpoint: the reader's error is chained), or does not
+                not a checkpoint: the reader's error is chained), is not what
+                was saved (its content checksum differs), or does not
                 fit (on a mesh: on any rank). The message names ``path``.
                 Nothing was changed.
         """
@@ -453,6 +458,7 @@ class GradientAccumulator:
             self._load(load_checkpoint(path), path)
 
     def _load(self, state: Any, source: str | None) -> None:
+        state = verified(state, describe(source))
         check_fits(self, state, source)
         snapshot = Snapshot(self)
         try:

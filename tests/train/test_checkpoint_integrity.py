@@ -1,0 +1,108 @@
+"""A checkpoint is what was saved (INVARIANT 34): a flipped byte anywhere is refused or harmless.
+
+A byte flipped in a tensor's data, or anywhere in the pickle, is refused by
+``load`` with a CheckpointError naming the file, before anything changes; a
+flip that leaves the contents as saved (an unused memo index, a zip header
+field the reader ignores) may load, and then loads exactly what was saved.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+from torch import nn
+
+from pipesched import GradientAccumulator, Pipeline
+from pipesched.errors import CheckpointError
+
+pytestmark = pytest.mark.usefixtures("fp64")
+
+
+def _acc() -> GradientAccumulator:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 3))
+    pipe = Pipeline(model, 2, balance=[2, 1], devices=["cpu", "cpu"])
+    optimizer = torch.optim.Adam(pipe.parameters(), lr=1e-2)
+    return GradientAccumulator(
+        pipe, optimizer, accumulation_steps=2,
+        lr_scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 1, 0.9),
+    )  # fmt: skip
+
+
+def _trained(steps: int, data: int = 0) -> GradientAccumulator:
+    acc = _acc()
+    for step in range(steps):
+        g = torch.Generator().manual_seed(data + step)
+        acc.step(torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g),
+                 loss_fn=nn.functional.mse_loss)  # fmt: skip
+    return acc
+
+
+def _state(acc: GradientAccumulator) -> dict[str, torch.Tensor]:
+    return {
+        **{f"p/{n}": p.detach().clone() for n, p in acc.pipe.named_parameters()},
+        **{f"g/{n}": p.grad.clone() for n, p in acc.pipe.named_parameters() if p.grad is not None},
+    }
+
+
+def _regions(path: str) -> dict[str, tuple[int, int]]:
+    """Each zip entry's data: (offset, length) in the file."""
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        regions = {}
+        for info in z.infolist():
+            f.seek(info.header_offset + 26)
+            name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))
+            start = info.header_offset + 30 + name_length + extra_length
+            regions[info.filename] = (start, info.compress_size)
+    return regions
+
+
+def _flipped(path: str, position: int, out: str) -> str:
+    data = bytearray(open(path, "rb").read())
+    data[position] ^= 0x5A
+    with open(out, "wb") as f:
+        f.write(data)
+    return out
+
+
+def test_a_flipped_byte_in_any_tensor_or_in_the_pickle_is_refused_naming_the_file(tmp_path):
+    # Issue 25 item 3: one byte changed mid-file loaded, with a different '9.weight'.
+    saved = _trained(3)
+    path = str(tmp_path / "ckpt.pt")
+    saved.save(path)
+    expected = _state(saved)
+    regions = _regions(path)
+    pickle_name = next(n for n in regions if n.endswith("data.pkl"))
+    positions = []
+    for name, (start, length) in regions.items():  # every tensor's data: its middle byte
+        if "/data/" in name and length:
+            positions.append(("tensor " + name, start + length // 2))
+    start, length = regions[pickle_name]
+    positions += [("pickle", start + i) for i in range(0, length, max(1, length // 40))]
+    acc = _trained(3, data=50)  # other weights: any write would show
+    before = _state(acc)
+    refused = {"tensor": 0, "pickle": 0}
+    for kind, position in positions:
+        bad = _flipped(path, position, str(tmp_path / "bad.pt"))
+        try:
+            acc.load(bad)
+        except CheckpointError as err:
+            assert repr(bad) in str(err), str(err)
+            refused[kind.split()[0]] += 1
+            after = _state(acc)
+            assert after.keys() == before.keys()
+            assert all(torch.equal(before[k], after[k]) for k in before), (kind, position)
+            continue
+        # A flip that changed nothing the checkpoint holds: it loads exactly what was saved.
+        got = _state(acc)
+        assert all(torch.equal(expected[k], got[k]) for k in expected), (kind, position)
+        before = got
+    tensors = sum(1 for kind, _ in positions if kind.startswith("tensor"))
+    assert refused["tensor"] == tensors  # every tensor byte is content
+    assert refused["pickle"] >= 0.9 * (len(positions) - tensors), refused
+    os.unlink(str(tmp_path / "bad.pt"))
+    acc.load(path)  # the good file still loads
+    assert all(torch.equal(expected[k], v) for k, v in _state(acc).items())
