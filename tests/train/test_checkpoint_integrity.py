@@ -106,3 +106,52 @@ def test_a_flipped_byte_in_any_tensor_or_in_the_pickle_is_refused_naming_the_fil
     os.unlink(str(tmp_path / "bad.pt"))
     acc.load(path)  # the good file still loads
     assert all(torch.equal(expected[k], v) for k, v in _state(acc).items())
+
+
+def test_a_flipped_byte_in_a_sharded_checkpoint_is_refused_naming_the_file(tmp_path):
+    saved = _trained(3)
+    directory = tmp_path / "ckpt"
+    saved.save(str(directory), sharded=True)
+    expected = _state(saved)
+    version = directory / (directory / "latest").read_text().strip()
+    shards = sorted(p for p in version.iterdir() if p.suffix == ".distcp")
+    acc = _trained(3, data=50)
+    before = _state(acc)
+    for shard in shards:
+        good = shard.read_bytes()
+        size = len(good)
+        for position in (size // 7, size // 2, size - size // 5):
+            bad = bytearray(good)
+            bad[position] ^= 0x5A
+            shard.write_bytes(bytes(bad))
+            try:
+                acc.load(str(directory))
+            except CheckpointError as err:
+                assert str(directory) in str(err), str(err)
+                after = _state(acc)
+                assert all(torch.equal(before[k], after[k]) for k in before), position
+            else:  # only where the flip changed nothing the checkpoint holds
+                got = _state(acc)
+                assert all(torch.equal(expected[k], got[k]) for k in expected), position
+                before = got
+        shard.write_bytes(good)
+    acc.load(str(directory))
+    assert all(torch.equal(expected[k], v) for k, v in _state(acc).items())
+
+
+def test_a_flipped_tensor_byte_in_a_sharded_checkpoint_names_its_file(tmp_path):
+    saved = _trained(3)
+    directory = tmp_path / "ckpt"
+    saved.save(str(directory), sharded=True)
+    version = directory / (directory / "latest").read_text().strip()
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    storage = FileSystemReader(str(version)).read_metadata().storage_data
+    index, info = next((i, s) for i, s in storage.items() if i.fqn == "model/0.weight")
+    shard = version / info.relative_path
+    data = bytearray(shard.read_bytes())
+    data[info.offset + info.length // 2] ^= 0x01  # one bit of one weight
+    shard.write_bytes(bytes(data))
+    acc = _acc()
+    with pytest.raises(CheckpointError, match=rf"'model/0.weight' in '{info.relative_path}'"):
+        acc.load(str(directory))

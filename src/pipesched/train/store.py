@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipesched.errors import CheckpointError
 
-__all__ = ["LATEST", "is_sharded", "read", "read_metadata", "resolve", "write"]
+__all__ = ["LATEST", "files_of", "is_sharded", "read", "read_metadata", "resolve", "write"]
 
 LATEST = "latest"
 """The file in a checkpoint directory that names its committed version."""
@@ -87,6 +88,15 @@ def read_metadata(directory: str) -> dict[str, Any]:
     return dict(metadata.state_dict_metadata)
 
 
+def files_of(directory: str) -> dict[str, str]:
+    """Which file of the DCP checkpoint in ``directory`` holds each key (for messages)."""
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except Exception:  # read already; only a message needs it
+        return {}
+    return {index.fqn: getattr(info, "relative_path", "?") for index, info in storage.items()}
+
+
 def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[str, Any]:
     """Reads only ``keys`` of the checkpoint in ``directory`` (tensors on the CPU).
 
@@ -111,10 +121,10 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                 no_dist=True,
             )
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # (the latter is a BaseException)
         raise CheckpointError(
             f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}): a file "
-            "of it is missing or truncated; load another"
+            "of it is missing, truncated or changed; load another"
         ) from err
     return request
 
