@@ -20,6 +20,7 @@ import torch
 
 from pipesched.arguments import check_number, check_positive_int
 from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError, RemoteError
+from pipesched.distributed.placement import replaced_parameters, replacement
 from pipesched.microbatch import batch_size
 from pipesched.train.checkpoint_check import (
     FIX,
@@ -107,6 +108,7 @@ class GradientAccumulator:
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.loss_scale = LossScale(scaler, list(pipe.devices))
+        self._replaced_seen = -1  # the generation of freed parameters the optimizers follow
         self.steps = 0
         self.windows = 0
         self._given: int | None = None  # micro-batches the last step was given as a list
@@ -198,6 +200,7 @@ class GradientAccumulator:
             if last:
                 self.pipe.sync.window_ends(False)
             raise
+        self._follow_freed_parameters()
         loss = float(loss_sum)
         rows = (
             batch_size(inputs) if microbatches is None else sum(batch_size(x) for x in microbatches)
@@ -215,6 +218,30 @@ class GradientAccumulator:
             self._last_loss = step_loss
             return self._finish(step_loss)
         return self._result(step_loss, None, stepped=False, skipped=False, norm=None)
+
+    def _follow_freed_parameters(self) -> None:
+        """Swaps, in the optimizers, parameters a mesh pipeline freed for their meta replacements.
+
+        Why: an optimizer built before a traced model's first call on a mesh
+        holds the model's Parameter objects; the first cut gives other ranks'
+        layers new (meta) ones. Without this, the optimizer kept their
+        memory and checkpoints met parameters the pipeline no longer names.
+        """
+        generation = replaced_parameters()
+        if generation == self._replaced_seen:
+            return
+        self._replaced_seen = generation
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                new = [replacement(p) for p in group["params"]]
+                if any(n is not None for n in new):
+                    group["params"] = [
+                        p if n is None else n for p, n in zip(group["params"], new, strict=True)
+                    ]
+            for old in list(optimizer.state):
+                n = replacement(old)
+                if n is not None:
+                    optimizer.state[n] = optimizer.state.pop(old)
 
     @property
     def window_end_pending(self) -> bool:
@@ -419,6 +446,7 @@ class GradientAccumulator:
                 was written.
         """
         self._check_committed("save")
+        self._follow_freed_parameters()
         if self.pipe.mesh is not None if sharded is None else sharded:
             save_sharded(self, path)
         else:
