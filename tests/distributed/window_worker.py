@@ -13,7 +13,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,9 +22,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from pipesched import GradientAccumulator, Pipeline  # noqa: E402
-from pipesched.errors import RemoteError  # noqa: E402
-from tests.distributed import sharded_worker as w  # noqa: E402
+from pipesched import GradientAccumulator, Pipeline
+from pipesched.errors import RemoteError
+from tests.distributed import sharded_worker as w
 
 SAVE_AT = 3
 TOTAL = 8

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -454,7 +455,7 @@ def test_ctrl_c_during_a_save_is_a_keyboard_interrupt_and_leaves_the_old_file(
     # Issue 25 item 10: torch's writer turned the Ctrl-C into
     # "RuntimeError: [enforce fail at inline_container.cc]".
     path = _saved(tmp_path)
-    good = open(path, "rb").read()
+    good = Path(path).read_bytes()
     acc = _acc()
     _train(acc, range(SAVED_AT + 1))
     real = os.fdopen
@@ -482,7 +483,7 @@ def test_ctrl_c_during_a_save_is_a_keyboard_interrupt_and_leaves_the_old_file(
     with pytest.raises(KeyboardInterrupt):
         acc.save(path)
     monkeypatch.undo()
-    assert open(path, "rb").read() == good
+    assert Path(path).read_bytes() == good
     assert _temp_files(tmp_path) == []
     acc.save(path)  # and the next save goes through
     _acc().load(path)

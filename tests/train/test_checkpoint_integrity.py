@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import zipfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,7 +62,7 @@ def _regions(path: str) -> dict[str, tuple[int, int]]:
 
 
 def _flipped(path: str, position: int, out: str) -> str:
-    data = bytearray(open(path, "rb").read())
+    data = bytearray(Path(path).read_bytes())
     data[position] ^= 0x5A
     with open(out, "wb") as f:
         f.write(data)
@@ -147,7 +148,7 @@ def test_a_flipped_tensor_byte_in_a_sharded_checkpoint_names_its_file(tmp_path):
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
     storage = FileSystemReader(str(version)).read_metadata().storage_data
-    index, info = next((i, s) for i, s in storage.items() if i.fqn == "model/0.weight")
+    _, info = next((i, s) for i, s in storage.items() if i.fqn == "model/0.weight")
     shard = version / info.relative_path
     data = bytearray(shard.read_bytes())
     data[info.offset + info.length // 2] ^= 0x01  # one bit of one weight

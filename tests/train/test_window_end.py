@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,7 +169,6 @@ def test_a_failed_window_end_is_put_back_and_its_retry_equals_a_clean_run(kind):
     with pytest.raises(KeyboardInterrupt if kind == "interrupt" else RuntimeError) as caught:
         acc.step(x, y, loss_fn=nn.functional.mse_loss)
     assert fault.kind is None  # the fault did fire
-    assert "acc.flush()" in "".join(getattr(caught.value, "__notes__", []))
     after = _everything(acc)
     # As just before the window end: nothing stepped, the step's gradients in.
     _assert_bitwise(params, after["params"], "params")
@@ -176,6 +176,7 @@ def test_a_failed_window_end_is_put_back_and_its_retry_equals_a_clean_run(kind):
         _assert_bitwise(before[key], after[key], key)
     assert acc.window_end_pending and acc.windows == before["counters"][1]
     assert acc.position == STEPS and acc.steps == FAIL_AT
+    assert "acc.flush()" in "".join(getattr(caught.value, "__notes__", []))
     result = acc.flush()  # the retry
     assert result is not None and result.stepped and result.window == 2
     assert not acc.window_end_pending
@@ -194,7 +195,7 @@ def test_steps_after_an_interrupted_window_end_are_refused_until_it_is_retried_t
     _step(acc, 0)
     path = str(tmp_path / "ckpt.pt")
     acc.save(path)
-    good = open(path, "rb").read()
+    good = Path(path).read_bytes()
     fault.kind = "interrupt"
     with pytest.raises(KeyboardInterrupt):
         _step(acc, 1)
@@ -202,7 +203,7 @@ def test_steps_after_an_interrupted_window_end_are_refused_until_it_is_retried_t
         _step(acc, 2)
     with pytest.raises(CheckpointError, match=r"acc\.flush\(\)"):
         acc.save(path)
-    assert open(path, "rb").read() == good and os.listdir(tmp_path) == ["ckpt.pt"]
+    assert Path(path).read_bytes() == good and os.listdir(tmp_path) == ["ckpt.pt"]
     acc.flush()
     frozen = [p.detach().clone() for p in acc.pipe.parameters()]
     for step in range(2, 2 + 2 * STEPS):

@@ -78,9 +78,7 @@ def keep_own_stages(
                 if id(layer) not in own_modules:
                     recurse = not _traced(stage)
                     modules = list(layer.modules() if recurse else [layer])
-                    _freed.update(
-                        m for m in modules if any(not t.is_meta for t in _own_tensors(m))
-                    )
+                    _freed.update(m for m in modules if any(not t.is_meta for t in _own_tensors(m)))
                     before = [
                         (m, n, p)
                         for m in modules

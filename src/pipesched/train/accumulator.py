@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipesched.arguments import check_number, check_positive_int
-from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError, RemoteError
 from pipesched.distributed.placement import replaced_parameters, replacement
+from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError, RemoteError
 from pipesched.microbatch import batch_size
 from pipesched.train.checkpoint_check import (
     FIX,
@@ -293,7 +293,7 @@ class GradientAccumulator:
             window_loss = loss_sum / items
             finite = sync.all_true(math.isfinite(window_loss) and all_finite(grads))
             norm = sync.norm(parameters) if finite else None
-            snapshot = WindowSnapshot(self)  # what the optimizers and the rest may change
+            snapshot = WindowSnapshot(self, finite)  # what the optimizers and the rest change
         except BaseException as err:
             with deferred_interrupts():
                 aside.restore()

@@ -39,7 +39,7 @@ def scaled(
     in_place = [p.grad for p in held if id(p.grad) not in kept]
     scale_(in_place, factor)  # type: ignore[arg-type]
     for p in copies:
-        p.grad = p.grad * factor  # type: ignore[operator]
+        p.grad = p.grad * factor  # type: ignore[operator,assignment]
     return [p.grad for p in held]  # type: ignore[misc]
 
 

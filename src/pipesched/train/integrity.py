@@ -52,7 +52,7 @@ class _Canonical(pickle.Pickler):
         self.h.update(f"{t.dtype}{tuple(t.shape)}".encode())
         if t.numel() > 0 and not t.is_meta:
             flat = t.cpu().contiguous().reshape(-1)
-            self.h.update(memoryview(flat.view(torch.uint8).numpy()))
+            self.h.update(flat.view(torch.uint8).numpy().tobytes())
         self.count += 1
         return ("tensor", self.count)
 

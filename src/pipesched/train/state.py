@@ -69,7 +69,7 @@ def save_checkpoint(state: dict[str, Any], path: str) -> None:
     with _interrupts_stop_the_write() as interrupted:
         try:
             with os.fdopen(fd, "wb") as f:
-                torch.save(state, _Writer(f, interrupted))
+                torch.save(state, _Writer(f, interrupted))  # type: ignore[arg-type]
                 f.flush()
                 os.fsync(f.fileno())
             if interrupted:

@@ -53,20 +53,23 @@ class WindowSnapshot:
 
     Args:
         acc: the accumulator whose window is about to be stepped.
+        stepping: whether the optimizers will step (else only the loss
+            scale changes: nothing of the optimizers is copied).
     """
 
-    def __init__(self, acc: GradientAccumulator) -> None:
+    def __init__(self, acc: GradientAccumulator, stepping: bool = True) -> None:
         self.acc = acc
+        optimizers = acc.optimizers if stepping else []
         params = {
             id(p): p
-            for o in acc.optimizers
+            for o in optimizers
             for g in o.param_groups
             for p in g["params"]
             if isinstance(p, torch.Tensor) and not p.is_meta
         }
         with torch.no_grad():
             self.params = [(p, p.detach().clone()) for p in params.values()]
-        self.optimizers = [_OptimizerState(o) for o in acc.optimizers]
+        self.optimizers = [_OptimizerState(o) for o in optimizers]
         self.schedulers = [
             (s.__dict__, {k: _clone(v) for k, v in s.__dict__.items()}) for s in acc.schedulers
         ]
@@ -79,8 +82,8 @@ class WindowSnapshot:
         acc = self.acc
         with deferred_interrupts():
             with torch.no_grad():
-                for p, saved in self.params:
-                    p.copy_(saved)
+                for p, value in self.params:
+                    p.copy_(value)
             for optimizer in self.optimizers:
                 optimizer.restore()
             for attributes, saved in self.schedulers:  # around load_state_dict: it may differ
