@@ -149,7 +149,20 @@ class GradientAccumulator:
 
         Calls from several threads run one at a time. If the pipeline step
         raises, the window is as before the call (gradients included): the
-        same batch can be stepped again.
+        same batch can be stepped again. If the window's end raises (the
+        optimizer, a scheduler, the loss scale, Ctrl-C, another rank's
+        window end), the step's gradients are in and the window end is put
+        back: parameters, optimizer state and param groups, schedulers,
+        scaler, ``.grad``, counters and generators are as just before it,
+        and :attr:`window_end_pending` is True. Then :meth:`flush` retries
+        it (bit-identical to a window end that never failed); :meth:`step`,
+        :meth:`save` and :meth:`state_dict` refuse until then, so that the
+        step is never counted twice nor a window silently left unfinished.
+        The exception carries a note saying so.
+
+        Memory: during a window end, a copy of the parameters and optimizer
+        state the optimizers hold, and of the gradients (normalized out of
+        place, except those a replicas' sum already made new).
         """
         self._check_outside_step("step")
         with self._lock:
