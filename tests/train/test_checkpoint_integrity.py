@@ -156,3 +156,34 @@ def test_a_flipped_tensor_byte_in_a_sharded_checkpoint_names_its_file(tmp_path):
     acc = _acc()
     with pytest.raises(CheckpointError, match=rf"'model/0.weight' in '{info.relative_path}'"):
         acc.load(str(directory))
+
+
+def test_ctrl_c_during_a_sharded_save_is_a_keyboard_interrupt_and_commits_nothing(
+    tmp_path, monkeypatch
+):
+    # torch.distributed.checkpoint wraps whatever its writer raises in its own
+    # CheckpointException (a BaseException): a Ctrl-C came out as that.
+    import torch.distributed.checkpoint.filesystem as files
+
+    acc = _trained(3)
+    directory = tmp_path / "ckpt"
+    acc.save(str(directory), sharded=True)
+    committed = (directory / "latest").read_text()
+    write = files.FileSystemWriter.write_data
+
+    def interrupted(self, *args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(files.FileSystemWriter, "write_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        acc.save(str(directory), sharded=True)
+
+    def fails(self, *args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(files.FileSystemWriter, "write_data", fails)
+    with pytest.raises(CheckpointError, match="disk full"):
+        acc.save(str(directory), sharded=True)
+    monkeypatch.setattr(files.FileSystemWriter, "write_data", write)
+    assert (directory / "latest").read_text() == committed
+    _acc().load(str(directory))  # the previous version still loads

@@ -156,16 +156,34 @@ def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
     directory = os.path.join(path, version)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp_save(
-            state,
-            storage_writer=FileSystemWriter(directory, sync_files=True),
-            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            no_dist=not distributed,
-        )  # returns on any rank only once every rank's files and the metadata are written
+        try:
+            dcp_save(
+                state,
+                storage_writer=FileSystemWriter(directory, sync_files=True),
+                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                no_dist=not distributed,
+            )  # returns on any rank only once every rank's files and the metadata are written
+        except CheckpointException as err:  # a BaseException, whatever failed inside
+            raise _unwrapped(err, path, rank) from err
     if rank == 0:
         _commit(path, version)
     if distributed:
         dist.barrier()  # no rank reads path before it is committed
+
+
+def _unwrapped(err: CheckpointException, path: str, rank: int) -> BaseException:
+    """What a failed DCP save raises instead: this rank's Ctrl-C as Ctrl-C, else a CheckpointError.
+
+    Nothing was committed: ``path`` keeps its previous version, and the
+    half-written one is removed by the next save.
+    """
+    own = err.failures.get(rank)
+    if own is not None and isinstance(own[0], KeyboardInterrupt | SystemExit):
+        return type(own[0])()
+    return CheckpointError(
+        f"cannot save the checkpoint to {path!r} ({err}); nothing was committed: its "
+        "previous version is still the one that loads"
+    )
 
 
 def _commit(path: str, version: str) -> None:
