@@ -239,6 +239,8 @@ class GradientAccumulator:
         holds the model's Parameter objects; the first cut gives other ranks'
         layers new (meta) ones. Without this, the optimizer kept their
         memory and checkpoints met parameters the pipeline no longer names.
+        Their optimizer state (loaded before the cut) is dropped: those
+        ranks hold it.
         """
         generation = replaced_parameters()
         if generation == self._replaced_seen:
@@ -251,10 +253,8 @@ class GradientAccumulator:
                     group["params"] = [
                         p if n is None else n for p, n in zip(group["params"], new, strict=True)
                     ]
-            for old in list(optimizer.state):
-                n = replacement(old)
-                if n is not None:
-                    optimizer.state[n] = optimizer.state.pop(old)
+            for old in [p for p in optimizer.state if replacement(p) is not None]:
+                del optimizer.state[old]  # another rank's parameter now: its state is theirs
 
     @property
     def window_end_pending(self) -> bool:
