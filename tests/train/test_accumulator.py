@@ -353,3 +353,40 @@ def test_log_line():
     line = acc.log_line(result)
     assert line.startswith("step 2 | loss ")
     assert line.endswith("| lr 0.001 | eff. batch 32 (4 x 4 chunks x 2 steps)")
+
+
+def test_log_line_tells_a_flushed_window_and_uneven_steps_as_they_were():
+    # Issue 25 item 13: 2 leftover steps of 8 rows were shown as "16 (1 x 4 chunks x 4 steps)".
+    pipe = _pipe(_model(), chunks=4)
+    acc = GradientAccumulator(
+        pipe, torch.optim.SGD(pipe.parameters(), lr=1e-3), accumulation_steps=4
+    )
+    for x, y in _batches([8, 8]):
+        acc.step(x, y, loss_fn=nn.functional.mse_loss)
+    result = acc.flush()
+    assert result.effective_batch == 16 and result.step_rows == (8, 8)
+    assert acc.log_line(result).endswith("eff. batch 16 (2 x 4 chunks x 2 steps)")
+    for x, y in _batches([7, 2, 9, 4]):
+        result = acc.step(x, y, loss_fn=nn.functional.mse_loss)
+    assert result.effective_batch == 22
+    assert acc.log_line(result).endswith("eff. batch 22 (7 + 2 + 9 + 4 rows in 4 steps)")
+    result = acc.step(*_batches([12])[0], loss_fn=nn.functional.mse_loss)  # mid-window
+    assert acc.log_line(result).endswith("eff. batch 12 (3 x 4 chunks x 1 step)")
+
+
+def test_log_line_with_replicas_adds_up_to_the_effective_batch():
+    from pipesched.train.result import StepResult, log_line
+
+    def result(total: int, rows: tuple[int, ...], ended: bool = True) -> StepResult:
+        return StepResult(1.0, 1.0 if ended else None, ended, False, None, total, 4, 1, 0.1, rows)
+
+    assert log_line(result(64, (8, 8)), 4, 4, None).endswith(
+        "eff. batch 64 (2 x 4 chunks x 2 steps x 4 replicas)"
+    )  # 2 rows x 4 chunks x 2 steps x 4 replicas = 64
+    # Replicas of other sizes: no product that does not add up.
+    assert log_line(result(40, (8, 8)), 4, 2, None).endswith(
+        "eff. batch 40 (2 x 4 chunks x 2 steps on this replica; 40 rows over 2 replicas)"
+    )
+    assert log_line(result(16, (8, 8), ended=False), 4, 2, None).endswith(
+        "eff. batch 16 (2 x 4 chunks x 2 steps so far on this replica, of 2 replicas)"
+    )

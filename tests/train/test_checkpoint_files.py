@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline
 from pipesched.errors import CheckpointError
+from pipesched.train.integrity import CHECKSUM, digest
 from pipesched.train.state import _HOST, remove_stale_temp_files
 
 pytestmark = pytest.mark.usefixtures("fp64")
@@ -81,9 +83,11 @@ def _saved(tmp_path, name: str = "ckpt.pt", **kwargs) -> str:
 
 
 def _edited(tmp_path, edit) -> str:
-    """A fitting checkpoint, changed by ``edit(state)``."""
+    """A fitting checkpoint, changed by ``edit(state)`` (and sealed again with its checksum)."""
     state = torch.load(_saved(tmp_path, "good.pt"), weights_only=False)
+    del state[CHECKSUM]
     edit(state)
+    state[CHECKSUM] = digest(state)
     path = str(tmp_path / "edited.pt")
     torch.save(state, path)
     return path
@@ -403,3 +407,83 @@ def test_stale_temp_files_of_dead_processes_of_this_target_only_are_removed(tmp_
     assert names["stale"] not in left
     assert {names[k] for k in ("live", "own", "other host", "other target")} <= left
     assert remove_stale_temp_files(path) == []
+
+
+def _sgd(momentum: float = 0.9) -> GradientAccumulator:
+    """Like :func:`_acc`, with SGD (momentum) instead of Adam."""
+    pipe = Pipeline(_model(), 2, balance=[2, 1], devices=["cpu", "cpu"], schedule="1f1b")
+    opt = torch.optim.SGD(pipe.parameters(), lr=1e-2, momentum=momentum)
+    return GradientAccumulator(
+        pipe,
+        opt,
+        accumulation_steps=WINDOW,
+        max_grad_norm=1.0,
+        scaler=torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=1),
+        lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, 0.9),
+    )
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_another_optimizer_type_changes_nothing(tmp_path, sharded):
+    # Issue 25 item 2: Adam's checkpoint into SGD(momentum) was accepted, SGD's groups became
+    # Adam's (no "momentum") and the next window end raised KeyError: 'momentum'.
+    acc = _acc()
+    _train(acc, range(SAVED_AT))
+    path = str(tmp_path / ("ckpt" if sharded else "ckpt.pt"))
+    acc.save(path, sharded=sharded)
+    target = _refused_and_unchanged(
+        path, "torch.optim.adam.Adam", "torch.optim.sgd.SGD", target=_sgd()
+    )
+    _train(target, range(SAVED_AT, STEPS))  # and it still trains as it was
+    assert target.windows == STEPS // WINDOW
+
+
+def test_an_old_checkpoint_without_types_is_checked_by_its_param_groups(tmp_path):
+    state = torch.load(_saved(tmp_path, "good.pt"), weights_only=False)
+    del state["optimizer_types"], state[CHECKSUM]  # as written before either was recorded
+    path = str(tmp_path / "old.pt")
+    torch.save(state, path)
+    _refused_and_unchanged(path, "lacks 'dampening', 'momentum'", target=_sgd())
+    fits = _acc()
+    fits.load(path)  # into the optimizer it came from: loads
+    assert fits.steps == SAVED_AT
+
+
+def test_ctrl_c_during_a_save_is_a_keyboard_interrupt_and_leaves_the_old_file(
+    tmp_path, monkeypatch, ctrl_c
+):
+    # Issue 25 item 10: torch's writer turned the Ctrl-C into
+    # "RuntimeError: [enforce fail at inline_container.cc]".
+    path = _saved(tmp_path)
+    good = Path(path).read_bytes()
+    acc = _acc()
+    _train(acc, range(SAVED_AT + 1))
+    real = os.fdopen
+
+    class Interrupted:  # the file a save writes: Ctrl-C comes on its third write
+        def __init__(self, f) -> None:
+            self.f, self.writes = f, 0
+
+        def write(self, data):
+            self.writes += 1
+            if self.writes == 3:
+                signal.raise_signal(signal.SIGINT)
+            return self.f.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.f, name)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return self.f.__exit__(*exc)
+
+    monkeypatch.setattr(os, "fdopen", lambda *a, **k: Interrupted(real(*a, **k)))
+    with pytest.raises(KeyboardInterrupt):
+        acc.save(path)
+    monkeypatch.undo()
+    assert Path(path).read_bytes() == good
+    assert _temp_files(tmp_path) == []
+    acc.save(path)  # and the next save goes through
+    _acc().load(path)

@@ -3,17 +3,50 @@
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from pipesched.errors import ConfigError
 
-__all__ = ["check_not_freed", "keep_own_stages", "stage_parameters"]
+__all__ = [
+    "check_not_freed",
+    "keep_own_stages",
+    "replaced_parameters",
+    "replacement",
+    "stage_parameters",
+]
 
 _freed: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 """Modules whose tensors :func:`keep_own_stages` moved to meta from real memory."""
+
+_replaced: dict[int, tuple[weakref.ref[torch.Tensor], torch.Tensor]] = {}
+"""``id`` of each Parameter :func:`keep_own_stages` replaced by a meta one: (it, its replacement).
+
+By ``id``, not a WeakKeyDictionary: that compares keys with ``==``, elementwise for tensors.
+"""
+_generation = [0]  # how many times parameters were replaced
+
+
+def replacement(p: torch.Tensor) -> torch.Tensor | None:
+    """The meta Parameter that replaced ``p`` on this rank, or None."""
+    entry = _replaced.get(id(p))
+    return entry[1] if entry is not None and entry[0]() is p else None
+
+
+def replaced_parameters() -> int:
+    """How many parameters :func:`keep_own_stages` has replaced so far (see :func:`replacement`).
+
+    Why: an optimizer built before a traced model's first call on a mesh
+    holds the Parameter objects the model had; the first cut moves other
+    ranks' layers to meta, which gives them new Parameter objects (a real
+    tensor cannot become a meta one in place). Whoever holds the old ones
+    (the accumulator's optimizers) swaps them for these, and lets go of
+    their memory (:func:`replacement`). The count grows with each
+    replacement, so that a holder need only look again when it changed.
+    """
+    return _generation[0]
 
 
 def keep_own_stages(
@@ -38,19 +71,29 @@ def keep_own_stages(
     for s in own:
         stages[s].to(device)
     own_modules = {id(m) for s in own for m in _layers(stages[s], recurse=True)}
+    own_params = {id(p) for s in own for p in stage_parameters(stages[s])}
     for s, stage in enumerate(stages):
         if s not in own:
             for layer in _layers(stage, recurse=False):
                 if id(layer) not in own_modules:
                     recurse = not _traced(stage)
-                    _freed.update(
-                        m
-                        for m in (layer.modules() if recurse else [layer])
-                        if any(not t.is_meta for t in _own_tensors(m))
-                    )
+                    modules = list(layer.modules() if recurse else [layer])
+                    _freed.update(m for m in modules if any(not t.is_meta for t in _own_tensors(m)))
+                    before = [
+                        (m, n, p)
+                        for m in modules
+                        for n, p in m._parameters.items()
+                        if p is not None
+                    ]
                     # Module.to gives the layer new (meta) tensors: a Parameter object
                     # that an own stage shares stays where it is, with its data.
                     layer._apply(lambda t: t.to("meta"), recurse=recurse)  # type: ignore[no-untyped-call]
+                    for m, n, old in before:
+                        new = m._parameters.get(n)
+                        if new is not None and new is not old and id(old) not in own_params:
+                            _forget(id(old))
+                            _replaced[id(old)] = (weakref.ref(old, _forget_later(id(old))), new)
+                            _generation[0] += 1
     tied = {
         id(p): tuple(sorted(users[id(p)]))
         for s in own
@@ -58,6 +101,21 @@ def keep_own_stages(
         if len(users[id(p)]) > 1
     }
     return own, tied
+
+
+def _forget(key: int) -> None:
+    _replaced.pop(key, None)
+
+
+def _forget_later(key: int) -> Callable[[object], None]:
+    """A weakref callback: the entry goes with the parameter (its id may be reused)."""
+
+    def forget(ref: object) -> None:
+        entry = _replaced.get(key)
+        if entry is not None and entry[0] is ref:
+            del _replaced[key]
+
+    return forget
 
 
 def check_not_freed(module: nn.Module) -> None:

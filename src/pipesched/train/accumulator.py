@@ -19,15 +19,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pipesched.arguments import check_number, check_positive_int
-from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError
+from pipesched.distributed.placement import replaced_parameters, replacement
+from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError, RemoteError
 from pipesched.microbatch import batch_size
-from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, describe
-from pipesched.train.gradients import all_finite, clip_to_, grads_of, scale_
+from pipesched.train.checkpoint_check import (
+    FIX,
+    Snapshot,
+    check_fits,
+    describe,
+    optimizer_type,
+)
+from pipesched.train.gradients import all_finite, clip_to_, scaled
+from pipesched.train.integrity import CHECKSUM, digest, verified
 from pipesched.train.loss_scale import LossScale
 from pipesched.train.result import StepResult, log_line
 from pipesched.train.sharded import load_sharded, save_sharded
 from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from pipesched.train.store import is_sharded
+from pipesched.train.window import GradientsAside, WindowSnapshot
+from pipesched.transaction import deferred_interrupts
 
 if TYPE_CHECKING:
     from pipesched.pipeline import Pipeline
@@ -98,6 +108,7 @@ class GradientAccumulator:
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.loss_scale = LossScale(scaler, list(pipe.devices))
+        self._replaced_seen = -1  # the generation of freed parameters the optimizers follow
         self.steps = 0
         self.windows = 0
         self._given: int | None = None  # micro-batches the last step was given as a list
@@ -110,6 +121,8 @@ class GradientAccumulator:
         self._samples = 0
         self._loss_sum = 0.0
         self._scale = 1.0
+        self._rows: list[int] = []  # samples of each step of the window, on this replica
+        self._last_loss = math.nan  # the window's last step's loss (for a retried end)
 
     def step(
         self,
@@ -136,7 +149,20 @@ class GradientAccumulator:
 
         Calls from several threads run one at a time. If the pipeline step
         raises, the window is as before the call (gradients included): the
-        same batch can be stepped again.
+        same batch can be stepped again. If the window's end raises (the
+        optimizer, a scheduler, the loss scale, Ctrl-C, another rank's
+        window end), the step's gradients are in and the window end is put
+        back: parameters, optimizer state and param groups, schedulers,
+        scaler, ``.grad``, counters and generators are as just before it,
+        and :attr:`window_end_pending` is True. Then :meth:`flush` retries
+        it (bit-identical to a window end that never failed); :meth:`step`,
+        :meth:`save` and :meth:`state_dict` refuse until then, so that the
+        step is never counted twice nor a window silently left unfinished.
+        The exception carries a note saying so.
+
+        Memory: during a window end, a copy of the parameters and optimizer
+        state the optimizers hold, and of the gradients (normalized out of
+        place, except those a replicas' sum already made new).
         """
         self._check_outside_step("step")
         with self._lock:
@@ -160,6 +186,13 @@ class GradientAccumulator:
         microbatches: Sequence[Any] | None = None,
         targets: Sequence[Any] | None = None,
     ) -> StepResult:
+        if self.window_end_pending:
+            raise ConfigError(
+                "GradientAccumulator.step(): the last window's end failed and was put back "
+                f"(its {self.accumulation_steps} steps' gradients are in, nothing was stepped); "
+                "call acc.flush() to retry it first (do not step that window's last batch "
+                "again: it is already in)"
+            )
         if self.position == 0:
             self.pipe.zero_grad(set_to_none=True)
             self._scale = self.loss_scale.value()  # constant through the window
@@ -180,66 +213,146 @@ class GradientAccumulator:
             if last:
                 self.pipe.sync.window_ends(False)
             raise
+        self._follow_freed_parameters()
         loss = float(loss_sum)
-        self._loss_sum += loss
-        self._items += items
-        self._samples += (
+        rows = (
             batch_size(inputs) if microbatches is None else sum(batch_size(x) for x in microbatches)
         )
-        self._given = None if microbatches is None else len(microbatches)
-        self.position += 1
-        self.steps += 1
+        with deferred_interrupts():  # the step's gradients are in: so are its counts
+            self._loss_sum += loss
+            self._items += items
+            self._samples += rows
+            self._rows.append(rows)
+            self._given = None if microbatches is None else len(microbatches)
+            self.position += 1
+            self.steps += 1
         step_loss = loss / items if items > 0 else math.nan
         if self.position == self.accumulation_steps:
+            self._last_loss = step_loss
             return self._finish(step_loss)
         return self._result(step_loss, None, stepped=False, skipped=False, norm=None)
 
+    def _follow_freed_parameters(self) -> None:
+        """Swaps, in the optimizers, parameters a mesh pipeline freed for their meta replacements.
+
+        Why: an optimizer built before a traced model's first call on a mesh
+        holds the model's Parameter objects; the first cut gives other ranks'
+        layers new (meta) ones. Without this, the optimizer kept their
+        memory and checkpoints met parameters the pipeline no longer names.
+        Their optimizer state (loaded before the cut) is dropped: those
+        ranks hold it.
+        """
+        generation = replaced_parameters()
+        if generation == self._replaced_seen:
+            return
+        self._replaced_seen = generation
+        for optimizer in self.optimizers:
+            for group in optimizer.param_groups:
+                new = [replacement(p) for p in group["params"]]
+                if any(n is not None for n in new):
+                    group["params"] = [
+                        p if n is None else n for p, n in zip(group["params"], new, strict=True)
+                    ]
+            for old in [p for p in optimizer.state if replacement(p) is not None]:
+                del optimizer.state[old]  # another rank's parameter now: its state is theirs
+
+    @property
+    def window_end_pending(self) -> bool:
+        """Whether the window is full and its end failed (put back): :meth:`flush` retries it.
+
+        In that state :meth:`step`, :meth:`save` and :meth:`state_dict` refuse.
+        """
+        return self.position == self.accumulation_steps
+
     def flush(self) -> StepResult | None:
-        """Finishes an incomplete window, normalized by its own content; None if empty."""
+        """Finishes an incomplete window, normalized by its own content; None if empty.
+
+        After a window end that failed (:attr:`window_end_pending`), retries it:
+        the result is the one that window end would have returned.
+        """
         self._check_outside_step("flush")
         with self._lock:
             if self.position == 0:
                 return None
-            return self._finish(math.nan)
+            return self._finish(self._last_loss if self.window_end_pending else math.nan)
 
     def _finish(self, step_loss: float) -> StepResult:
+        """Ends the window, all or nothing: on any failure (Ctrl-C included) it is put back.
+
+        Reductions over the mesh first (sums, gradients, the inf check, the
+        norm); then this rank's own changes (clip, optimizers, schedulers, loss
+        scale), which every rank then agrees succeeded everywhere; only then
+        are the gradients dropped and the counters advanced.
+        """
         sync = self.pipe.sync  # the identity locally; reductions over the mesh otherwise
         parameters = list(self.pipe.parameters())
+        aside = GradientsAside(parameters)  # .grad is replaced below, never written into
         items, samples, loss_sum = sync.sum([self._items, float(self._samples), self._loss_sum])
         if items <= 0:
             sync.gradients()  # every replica takes this path: end the window's reductions
-            self.pipe.zero_grad(set_to_none=True)
-            self._reset_window()
+            with deferred_interrupts():
+                self.pipe.zero_grad(set_to_none=True)
+                self._reset_window()
             raise ConfigError(
                 f"the window's num_items add up to {items:g}: there is nothing to normalize "
                 "by; pass each step's count of non-padding items (the window was dropped, "
                 "parameters untouched)"
             )
-        sync.gradients()  # once per window: sum over replicas
-        grads = grads_of(parameters)
-        scale_(grads, 1.0 / (self._scale * items))  # the one normalization (and unscale)
-        window_loss = loss_sum / items
-        finite = sync.all_true(math.isfinite(window_loss) and all_finite(grads))
-        norm = None
-        if finite:
-            norm = sync.norm(parameters)
-            clip_to_(parameters, self.max_grad_norm, norm)
-            for optimizer in self.optimizers:
-                optimizer.step()
-            for scheduler in self.schedulers:
-                scheduler.step()
-            self.windows += 1
-        self.loss_scale.update(found_inf=not finite)
-        self.pipe.zero_grad(set_to_none=True)
-        result = self._result(
-            step_loss,
-            window_loss,
-            stepped=finite,
-            skipped=not finite,
-            norm=norm,
-            samples=int(samples),
-        )
-        self._reset_window()
+        try:
+            sync.gradients()  # once per window: sum over replicas
+            # The one normalization (and unscale); the gradients as the window left them
+            # are kept (scaled out of place), those the replicas' sum made are scaled in place.
+            grads = scaled(parameters, 1.0 / (self._scale * items), keep=aside.tensors())
+            window_loss = loss_sum / items
+            finite = sync.all_true(math.isfinite(window_loss) and all_finite(grads))
+            norm = sync.norm(parameters) if finite else None
+            snapshot = WindowSnapshot(self, finite)  # what the optimizers and the rest change
+        except BaseException as err:
+            with deferred_interrupts():
+                aside.restore()
+            _note(err, "the window end failed in its reductions")
+            raise
+        failure: BaseException | None = None
+        try:
+            if finite:
+                clip_to_(parameters, self.max_grad_norm, norm)  # type: ignore[arg-type]
+                for optimizer in self.optimizers:
+                    optimizer.step()
+                for scheduler in self.schedulers:
+                    scheduler.step()
+            self.loss_scale.update(found_inf=not finite)
+        except BaseException as err:
+            failure = err
+        try:
+            everywhere = sync.all_true(failure is None)  # one flag more on a mesh
+        except BaseException as err:  # another rank is gone: put back, raise what happened here
+            everywhere = False
+            failure = failure or err
+        if not everywhere:
+            snapshot.restore()
+            with deferred_interrupts():
+                aside.restore()
+            if failure is None:  # this rank's part succeeded
+                failure = RemoteError(
+                    "the window end failed on another rank of the mesh (its own error says "
+                    "why); this rank's window end was put back as well: call acc.flush() on "
+                    "every rank to retry it"
+                )
+            _note(failure, "the window end failed")
+            raise failure
+        with deferred_interrupts():  # commit
+            if finite:
+                self.windows += 1
+            self.pipe.zero_grad(set_to_none=True)
+            result = self._result(
+                step_loss,
+                window_loss,
+                stepped=finite,
+                skipped=not finite,
+                norm=norm,
+                samples=int(samples),
+            )
+            self._reset_window()
         return result
 
     def _result(
@@ -262,18 +375,20 @@ class GradientAccumulator:
             step=self.steps,
             window=self.windows,
             lr=float(self.optimizers[0].param_groups[0]["lr"]),
+            step_rows=tuple(self._rows),
         )
 
     def log_line(self, result: StepResult) -> str:
         """``step 12 | loss 1.23 | lr 1e-3 | eff. batch 256 (16 x 4 chunks x 4 steps)``.
 
-        With data parallelism the breakdown ends with ``x R replicas``; after
-        a step given ``microbatches=``, it reads ``(variable micro-batches (3
-        in the last step) x 4 steps)``.
+        The breakdown is the window's own counts (a flushed window's steps,
+        uneven steps' rows; see :func:`pipesched.train.result.log_line`). With
+        data parallelism it ends with ``x R replicas``; after a step given
+        ``microbatches=``, it reads ``(variable micro-batches (3 in the last
+        step) x 4 steps)``.
         """
         replicas = self.pipe.mesh.dp_size if self.pipe.mesh is not None else 1
-        steps = self.accumulation_steps if result.window_loss is not None else self.position
-        return log_line(result, self.pipe.chunks, steps, replicas, self._given)
+        return log_line(result, self.pipe.chunks, replicas, self._given)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything a bit-identical resume needs, mid-window included.
@@ -281,13 +396,15 @@ class GradientAccumulator:
         Like torch's own ``state_dict``s, the model and optimizer entries
         alias live tensors: save it (:meth:`save`) or deep-copy it to keep it.
 
-        The model under its original parameter names, the optimizers,
-        schedulers, scaler, RNG states, counters, and the window so far: its
-        position, item and sample counts, loss, scale and accumulated gradients.
+        The model under its original parameter names, the optimizers (and
+        their classes, checked on load), schedulers, scaler, RNG states,
+        counters, and the window so far: its position, item and sample
+        counts, loss, scale and accumulated gradients.
         """
         return {
             "model": self.pipe.state_dict(),
             "optimizers": [o.state_dict() for o in self.optimizers],
+            "optimizer_types": [optimizer_type(o) for o in self.optimizers],
             "schedulers": [s.state_dict() for s in self.schedulers],
             "loss_scale": self.loss_scale.state_dict(),
             "rng": rng_state(),
@@ -335,22 +452,44 @@ class GradientAccumulator:
                 :meth:`state_dict` in one ``torch.save`` file; a save killed
                 outright leaves a ``.{name}.pipesched-*.tmp`` file beside
                 ``path``, which the next save to ``path`` removes.
+
+        Raises:
+            CheckpointError: the window's end failed and is pending
+                (:attr:`window_end_pending`): call :meth:`flush` first. Nothing
+                was written.
         """
+        self._check_committed("save")
+        self._follow_freed_parameters()
         if self.pipe.mesh is not None if sharded is None else sharded:
             save_sharded(self, path)
         else:
-            save_checkpoint(self.state_dict(), path)
+            state = self.state_dict()
+            check_fits(self, state, path)  # never replace a good file with one load refuses
+            save_checkpoint({**state, CHECKSUM: digest(state)}, path)
+
+    def _check_committed(self, call: str) -> None:
+        """Refuses to save the state a failed window end left (a full window, not stepped)."""
+        if self.window_end_pending:
+            raise CheckpointError(
+                f"GradientAccumulator.{call}(): the last window's end failed and was put back "
+                f"(its {self.accumulation_steps} steps' gradients are in, nothing was stepped), "
+                "a state no checkpoint holds; call acc.flush() to finish the window, then "
+                f"{call}() (nothing was written)"
+            )
 
     def load(self, path: str) -> None:
         """Resumes from :meth:`save`'s checkpoint; all or nothing, as :meth:`load_state_dict`.
 
         A directory is a sharded checkpoint, read at this pipeline's layout
         (on a mesh, every rank calls it; each reads only its stages' part).
+        What is read is checked against the content checksums the save
+        wrote (a file saved before pipesched wrote them loads unchecked).
 
         Raises:
             FileNotFoundError: there is nothing at ``path``.
             CheckpointError: the checkpoint cannot be read (truncated, empty,
-                not a checkpoint: the reader's error is chained), or does not
+                not a checkpoint: the reader's error is chained), is not what
+                was saved (its content checksum differs), or does not
                 fit (on a mesh: on any rank). The message names ``path``.
                 Nothing was changed.
         """
@@ -360,6 +499,7 @@ class GradientAccumulator:
             self._load(load_checkpoint(path), path)
 
     def _load(self, state: Any, source: str | None) -> None:
+        state = verified(state, describe(source))
         check_fits(self, state, source)
         snapshot = Snapshot(self)
         try:
@@ -390,3 +530,12 @@ class GradientAccumulator:
         for name, p in self.pipe.named_parameters():
             grad = window["grads"].get(name)
             p.grad = None if grad is None else grad.to(p.device).clone()
+
+
+def _note(err: BaseException, what: str) -> None:
+    """Tells, on the exception itself (KeyboardInterrupt included), what state it left."""
+    err.add_note(
+        f"pipesched: {what} and was put back: parameters, optimizers, schedulers, loss "
+        "scale, .grad, counters and generators are as before it; call acc.flush() to "
+        "retry it (acc.window_end_pending tells whether the full window's end is pending)"
+    )

@@ -81,6 +81,7 @@ def check_fits(acc: GradientAccumulator, state: Any, source: str | None = None) 
     names: dict[torch.Tensor, str] = {p: n for n, p in acc.pipe.named_parameters()}
     _check_model(acc, state["model"], problems)
     _check_optimizers(acc.optimizers, state["optimizers"], names, problems)
+    _check_optimizer_kinds(acc.optimizers, state, problems)
     _check_schedulers(len(acc.schedulers), state["schedulers"], problems)
     _check_loss_scale(acc.loss_scale.scaler is not None, state["loss_scale"], problems)
     _check_rest(acc, state, problems)
@@ -164,6 +165,64 @@ def _check_optimizers(
                 ids.update(zip(params, own["params"], strict=True))
         if len(ids) == sum(len(own["params"]) for own in mine):  # every group fits
             _check_optimizer_state(where, theirs["state"], ids, optimizer, names, problems)
+
+
+def optimizer_type(optimizer: torch.optim.Optimizer) -> str:
+    """The optimizer's class as a checkpoint records it: ``torch.optim.adam.Adam``."""
+    kind = type(optimizer)
+    return f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _check_optimizer_kinds(
+    optimizers: list[torch.optim.Optimizer], state: Mapping[str, Any], problems: list[str]
+) -> None:
+    """Another optimizer class, or param groups lacking options this optimizer steps with.
+
+    A checkpoint written before types were recorded has no ``optimizer_types``:
+    its param groups are still checked.
+    """
+    saved = state["optimizers"]
+    if not isinstance(saved, Sequence) or len(saved) != len(optimizers):
+        return  # told already
+    types = state.get("optimizer_types")
+    n = len(optimizers)
+    for i, (optimizer, theirs) in enumerate(zip(optimizers, saved, strict=True)):
+        where = f"optimizer {i + 1} of {n}"
+        mine = optimizer_type(optimizer)
+        if isinstance(types, Sequence) and len(types) == n and types[i] != mine:
+            problems.append(
+                f"{where}: the checkpoint was saved from a {types[i]}, this one is a {mine} "
+                "(its state and options would not fit: build the optimizer the run that "
+                "saved it used)"
+            )
+            continue
+        groups = theirs.get("param_groups") if isinstance(theirs, Mapping) else None
+        if not isinstance(groups, Sequence) or len(groups) != len(optimizer.param_groups):
+            continue  # told already
+        for g, (group, own) in enumerate(zip(groups, optimizer.param_groups, strict=True)):
+            if not isinstance(group, Mapping):
+                continue
+            missing = sorted(set(own) - set(_as_loaded(optimizer, group)))
+            if missing:
+                problems.append(
+                    f"{where} ({mine}): param group {g} in the checkpoint lacks "
+                    f"{_listed(missing)}, which this optimizer steps with; it was saved from "
+                    f"another kind of optimizer (its group has {_listed(sorted(group))}): "
+                    "build the optimizer the run that saved it used"
+                )
+
+
+def _as_loaded(optimizer: torch.optim.Optimizer, group: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``group`` as ``optimizer.load_state_dict`` leaves it (its class fills options it knows)."""
+    probe = object.__new__(type(optimizer))
+    loaded = dict(group, params=[])
+    try:
+        probe.__setstate__(
+            {"state": {}, "param_groups": [loaded], "defaults": dict(optimizer.defaults)}
+        )
+    except Exception:  # a class whose __setstate__ needs more: compare the group as saved
+        return group
+    return loaded
 
 
 def _check_optimizer_state(

@@ -10,7 +10,7 @@ from torch import nn
 
 from pipesched.internals import foreach_mul_
 
-__all__ = ["all_finite", "clip_to_", "grads_of", "scale_"]
+__all__ = ["all_finite", "clip_to_", "grads_of", "scale_", "scaled"]
 
 
 def grads_of(parameters: Iterable[nn.Parameter]) -> list[torch.Tensor]:
@@ -20,8 +20,27 @@ def grads_of(parameters: Iterable[nn.Parameter]) -> list[torch.Tensor]:
 
 def scale_(grads: list[torch.Tensor], factor: float) -> None:
     """Multiplies every gradient by ``factor`` in place, once."""
-    if factor != 1.0:
+    if factor != 1.0 and grads:
         foreach_mul_(grads, factor)
+
+
+def scaled(
+    parameters: Iterable[nn.Parameter], factor: float, keep: Iterable[torch.Tensor] = ()
+) -> list[torch.Tensor]:
+    """Multiplies every gradient by ``factor``, the ones in ``keep`` out of place; returns them.
+
+    A gradient in ``keep`` is left as it was: the parameter's ``.grad``
+    becomes a new tensor (so that it can be put back); the others are
+    scaled in place. The same products either way, bit for bit.
+    """
+    kept = {id(t) for t in keep}
+    held = [p for p in parameters if p.grad is not None]
+    copies = [p for p in held if id(p.grad) in kept]
+    in_place = [p.grad for p in held if id(p.grad) not in kept]
+    scale_(in_place, factor)  # type: ignore[arg-type]
+    for p in copies:
+        p.grad = p.grad * factor  # type: ignore[operator,assignment]
+    return [p.grad for p in held]  # type: ignore[misc]
 
 
 def all_finite(grads: list[torch.Tensor]) -> bool:

@@ -15,7 +15,9 @@ of one logical run:
 - ``grad/<name>``: a mid-window gradient, summed over replicas and tied ranks;
 - ``accumulator``: counters, the window's sums (over replicas), schedulers,
   loss scale, and the layout that wrote it;
-- ``rng/<rank>``: each process's generator states.
+- ``rng/<rank>``: each process's generator states;
+- ``checksums/<rank>``: the content digest of each entry that rank wrote
+  (:mod:`pipesched.train.integrity`), checked for every entry a load reads.
 
 Every rank writes its own stages' entries (:mod:`pipesched.train.store`);
 loading reads only the entries of the loading rank's stages, at any pp, dp
@@ -35,7 +37,8 @@ from torch import nn
 
 from pipesched.errors import CheckpointError
 from pipesched.train import store
-from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits
+from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, optimizer_type
+from pipesched.train.integrity import digest
 from pipesched.train.state import rng_state
 
 if TYPE_CHECKING:
@@ -80,12 +83,14 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
         },
         "accumulation_steps": acc.accumulation_steps,
         "schedulers": [s.state_dict() for s in acc.schedulers],
+        "optimizer_types": [optimizer_type(o) for o in acc.optimizers],
         "loss_scale": acc.loss_scale.state_dict(),
         "layout": _layout(acc),
     }
     if rank == 0:  # global rank 0's schedulers and scaler: every rank's are in its state
         state["accumulator"] = extra
     state[f"rng/{rank}"] = rng_state()
+    state[f"checksums/{rank}"] = {key: digest(value) for key, value in state.items()}
     store.write(state, path, distributed=mesh is not None)
 
 
@@ -153,7 +158,7 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
         )
     rank_rng = f"rng/{_rank(mesh is not None)}"
     small = ["accumulator", "rng/0", rank_rng]
-    small += [k for k in metadata if k.startswith("optim_groups/")]
+    small += [k for k in metadata if k.startswith(("optim_groups/", "checksums/"))]
     data = store.read(directory, sorted({k for k in small if k in metadata}), metadata)
     extra = data["accumulator"]
     rng_key = rank_rng if extra["layout"] == _layout(acc) and rank_rng in data else "rng/0"
@@ -173,6 +178,7 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
     own_names = {n for p in pipe.parameters() if not p.is_meta for n in names[id(p)]}
     keys += [f"grad/{n}" for n in sorted(own_names) if f"grad/{n}" in metadata]
     data.update(store.read(directory, keys, metadata))
+    _verify(data, directory, path)
     primary = _primary(acc)
     grads = {}
     for n, p in pipe.named_parameters():
@@ -185,12 +191,33 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
     return {
         "model": {k: data.get(f"model/{k}", v) for k, v in live.items()},
         "optimizers": [_optimizer_state(o, saved, data, path) for o in acc.optimizers],
+        "optimizer_types": extra.get("optimizer_types"),  # (None: saved before they were)
         "schedulers": extra["schedulers"],
         "loss_scale": extra["loss_scale"],
         "rng": data[rng_key],
         "counters": extra["counters"],
         "window": window,
     }
+
+
+def _verify(data: dict[str, Any], directory: str, path: str) -> None:
+    """Refuses entries whose contents differ from the checksums the save wrote.
+
+    A checkpoint written before checksums has none: it is read unchecked.
+    """
+    expected: dict[str, str] = {}
+    for key in [k for k in data if k.startswith("checksums/")]:
+        expected.update(data.pop(key))
+    changed = [k for k, v in data.items() if k in expected and digest(v) != expected[k]]
+    if changed:
+        files = store.files_of(directory)
+        listed = ", ".join(f"{k!r} in {files.get(k, '?')!r}" for k in changed[:6])
+        raise CheckpointError(
+            f"checkpoint {path!r} is not what was saved: the contents of {listed} (in "
+            f"{directory!r}) differ from their checksums: a byte of a file changed after it "
+            "was written (disk, copy, transfer). Nothing was loaded or changed; load another "
+            "checkpoint, or a good copy of this one"
+        )
 
 
 def _owner(key: str) -> str:

@@ -5,9 +5,13 @@ from __future__ import annotations
 import os
 import random
 import re
+import signal
 import socket
 import sys
 import tempfile
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -53,20 +57,74 @@ def save_checkpoint(state: dict[str, Any], path: str) -> None:
     behind, and the previous file at ``path`` intact; the next save to the
     same ``path`` first removes such leftovers of processes of this host that
     are no longer alive (never a live process's file, never another host's).
+
+    A Ctrl-C during the write stops it and surfaces as KeyboardInterrupt once
+    the temporary file is removed, ``path`` untouched (torch's writer would
+    turn it into a ``RuntimeError`` from its zip writer, its file half-written).
     """
     directory = os.path.dirname(os.path.abspath(path))
     remove_stale_temp_files(path)
     prefix = f"{_temp_prefix(path)}{_HOST}-{os.getpid()}-"
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
+    with _interrupts_stop_the_write() as interrupted:
+        try:
+            with os.fdopen(fd, "wb") as f:
+                torch.save(state, _Writer(f, interrupted))  # type: ignore[arg-type]
+                f.flush()
+                os.fsync(f.fileno())
+            if interrupted:
+                raise KeyboardInterrupt
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            if not interrupted:
+                raise  # else: the held Ctrl-C is raised as the block ends
+
+
+class _Writer:
+    """The file torch.save writes to; stops the write once a Ctrl-C came."""
+
+    def __init__(self, f: Any, interrupted: list[Any]) -> None:
+        self.f, self.interrupted = f, interrupted
+
+    def write(self, data: Any) -> int:
+        if self.interrupted:
+            raise KeyboardInterrupt  # torch's writer raises its own error: the caller sees ours
+        return int(self.f.write(data))
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+@contextmanager
+def _interrupts_stop_the_write() -> Iterator[list[Any]]:
+    """Holds a Ctrl-C back until the block ends, then raises it; the list tells it came.
+
+    Like :func:`pipesched.transaction.deferred_interrupts`, but the block sees
+    that one came, to stop the write: only where it raises KeyboardInterrupt
+    (Python's handler) or ends the process. A handler of the program's own is
+    called once the save is done (it may want the save); an ignored SIGINT
+    stays ignored. Only the main thread receives signals.
+    """
+    stop: list[Any] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous) and previous != signal.SIG_DFL:  # ignored, or not Python's
+        yield stop
+        return
+    stops = previous is signal.default_int_handler or previous == signal.SIG_DFL
+    held: list[Any] = stop if stops else []
+    signal.signal(signal.SIGINT, lambda number, frame: held.append((number, frame)))
     try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if held and callable(previous):
+            previous(*held[0])
+        elif held and previous == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 def load_checkpoint(path: str) -> Any:

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -33,7 +34,7 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipesched.errors import CheckpointError
 
-__all__ = ["LATEST", "is_sharded", "read", "read_metadata", "resolve", "write"]
+__all__ = ["LATEST", "files_of", "is_sharded", "read", "read_metadata", "resolve", "write"]
 
 LATEST = "latest"
 """The file in a checkpoint directory that names its committed version."""
@@ -87,6 +88,15 @@ def read_metadata(directory: str) -> dict[str, Any]:
     return dict(metadata.state_dict_metadata)
 
 
+def files_of(directory: str) -> dict[str, str]:
+    """Which file of the DCP checkpoint in ``directory`` holds each key (for messages)."""
+    try:
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except Exception:  # read already; only a message needs it
+        return {}
+    return {index.fqn: getattr(info, "relative_path", "?") for index, info in storage.items()}
+
+
 def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[str, Any]:
     """Reads only ``keys`` of the checkpoint in ``directory`` (tensors on the CPU).
 
@@ -111,10 +121,10 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
                 planner=DefaultLoadPlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
                 no_dist=True,
             )
-    except Exception as err:
+    except (Exception, CheckpointException) as err:  # (the latter is a BaseException)
         raise CheckpointError(
             f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}): a file "
-            "of it is missing or truncated; load another"
+            "of it is missing, truncated or changed; load another"
         ) from err
     return request
 
@@ -146,16 +156,34 @@ def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
     directory = os.path.join(path, version)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
-        dcp_save(
-            state,
-            storage_writer=FileSystemWriter(directory, sync_files=True),
-            planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
-            no_dist=not distributed,
-        )  # returns on any rank only once every rank's files and the metadata are written
+        try:
+            dcp_save(
+                state,
+                storage_writer=FileSystemWriter(directory, sync_files=True),
+                planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
+                no_dist=not distributed,
+            )  # returns on any rank only once every rank's files and the metadata are written
+        except CheckpointException as err:  # a BaseException, whatever failed inside
+            raise _unwrapped(err, path, rank) from err
     if rank == 0:
         _commit(path, version)
     if distributed:
         dist.barrier()  # no rank reads path before it is committed
+
+
+def _unwrapped(err: CheckpointException, path: str, rank: int) -> BaseException:
+    """What a failed DCP save raises instead: this rank's Ctrl-C as Ctrl-C, else a CheckpointError.
+
+    Nothing was committed: ``path`` keeps its previous version, and the
+    half-written one is removed by the next save.
+    """
+    own = err.failures.get(rank)
+    if own is not None and isinstance(own[0], KeyboardInterrupt | SystemExit):
+        return type(own[0])()
+    return CheckpointError(
+        f"cannot save the checkpoint to {path!r} ({err}); nothing was committed: its "
+        "previous version is still the one that loads"
+    )
 
 
 def _commit(path: str, version: str) -> None:
