@@ -389,7 +389,7 @@ class Unloaded:
         """Raises ConfigError naming the tensors no load has written yet, before ``call`` runs."""
         if not self.tensors:
             return
-        held = dict(self.model.named_parameters(remove_duplicate=False))
+        held: dict[str, torch.Tensor] = dict(self.model.named_parameters(remove_duplicate=False))
         held.update(self.model.named_buffers(remove_duplicate=False))
         left = [
             (name, t, v)
