@@ -12,13 +12,7 @@ from torch import nn
 from pipesched import BatchCoupledWarning, Pipeline
 from pipesched.partition.coupling import coupled_flags
 
-
-@pytest.fixture(autouse=True)
-def _fp64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 def _called(call):

@@ -11,13 +11,7 @@ from torch import nn
 from pipesched import MicroBatchNormWarning, Pipeline
 from pipesched.batchnorm import DeferredBatchNorm
 
-
-@pytest.fixture(autouse=True)
-def _fp64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 class Scale(nn.Module):

@@ -17,12 +17,7 @@ from tests.partition.models import UNet
 RTOL, ATOL = 1e-10, 1e-12
 
 
-@pytest.fixture(autouse=True)
-def _fp64():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("fp64")
 
 
 def _gpt2() -> nn.Module:

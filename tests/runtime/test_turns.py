@@ -150,9 +150,13 @@ def test_workers_taking_turns_share_one_cpu_for_the_step_only():
     seen: list[set[int]] = []
 
     class Spy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(()))  # a step needs something to train
+
         def forward(self, x):
             seen.append(os.sched_getaffinity(0))
-            return x
+            return x * self.w
 
     everywhere = os.sched_getaffinity(0)
     pipe = Pipeline(nn.Sequential(Spy(), Spy()), 2, balance=[1, 1], devices=["cpu"] * 2)
