@@ -132,22 +132,27 @@ class Snapshot:
 
 
 @contextmanager
-def deferred_interrupts() -> Iterator[None]:
+def deferred_interrupts() -> Iterator[list[tuple[int, Any]]]:
     """Holds a Ctrl-C (SIGINT) back until the block ends, then raises it.
 
     Why: setting gradients aside, committing or putting them back, cut
     half-way, would leave some parameters' gradients lost or counted twice.
-    Only the main thread receives signals; elsewhere this does nothing.
+    The block gets the list of the signals held so far (to stop early where
+    one came). Only the main thread receives signals, and a SIGINT handler
+    set outside Python cannot be put back: there this holds nothing.
     """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
     caught: list[tuple[int, Any]] = []
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or _signal.getsignal(signal.SIGINT) is None
+    ):
+        yield caught
+        return
     # _signal, not signal: the same call without signal.py's enum conversions, a tenth of
     # the time (a step enters this block four times).
     previous = _signal.signal(signal.SIGINT, lambda number, frame: caught.append((number, frame)))
     try:
-        yield
+        yield caught
     finally:
         _signal.signal(signal.SIGINT, previous)
         if caught and callable(previous):

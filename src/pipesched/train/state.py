@@ -9,7 +9,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -17,6 +16,7 @@ from typing import Any
 import torch
 
 from pipesched.errors import CheckpointError
+from pipesched.transaction import deferred_interrupts
 
 __all__ = [
     "load_checkpoint",
@@ -100,31 +100,16 @@ class _Writer:
 def _interrupts_stop_the_write() -> Iterator[list[Any]]:
     """Holds a Ctrl-C back until the block ends, then raises it; the list tells it came.
 
-    Like :func:`pipesched.transaction.deferred_interrupts`, but the block sees
-    that one came, to stop the write: only where it raises KeyboardInterrupt
+    :func:`pipesched.transaction.deferred_interrupts`, but the block sees that
+    one came, to stop the write, only where it raises KeyboardInterrupt
     (Python's handler) or ends the process. A handler of the program's own is
     called once the save is done (it may want the save); an ignored SIGINT
-    stays ignored. Only the main thread receives signals.
+    stays ignored.
     """
-    stop: list[Any] = []
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
     previous = signal.getsignal(signal.SIGINT)
-    if not callable(previous) and previous != signal.SIG_DFL:  # ignored, or not Python's
-        yield stop
-        return
     stops = previous is signal.default_int_handler or previous == signal.SIG_DFL
-    held: list[Any] = stop if stops else []
-    signal.signal(signal.SIGINT, lambda number, frame: held.append((number, frame)))
-    try:
-        yield stop
-    finally:
-        signal.signal(signal.SIGINT, previous)
-        if held and callable(previous):
-            previous(*held[0])
-        elif held and previous == signal.SIG_DFL:
-            signal.raise_signal(signal.SIGINT)
+    with deferred_interrupts() as caught:
+        yield caught if stops else []
 
 
 def load_checkpoint(path: str) -> Any:
