@@ -411,10 +411,21 @@ def has_module_hooks(module: nn.Module) -> bool:
 def size_symbols(size: torch.SymInt) -> set[Any]:
     """The symbols of a traced size, as traced: a size the trace later pinned keeps them."""
     node = size.node
-    expr = getattr(node, "_expr", None)
+    expr = getattr(node, "_expr", None) if _size_symbols_supported() else None
     if expr is None or not hasattr(expr, "free_symbols"):
         expr = node.expr
     return set(expr.free_symbols)
+
+
+@functools.cache
+def _size_symbols_supported() -> bool:
+    """Probed at the first traced size, not at import: the probe imports torch's symbolic
+    shapes (and with them torch._dynamo, 0.7 s), which a process that never traces, such
+    as every rank of a Sequential pipeline, should not pay."""
+    if _probe(_check_size_symbols):
+        return True
+    _missing("SymNode._expr", "a model that pins its batch has no output told as batch-coupled")
+    return False
 
 
 def _check_size_symbols() -> bool:
@@ -422,8 +433,6 @@ def _check_size_symbols() -> bool:
 
     env = ShapeEnv()
     symbol = env.create_unbacked_symint()
-    return hasattr(symbol.node, "_expr") and bool(size_symbols(symbol))
-
-
-if not _probe(_check_size_symbols):
-    _missing("SymNode._expr", "a model that pins its batch has no output told as batch-coupled")
+    node = symbol.node
+    expr = getattr(node, "_expr", None)
+    return expr is not None and bool(expr.free_symbols)

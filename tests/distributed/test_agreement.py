@@ -110,4 +110,4 @@ def test_a_step_after_destroy_process_group_says_so_not_that_a_rank_died(tmp_pat
         assert error is not None and error["type"] == "ConfigError", (rank, error)
         assert "destroy_process_group()" in error["message"], error
         assert "died" not in error["message"], error
-        assert error["elapsed"] < 5, error
+        assert error["elapsed"] < 20, error
