@@ -31,18 +31,11 @@ def ctrl_c():
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Multi-process tests run one at a time; ``cuda`` tests skip where torch sees no device.
+    """Tests marked ``cuda`` skip, with the reason, where torch sees no CUDA device.
 
-    Under pytest-xdist (``make test`` runs two workers), every test of
-    tests/distributed/ is in one group, so those meshes of gloo processes run
-    one after another on one worker while the other worker runs in-process
-    tests: two meshes at once on two cores would only slow both. Every
-    CUDA-only test carries the ``cuda`` marker, so ``pytest -m cuda`` runs them
-    all (``make gpu-check`` does).
+    Every CUDA-only test carries the marker, so ``pytest -m cuda`` runs them all
+    (``make gpu-check`` does).
     """
-    for item in items:
-        if "distributed" in item.path.parts:
-            item.add_marker(pytest.mark.xdist_group("processes"))
     if torch.cuda.is_available():
         return
     has = (
