@@ -69,7 +69,8 @@ def run_tests(timeout: float, on_cpu: bool) -> Row:
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "cuda.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", f"--junitxml={report}"]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+        paths = [str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
         if on_cpu:
             env["CUDA_VISIBLE_DEVICES"] = ""
         try:
@@ -135,7 +136,15 @@ def local_part(rounds: int, on_cpu: bool) -> list[Row]:
             checkpoint="never",
         )
         runs["torchgpipe GPipe"] = lambda: _backward(loss_fn(gpipe(x), y))
-    losses = {name: float(fn().detach().float()) for name, fn in runs.items()}  # warm-up
+    losses: dict[str, float] = {}
+    failed: list[Row] = []  # a contender that raises is a row, the others still run
+    for name, fn in list(runs.items()):  # warm-up
+        try:
+            losses[name] = float(fn().detach().float())
+        except Exception as error:
+            first = str(error).splitlines()[0][:100]
+            failed.append((f"local {name}", "FAIL", f"{type(error).__name__}: {first}"))
+            del runs[name]
     times: dict[str, list[float]] = {name: [] for name in runs}
     order = list(runs)
     for r in range(rounds):
@@ -150,13 +159,13 @@ def local_part(rounds: int, on_cpu: bool) -> list[Row]:
     rows: list[Row] = []
     for name, t in median.items():
         numbers = f"{1000 * t:.2f} ms, {median['plain'] / t:.2f}x plain"
-        if gpipe is not None and name != "torchgpipe GPipe":
+        if "torchgpipe GPipe" in median and name != "torchgpipe GPipe":
             numbers += f", {median['torchgpipe GPipe'] / t:.2f}x torchgpipe"
         ok = abs(losses[name] - losses["plain"]) <= 2e-2 * abs(losses["plain"]) + 1e-6
         rows.append((f"local {name} ({where})", "ok" if ok else "FAIL", numbers))
     if gpipe is None:
         rows.append(("local torchgpipe GPipe", "skipped", "torchgpipe is not installed"))
-    return rows
+    return rows + failed
 
 
 def _backward(loss: torch.Tensor) -> torch.Tensor:
