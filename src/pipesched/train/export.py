@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from pipesched.errors import CheckpointError
 from pipesched.train import store
@@ -52,6 +51,8 @@ def model_state(checkpoint: str) -> dict[str, torch.Tensor]:
 
 def describe(checkpoint: str) -> str:
     """A few lines on a sharded checkpoint: its version, the layout and point that saved it."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # see store
+
     directory = store.resolve(checkpoint)
     metadata = store.read_metadata(directory)
     tensors = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}

@@ -21,18 +21,18 @@ import shutil
 import uuid
 import warnings
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from pipesched.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
+
+# torch.distributed.checkpoint is imported where a sharded checkpoint is read or written,
+# not with this module: it takes 0.8 s, which every rank would pay at start-up.
 
 __all__ = ["LATEST", "files_of", "is_sharded", "read", "read_metadata", "resolve", "write"]
 
@@ -79,8 +79,10 @@ def resolve(path: str) -> str:
 
 def read_metadata(directory: str) -> dict[str, Any]:
     """Each key of the DCP checkpoint in ``directory``: its tensor metadata, or bytes metadata."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
     try:
-        metadata: Metadata = FileSystemReader(directory).read_metadata()
+        metadata = FileSystemReader(directory).read_metadata()
     except Exception as err:
         raise CheckpointError(
             f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}); load another"
@@ -90,6 +92,8 @@ def read_metadata(directory: str) -> dict[str, Any]:
 
 def files_of(directory: str) -> dict[str, str]:
     """Which file of the DCP checkpoint in ``directory`` holds each key (for messages)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
     try:
         storage = FileSystemReader(directory).read_metadata().storage_data
     except Exception:  # read already; only a message needs it
@@ -103,6 +107,12 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
     Each process reads by itself, no collective: a rank reads its own stages'
     entries and never holds the rest.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+
     request: dict[str, Any] = {}
     for key in keys:
         entry = metadata[key]
@@ -137,6 +147,11 @@ def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
     once), and the version is committed only when every rank has written
     (see the module); else this process writes the whole checkpoint.
     """
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
     rank = dist.get_rank() if distributed else 0
     version, problem = f"v-{uuid.uuid4().hex[:12]}", None
     if rank == 0:
