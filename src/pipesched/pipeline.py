@@ -248,6 +248,17 @@ class Pipeline(Shadowing, Pinned):
         return self._built().partition
 
     @property
+    def is_cut(self) -> bool:
+        """Whether the model is cut into stages (a traced model is cut at its first call)."""
+        return len(self._assemblies) > 0
+
+    @property
+    def tied_ranks(self) -> dict[int, tuple[int, ...]]:
+        """On a mesh, for each of this rank's parameters (by ``id``) that stages on other
+        pp ranks use too, the sorted pp ranks that use it; empty in one process."""
+        return self._built().tied
+
+    @property
     def stages(self) -> tuple[nn.Module, ...]:
         """The stage modules, sharing their layers with this Pipeline."""
         return tuple(self._built().stages)

@@ -47,9 +47,8 @@ class Shadowing(nn.Module):
     def get_submodule(self, target: str) -> nn.Module:
         """The submodule at ``target``, a model's layer first where its name is shadowed."""
         head, _, rest = target.partition(".")
-        if head in self.__dict__.get("_shadowed", ()) and head in self._modules:
-            layer = self._modules[head]
-            assert layer is not None
+        layer = self._modules.get(head) if head in self.__dict__.get("_shadowed", ()) else None
+        if layer is not None:
             return layer.get_submodule(rest) if rest else layer
         return super().get_submodule(target)
 

@@ -127,7 +127,7 @@ def _everything(acc: GradientAccumulator) -> dict:
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
         "scheduler": {k: v for k, v in acc.schedulers[0].state_dict().items() if k != "fault"},
         "scaler": acc.loss_scale.state_dict(),
-        "counters": (acc.steps, acc.windows, acc.position, acc._items, acc._samples),
+        "counters": (acc.steps, acc.windows, acc.position, acc.window_sums),
         "rng": torch.get_rng_state(),
     }
 

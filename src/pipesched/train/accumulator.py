@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -255,6 +256,11 @@ class GradientAccumulator:
                     ]
             for old in [p for p in optimizer.state if replacement(p) is not None]:
                 del optimizer.state[old]  # another rank's parameter now: its state is theirs
+
+    @property
+    def window_sums(self) -> WindowSums:
+        """The window so far on this replica: its item and row counts, loss sum and scale."""
+        return WindowSums(self._items, self._samples, self._loss_sum, self._scale)
 
     @property
     def window_end_pending(self) -> bool:
@@ -503,7 +509,7 @@ class GradientAccumulator:
         check_fits(self, state, source)
         snapshot = Snapshot(self)
         try:
-            self._apply(state)
+            self.apply_state(state)
         except BaseException as err:
             snapshot.restore()
             if not isinstance(err, Exception):
@@ -514,7 +520,12 @@ class GradientAccumulator:
                 f"{FIX}"
             ) from err
 
-    def _apply(self, state: dict[str, Any]) -> None:
+    def apply_state(self, state: dict[str, Any]) -> None:
+        """Writes a checkpoint's state, already checked to fit (:func:`check_fits`).
+
+        No check and no undo: :meth:`load_state_dict` and :meth:`load` (and the
+        sharded loader) check first and put everything back should this fail.
+        """
         self.pipe.load_state_dict(state["model"])
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
@@ -530,6 +541,23 @@ class GradientAccumulator:
         for name, p in self.pipe.named_parameters():
             grad = window["grads"].get(name)
             p.grad = None if grad is None else grad.to(p.device).clone()
+
+
+@dataclass(frozen=True)
+class WindowSums:
+    """What a window has summed so far on one replica.
+
+    Attributes:
+        items: the steps' item counts (rows, or ``num_items``).
+        samples: the steps' rows.
+        loss_sum: the steps' summed losses, unscaled.
+        scale: the loss scale, constant through the window.
+    """
+
+    items: float
+    samples: int
+    loss_sum: float
+    scale: float
 
 
 def _note(err: BaseException, what: str) -> None:

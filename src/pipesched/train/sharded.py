@@ -71,7 +71,8 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
     own = [p for p in pipe.parameters() if not p.is_meta]
     for pid, grad in pipe.sync.summed_gradients(own).items():
         state[f"grad/{names[pid][0]}"] = grad
-    items, samples, loss_sum = pipe.sync.sum([acc._items, float(acc._samples), acc._loss_sum])
+    sums = acc.window_sums
+    items, samples, loss_sum = pipe.sync.sum([sums.items, float(sums.samples), sums.loss_sum])
     extra = {
         "counters": {"steps": acc.steps, "windows": acc.windows},
         "window": {
@@ -79,7 +80,7 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
             "items": items,
             "samples": int(samples),
             "loss_sum": loss_sum,
-            "scale": acc._scale,
+            "scale": sums.scale,
         },
         "accumulation_steps": acc.accumulation_steps,
         "schedulers": [s.state_dict() for s in acc.schedulers],
@@ -122,7 +123,7 @@ def load_sharded(acc: GradientAccumulator, path: str) -> None:
     snapshot = Snapshot(acc)
     failure: BaseException | None = None
     try:
-        acc._apply(state)
+        acc.apply_state(state)
     except BaseException as err:  # put back, agreed, then raised below
         failure = err
     failed = _failed_anywhere(failure) if distributed else failure is not None
@@ -270,7 +271,7 @@ def _primary(acc: GradientAccumulator) -> set[int]:
         return {id(p) for p in own}
     if mesh.dp_rank != 0:
         return set()
-    tied = acc.pipe._built().tied
+    tied = acc.pipe.tied_ranks
     return {id(p) for p in own if tied.get(id(p), (mesh.pp_rank,))[0] == mesh.pp_rank}
 
 
@@ -286,8 +287,7 @@ def _layout(acc: GradientAccumulator) -> dict[str, Any]:
     """pp, dp and the balance (None: a traced model not cut yet, before its first call)."""
     mesh = acc.pipe.mesh
     pp, dp = (1, 1) if mesh is None else (mesh.pp_size, mesh.dp_size)
-    cut = len(acc.pipe._assemblies) > 0
-    return {"pp": pp, "dp": dp, "balance": list(acc.pipe.balance) if cut else None}
+    return {"pp": pp, "dp": dp, "balance": list(acc.pipe.balance) if acc.pipe.is_cut else None}
 
 
 def _rank(distributed: bool) -> int:
