@@ -153,7 +153,7 @@ def test_an_exception_on_one_rank_stops_every_rank(tmp_path):
 def test_a_script_that_ends_right_after_a_step_exits_cleanly(tmp_path):
     """No gloo thread is left to free a step's tensors while the interpreter exits."""
     exit_worker = Path(__file__).with_name("exit_worker.py")  # a script: not imported
-    exits = launch("exit", 2, tmp_path, timeout=90, worker=exit_worker)
+    exits = launch("exit", 2, tmp_path, timeout=90, worker=exit_worker, fresh=True)
     for e in exits:
         assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-2000:]}"
 
