@@ -39,7 +39,7 @@ def contenders(rank: int, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callabl
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
     from pipesched import Pipeline
-    from pipesched.distributed import init_mesh
+    from pipesched.runtime.mesh import init_mesh
 
     mesh = init_mesh(pp=2)
     runs: dict[str, Callable[[], None]] = {}

@@ -181,7 +181,7 @@ def nccl_worker(rounds: int, out: Path) -> None:
     import torch.distributed as dist
 
     from pipesched import Pipeline
-    from pipesched.distributed import init_mesh
+    from pipesched.runtime.mesh import init_mesh
 
     mesh = init_mesh(pp=2, timeout=120)
     rank = dist.get_rank()

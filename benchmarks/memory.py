@@ -64,7 +64,7 @@ def rank_main(build: str, layers: int, width: int) -> None:
     from torch import nn
 
     from pipesched import Pipeline
-    from pipesched.distributed import init_mesh
+    from pipesched.runtime.mesh import init_mesh
 
     pp = int(os.environ["WORLD_SIZE"])
     mesh = init_mesh(pp=pp, timeout=600)

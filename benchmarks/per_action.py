@@ -95,7 +95,7 @@ def distributed_worker(rounds: int, out: str) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     from pipesched import Pipeline
-    from pipesched.distributed import init_mesh
+    from pipesched.runtime.mesh import init_mesh
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])

@@ -39,7 +39,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging
 
 from pipesched import Pipeline
-from pipesched.call import Call
+from pipesched.partition.call import Call
 from pipesched.planning import plan_layers
 from pipesched.planning.measure import layer_costs
 

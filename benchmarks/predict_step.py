@@ -203,7 +203,7 @@ def local(rounds: int) -> None:
 def distributed_worker(rounds: int) -> None:
     import torch.distributed as dist
 
-    from pipesched.distributed import init_mesh
+    from pipesched.runtime.mesh import init_mesh
 
     torch.set_num_threads(1)
     mesh = init_mesh(pp=2)

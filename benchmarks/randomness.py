@@ -3,7 +3,7 @@
 Run: .venv/bin/python benchmarks/randomness.py [--rounds 9] [--json out.json]
 
 Every stage forward (and recomputation) runs under a ``TorchDispatchMode`` that
-seeds random operations (:mod:`pipesched.rng`); a stage with no random
+seeds random operations (:mod:`pipesched.runtime.stage.rng`); a stage with no random
 operations still pays one Python dispatch per ATen operation. This measures
 that cost on the local benchmark's model (8 x Linear(1024) + ReLU, batch 256,
 chunks 8, 2 CPU stages, 1F1B, checkpoint "except_last"), the target being
@@ -29,7 +29,7 @@ from mlp_bench import BATCH, CHUNKS, LAYERS, WIDTH, loss_fn, mlp
 from torch import nn
 
 from pipesched import Pipeline
-from pipesched.seeding import StageSeeding
+from pipesched.runtime.stage.seeding import StageSeeding
 
 TARGET = 0.02
 

@@ -29,12 +29,13 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from pipesched.analysis import lower_bound
+from pipesched.analysis.bound import stage_costs, synth_placement
+from pipesched.analysis.heuristic import Player, Problem
+from pipesched.analysis.synthesize import peak_memory, synthesize
 from pipesched.errors import ConfigError
-from pipesched.schedule import SCHEDULES, Costs, get_schedule, lower_bound, stages_per_worker
-from pipesched.schedule.bound import stage_costs, synth_placement
-from pipesched.schedule.heuristic import Player, Problem
+from pipesched.schedule import SCHEDULES, Costs, get_schedule, stages_per_worker
 from pipesched.schedule.schedule import Schedule
-from pipesched.schedule.synthesize import peak_memory, synthesize
 
 BUILT_INS = ("zb-h1", "zb-v", "dualpipev")
 
@@ -94,7 +95,7 @@ class ExactTally:
         self, p: int, m: int, v: int, made: tuple[float, Schedule, Costs], time_limit: float
     ) -> float | None:
         """Solves one profile on placement ``v``; its proved optimum, else None."""
-        from pipesched.schedule.exact import solve
+        from pipesched.analysis.exact import solve
 
         heur, schedule, costs = made
         problem = Problem(synth_placement(p, v), m, stage_costs(costs, p * v), p * v)
@@ -137,7 +138,7 @@ def run(args: argparse.Namespace, heavy: bool) -> None:
     wins, rooms, above, seconds = [], [], 0, []
     optimum_wins: list[float] = []  # where both placements were proved optimal
     exact = {1: ExactTally(), 2: ExactTally()}
-    from pipesched.schedule.exact import available
+    from pipesched.analysis.exact import available
 
     for _ in range(args.profiles):
         p = rng.choice((4, 8))

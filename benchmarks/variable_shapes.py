@@ -127,7 +127,7 @@ class Meter:
 
 def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any], dict[str, Meter]]:
     from pipesched import Pipeline
-    from pipesched.distributed import init_mesh
+    from pipesched.runtime.mesh import init_mesh
 
     mesh = init_mesh(pp=2)
     half = 1 + LAYERS  # embedding + 4 blocks | 4 blocks + head

@@ -21,8 +21,9 @@ from tqdm import tqdm
 
 import pipesched.viz
 from pipesched import GradientAccumulator, Pipeline
-from pipesched.schedule import Costs, compare, render_timeline
-from pipesched.schedule.compare import format_comparison
+from pipesched.analysis import compare
+from pipesched.analysis.compare import format_comparison
+from pipesched.schedule import Costs, render_timeline
 
 STEPS, WINDOW, BATCH, CHUNKS, WIDTH, CLASSES = 80, 2, 128, 8, 512, 10
 

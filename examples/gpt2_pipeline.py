@@ -34,7 +34,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging
 
 from pipesched import GradientAccumulator, Pipeline
-from pipesched.distributed import init_mesh
+from pipesched.runtime.mesh import init_mesh
 
 VOCAB, LENGTH, BATCH, CHUNKS, STEPS = 64, 32, 16, 4, 40
 

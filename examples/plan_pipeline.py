@@ -24,7 +24,7 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging
 
 from pipesched import Pipeline
-from pipesched.call import Call
+from pipesched.partition.call import Call
 
 VOCAB, TOKENS, ROWS, CHUNKS = 16000, 64, 16, 8
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline
-from pipesched.distributed import init_mesh
+from pipesched.runtime.mesh import init_mesh
 
 VOCAB, WIDTH, HEADS, LAYERS, LENGTH = 64, 64, 4, 4, 32
 

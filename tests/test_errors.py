@@ -24,8 +24,12 @@ from pipesched import (
     PipeschedError,
     get_schedule,
 )
-from pipesched.checkpoint import checkpoint
-from pipesched.torch_floor import TORCH_FLOOR, check_torch_version, installed_torch_version
+from pipesched.runtime.compat.torch_floor import (
+    TORCH_FLOOR,
+    check_torch_version,
+    installed_torch_version,
+)
+from pipesched.runtime.stage.recompute import checkpoint
 
 mse = nn.functional.mse_loss
 

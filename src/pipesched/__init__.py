@@ -20,16 +20,16 @@ from pipesched.errors import (
     ScheduleError,
     TorchInternalsWarning,
 )
+from pipesched.runtime.compat.torch_floor import check_torch_version, installed_torch_version
 from pipesched.schedule import Action, Costs, Schedule, Timeline, get_schedule
-from pipesched.torch_floor import check_torch_version, installed_torch_version
 
 check_torch_version(installed_torch_version())  # without importing torch
 
 if TYPE_CHECKING:
-    from pipesched.batchnorm import DeferredBatchNorm
-    from pipesched.checkpoint import is_recomputing
-    from pipesched.materialize import initialize
-    from pipesched.pipeline import Pipeline
+    from pipesched.partition.materialize import initialize
+    from pipesched.pipeline.facade import Pipeline
+    from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
+    from pipesched.runtime.stage.recompute import is_recomputing
     from pipesched.train import GradientAccumulator
 
 __all__ = [
@@ -57,11 +57,11 @@ __all__ = [
 __version__ = "0.1.0"
 
 _LAZY = {
-    "Pipeline": "pipesched.pipeline",
-    "DeferredBatchNorm": "pipesched.batchnorm",
-    "is_recomputing": "pipesched.checkpoint",
+    "Pipeline": "pipesched.pipeline.facade",
+    "DeferredBatchNorm": "pipesched.runtime.stage.batchnorm",
+    "is_recomputing": "pipesched.runtime.stage.recompute",
     "GradientAccumulator": "pipesched.train",
-    "initialize": "pipesched.materialize",
+    "initialize": "pipesched.partition.materialize",
 }
 
 

@@ -116,7 +116,7 @@ class MicroBatchNormWarning(PipeschedWarning):
 
     Issued once per :class:`~pipesched.Pipeline`, at its first step with more
     than one micro-batch; the message names the layers, the micro-batch rows
-    and the remedies (:mod:`pipesched.batchnorm_warning`). A ``UserWarning``:
+    and the remedies (:mod:`pipesched.pipeline.checks.micro_batch_norm`). A ``UserWarning``:
     silence it with ``warnings.filterwarnings("ignore",
     category=pipesched.MicroBatchNormWarning)``.
     """
@@ -130,7 +130,7 @@ class BatchCoupledWarning(PipeschedWarning):
     model's on the batch. ``pipe(x)`` then returns such an output as the list
     of the micro-batches' values, and a training step says so once per
     Pipeline, before its ``loss_fn`` reads them; each message names the
-    outputs and the fix (:mod:`pipesched.partition.coupling`).
+    outputs and the fix (:mod:`pipesched.pipeline.checks.coupled_outputs`).
     """
 
 
@@ -138,7 +138,7 @@ class TorchInternalsWarning(PipeschedWarning):
     """A private torch API pipesched uses is missing or changed: a feature falls back.
 
     Issued once per process, at import, naming the API and the exact, slower
-    path that replaces what needed it (:mod:`pipesched.internals`).
+    path that replaces what needed it (:mod:`pipesched.runtime.compat.internals`).
     """
 
 

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipesched import Pipeline
-from pipesched.distributed import init_mesh
+from pipesched.runtime.mesh import init_mesh
 
 HUNG_TIMEOUT, HUNG_SLEEP = 4, 14  # seconds: the mesh's timeout, and how long stage 1 sleeps
 

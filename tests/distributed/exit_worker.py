@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from pipesched import Pipeline
-from pipesched.distributed import init_mesh
+from pipesched.runtime.mesh import init_mesh
 
 os.sched_setaffinity(0, {int(os.environ["RANK"]) % (os.cpu_count() or 1)})  # threads inherit it
 world = int(os.environ["WORLD_SIZE"])

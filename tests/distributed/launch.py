@@ -26,7 +26,7 @@ PRELOAD = [
     "torch.distributed",
     "torch.export",
     "networkx",
-    "pipesched.pipeline",
+    "pipesched.pipeline.facade",
     "pipesched.train",
 ]
 

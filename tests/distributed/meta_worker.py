@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 import pipesched
-from pipesched.distributed import init_mesh
+from pipesched.runtime.mesh import init_mesh
 
 PP = 2
 CHUNKS = 4

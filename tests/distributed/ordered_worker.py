@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline, Schedule
-from pipesched.distributed import init_mesh
 from pipesched.runtime import fused_linear, interpreter
+from pipesched.runtime.mesh import init_mesh
 from pipesched.schedule.transfers import Item, Recv
 
 SCENARIOS = {"pp2": (2, 1), "pp2dp2": (2, 2), "pp4": (4, 1), "pp4dp2": (4, 2)}

@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 from pipesched import Pipeline
-from pipesched.distributed import init_mesh
 from pipesched.planning import plan_model
+from pipesched.runtime.mesh import init_mesh
 
 CHUNKS, STEPS = 4, 2
 

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.*
 
 from pipesched import Pipeline
-from pipesched.distributed import init_mesh
-from tests.random_kinds import KINDS, model_of
+from pipesched.runtime.mesh import init_mesh
+from tests.runtime.stage.random_kinds import KINDS, model_of
 
 ROWS, CHUNKS, BALANCE = 10, 4, [2, 3]
 

@@ -27,8 +27,8 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: tests.*
 
 from pipesched import GradientAccumulator, Pipeline
-from pipesched.distributed import init_mesh
-from pipesched.seeding import UnseededDraws
+from pipesched.runtime.mesh import init_mesh
+from pipesched.runtime.stage.seeding import UnseededDraws
 
 ROWS, CHUNKS, BALANCE, STEPS = 8, 4, [3, 3], 5
 NOISE_FROM, LOSS_NOISE_FROM = 2, 3

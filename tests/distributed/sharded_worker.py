@@ -157,7 +157,7 @@ def main(scenario: str, out: Path) -> None:
     mesh = None
     rank, pp, dp = 0, 1, 1
     if "WORLD_SIZE" in os.environ:
-        from pipesched.distributed import init_mesh
+        from pipesched.runtime.mesh import init_mesh
 
         world = int(os.environ["WORLD_SIZE"])
         dp = 2 if scenario.endswith("x2") else 1

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from pipesched import Pipeline
-from pipesched.distributed.placement import keep_own_stages
 from pipesched.errors import ConfigError
+from pipesched.runtime.placement import keep_own_stages
 
 
 def _model() -> nn.Sequential:

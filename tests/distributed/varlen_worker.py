@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline
-from pipesched.distributed import init_mesh
 from pipesched.errors import ConfigError
+from pipesched.runtime.mesh import init_mesh
 
 SCHEDULES = {  # name: balance (4 layers)
     "gpipe": [2, 2],

@@ -54,7 +54,7 @@ def train(acc: GradientAccumulator, steps: range) -> None:
 
 def main(out: Path) -> None:
     torch.set_default_dtype(torch.float64)
-    from pipesched.distributed import init_mesh
+    from pipesched.runtime.mesh import init_mesh
 
     mesh = init_mesh(pp=2, timeout=30)
     rank = dist.get_rank()

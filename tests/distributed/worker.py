@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline, Schedule, get_schedule
-from pipesched.distributed import init_mesh
 from pipesched.errors import ConfigError
 from pipesched.runtime import fused_linear
+from pipesched.runtime.mesh import init_mesh
 
 # name: (pp, dp, schedule, balance)
 SCENARIOS = {

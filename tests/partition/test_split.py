@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipesched import MicroBatchNormWarning, Pipeline
-from pipesched.batchnorm import DeferredBatchNorm
+from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
 
 pytestmark = pytest.mark.usefixtures("fp64")
 

@@ -9,12 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipesched.checkpoint import stage_stops
+from pipesched.analysis.prediction import StepModel, predict
 from pipesched.errors import ConfigError
 from pipesched.planning import LayerCost, peak_bytes, plan_layers
 from pipesched.planning.search import MARGIN
+from pipesched.runtime.stage.recompute import stage_stops
 from pipesched.schedule import get_schedule
-from pipesched.schedule.prediction import StepModel, predict
 
 
 def lm(

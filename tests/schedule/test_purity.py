@@ -1,4 +1,4 @@
-"""The schedule layer imports no torch (../shared/DESIGN.md: the one rule between layers)."""
+"""The schedule IR and the analysis over it import no torch: the one rule between layers."""
 
 from __future__ import annotations
 
@@ -8,9 +8,10 @@ import sys
 
 def test_schedule_layer_imports_no_torch():
     code = (
-        "import sys, pipesched.schedule, pipesched.cli; "
+        "import sys, pipesched.schedule, pipesched.analysis, pipesched.cli.main; "
         "from pipesched.schedule import get_schedule; "
         "get_schedule('zb-v', 4, 4).simulate(); "
+        "from pipesched.analysis import lower_bound, synthesize; "
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')); "
         "print(bad); sys.exit(1 if bad else 0)"
     )

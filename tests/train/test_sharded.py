@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from pipesched import GradientAccumulator, Pipeline
-from pipesched.cli import main
+from pipesched.cli.main import main
 from pipesched.errors import CheckpointError
 from pipesched.train import export_model, import_model, load_model, model_state
 from pipesched.train.store import LATEST, resolve

@@ -6,8 +6,9 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
+from pipesched.analysis import compare
 from pipesched.errors import ConfigError
-from pipesched.schedule import Costs, Timeline, compare, get_schedule
+from pipesched.schedule import Costs, Timeline, get_schedule
 from pipesched.viz import gantt, gantt_comparison
 from tests.viz.pictures import bands
 
@@ -89,8 +90,8 @@ def test_empty_timeline_draws(tmp_path):
 
 
 def test_a_prediction_shows_its_step_and_bubble_by_cause(tmp_path, measured):
+    from pipesched.analysis.prediction import StepModel, predict
     from pipesched.schedule.breakdown import PARTS
-    from pipesched.schedule.prediction import StepModel, predict
 
     model = StepModel.measure(measured, checkpoint_stop=3, outside=0.001)
     predicted = predict(get_schedule("1f1b", 2, 4), model, checkpoint_stop=3)

@@ -45,7 +45,7 @@ def test_viz_imports_neither_torch_nor_matplotlib_until_drawing(tmp_path):
     pytest.importorskip("matplotlib")
     trace, picture = str(tmp_path / "t.json"), str(tmp_path / "t.png")
     code = (
-        "import sys, pipesched.viz, pipesched.cli\n"
+        "import sys, pipesched.viz, pipesched.cli.main\n"
         "from pipesched.schedule import get_schedule\n"
         f"pipesched.viz.chrome_trace(get_schedule('1f1b', 2, 2).simulate(), {trace!r})\n"
         "assert 'matplotlib' not in sys.modules, 'matplotlib imported before a picture'\n"
@@ -63,7 +63,7 @@ def test_viz_imports_neither_torch_nor_matplotlib_until_drawing(tmp_path):
 @pytest.mark.parametrize("name", ["gpipe", "zb-v", "interleaved-1f1b"])
 def test_one_flow_pair_per_transfer_between_workers(name):
     from pipesched.schedule import data_predecessor
-    from pipesched.viz.trace import trace_events
+    from pipesched.viz.chrome import trace_events
 
     timeline = get_schedule(name, 4, 4).simulate()
     placement = timeline.placement

@@ -1,6 +1,6 @@
 """Choosing the cut points of a stage graph: by a list, split points, or a balancing mode.
 
-The modes and what they minimize are described in :mod:`pipesched.partition.plan`;
+The modes and what they minimize are described in :mod:`pipesched.partition.model_cut`;
 the searches themselves are in :mod:`pipesched.partition.balance`. Here the
 layers' measured costs become stage costs (prefix sums, on each stage's
 device) and the user's ``balance`` / ``split_points`` become layer counts.
@@ -19,9 +19,9 @@ from torch import nn
 
 from pipesched.errors import ConfigError, ConfigTypeError, PartitionError
 from pipesched.partition.balance import check_cuttable, min_max_counts, search_schedule
-from pipesched.partition.graph import Layer
 from pipesched.partition.profile import NodeCost
 from pipesched.partition.sequential import balance_by_params, check_balance, sequential_layers
+from pipesched.partition.stage_graph import Layer
 from pipesched.partition.trace import TracedModel
 from pipesched.schedule import Schedule
 

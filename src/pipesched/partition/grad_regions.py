@@ -8,7 +8,7 @@ import torch
 from torch import fx
 from torch.export import ExportedProgram
 
-from pipesched.internals import pytree
+from pipesched.runtime.compat.internals import pytree
 
 __all__ = ["inline_grad_regions"]
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from pipesched.internals import pytree
 from pipesched.partition.trace import TracedModel
+from pipesched.runtime.compat.internals import pytree
 
 __all__ = ["leaf_paths", "per_sample_flags"]
 

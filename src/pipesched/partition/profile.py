@@ -37,11 +37,11 @@ from typing import Any, cast
 import torch
 from torch import fx, nn
 
-from pipesched.call import Call
-from pipesched.internals import OpOverload, pytree
+from pipesched.partition.call import Call
 from pipesched.partition.estimate import count_flops, estimated_seconds, tensor_bytes
 from pipesched.partition.trace import TracedModel
-from pipesched.tree import map_tensors, tensors
+from pipesched.runtime.compat.internals import OpOverload, pytree
+from pipesched.runtime.stage.tree import map_tensors, tensors
 
 __all__ = ["NodeCost", "device_kind", "measure_sequential", "measure_traced"]
 

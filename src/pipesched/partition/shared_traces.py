@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from pipesched.call import Call
-from pipesched.internals import pytree
+from pipesched.partition.call import Call
+from pipesched.runtime.compat.internals import pytree
 
 if TYPE_CHECKING:
     from pipesched.partition.trace import TracedModel

@@ -5,13 +5,13 @@ each submodule its inputs as separate arguments and copies parameters into
 the submodules, while the runtime passes one object from stage ``s`` to
 ``s + 1`` only, and stages must use the model's own parameters. Here every
 value a later stage needs travels in the dict each stage returns, through
-every stage in between (:mod:`pipesched.partition.stage`).
+every stage in between (:mod:`pipesched.partition.traced_stage`).
 
 Three kinds of operations are not copied as they are:
 
 - The operations of a Dropout or BatchNorm layer are replaced by a call to
   the layer itself. Its mode then follows ``pipe.train()`` / ``pipe.eval()``,
-  its random draws are seeded by :mod:`pipesched.rng` like any
+  its random draws are seeded by :mod:`pipesched.runtime.stage.rng` like any
   module's, checkpointing's BatchNorm guard finds it, and
   ``deferred_batch_norm=True`` replaces it (a layer is replaced only where
   its operations take one activation and give one). Only a layer whose
@@ -20,7 +20,7 @@ Three kinds of operations are not copied as they are:
   activation) has its operations copied as traced, each child's included,
   like any module's, with its mode fixed by the trace (a change retraces).
 - Other random operations (functional or attention dropout) run as a
-  :class:`~pipesched.partition.stage.RandomOp`, seeded the same way. A
+  :class:`~pipesched.partition.traced_stage.RandomOp`, seeded the same way. A
   dropout's switch (``train``, or attention's ``dropout_p``) follows the mode
   of the module that ran it, as its code would (``training=self.training``):
   dropout off in eval mode. A probability of 0 seen in eval mode may be the
@@ -39,12 +39,12 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipesched.batchnorm import DeferredBatchNorm
 from pipesched.errors import PartitionError
-from pipesched.internals import OpOverload, pytree
-from pipesched.partition.stage import ModeCheck, RandomOp, Switch, TracedStage
 from pipesched.partition.trace import TracedModel
-from pipesched.rng import RANDOM_MODULES
+from pipesched.partition.traced_stage import ModeCheck, RandomOp, Switch, TracedStage
+from pipesched.runtime.compat.internals import OpOverload, pytree
+from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
+from pipesched.runtime.stage.rng import RANDOM_MODULES
 
 __all__ = ["split_traced"]
 

@@ -6,7 +6,7 @@ modules, so tied weights become two tensors (pipelining sums them by hand) and
 ``pipe.named_parameters()`` loses the model's names. We keep the exported
 graph only as a list of operations and feed it the model's *own* parameters
 and buffers, looked up by name at every call (see
-:mod:`pipesched.partition.stage`). Three more choices:
+:mod:`pipesched.partition.traced_stage`). Three more choices:
 
 - Every dimension of every tensor input is exported as dynamic
   (``Dim.AUTO``): micro-batches have other sizes than the example, uneven
@@ -42,13 +42,13 @@ from torch import fx, nn
 from torch.export import Dim, ExportedProgram
 from torch.export.graph_signature import InputKind, OutputKind
 
-from pipesched.call import Call
 from pipesched.errors import ConfigTypeError, PartitionError
-from pipesched.internals import pytree
-from pipesched.materialize import on_meta
+from pipesched.partition.call import Call
 from pipesched.partition.grad_regions import inline_grad_regions
+from pipesched.partition.materialize import on_meta
 from pipesched.partition.shared_traces import keep_trace, shared_trace
 from pipesched.partition.sizes import Dims, input_dims, refusal
+from pipesched.runtime.compat.internals import pytree
 
 __all__ = ["StateRef", "TracedModel", "trace_model"]
 
@@ -144,7 +144,7 @@ class TracedModel:
     def input_leaves(self, inputs: Any) -> list[Any]:
         """The user-input values of one call, from the pipeline's stage-0 input.
 
-        ``inputs`` is a :class:`~pipesched.call.Call`, or (the older form) the
+        ``inputs`` is a :class:`~pipesched.partition.call.Call`, or (the older form) the
         one example input, or the tuple of them when there were several.
         """
         if not isinstance(inputs, Call):
@@ -184,7 +184,7 @@ def trace_model(model: nn.Module, example_inputs: tuple[Any, ...] | Call) -> Tra
         model: any nn.Module whose forward takes and returns tensors (nested in
             tuples, lists, dicts or Hugging Face ``ModelOutput``s).
         example_inputs: the positional arguments of one call, or a
-            :class:`~pipesched.call.Call` with keyword arguments too; every
+            :class:`~pipesched.partition.call.Call` with keyword arguments too; every
             tensor's dim 0 is the batch.
 
     Returns:
@@ -246,7 +246,7 @@ def _fix_extra_keywords(model: nn.Module, call: Call) -> tuple[Call, dict[str, A
     ``**kwargs`` receives values (Hugging Face's ``num_items_in_batch=``); such
     values are bound to the forward for the trace instead, as the constants
     the trace would have made of them (a call with other values is traced
-    again: they are part of :func:`pipesched.call.call_key`).
+    again: they are part of :func:`pipesched.partition.call.call_key`).
 
     Raises:
         PartitionError: a tensor goes to ``**kwargs``.

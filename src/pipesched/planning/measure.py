@@ -11,19 +11,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipesched.call import Call, with_cache_off
-from pipesched.checkpoint import CHECKPOINT_MODES
-from pipesched.devices import Device
-from pipesched.distributed.mesh import MeshInfo, rank0_value
 from pipesched.errors import ConfigError, PipeschedWarning, warn_user
-from pipesched.layout import resolve_layout
-from pipesched.materialize import on_meta
-from pipesched.partition import Plan, plan_partition
-from pipesched.partition.graph import layers
+from pipesched.partition import ModelCut, plan_partition
+from pipesched.partition.call import Call, with_cache_off
+from pipesched.partition.materialize import on_meta
 from pipesched.partition.shared_traces import traces_shared
+from pipesched.partition.stage_graph import layers
 from pipesched.planning.candidate import LayerCost, Planning
+from pipesched.planning.devices import Device
+from pipesched.planning.plan import resolve_layout
 from pipesched.planning.search import plan_layers
 from pipesched.planning.timing import run_layer_times
+from pipesched.runtime.mesh import MeshInfo, rank0_value
+from pipesched.runtime.stage.recompute import CHECKPOINT_MODES
 from pipesched.schedule import Schedule
 
 __all__ = ["Auto", "layer_costs", "plan_auto", "plan_model"]
@@ -50,7 +50,7 @@ def layer_costs(
     if not isinstance(module, nn.Sequential):  # traced as Pipeline traces it: caching off
         example_inputs = with_cache_off(module, Call.of(example_inputs))
 
-    def profiled(balance: str) -> Plan:  # "memory": bytes only; "time": each operation timed too
+    def profiled(balance: str) -> ModelCut:  # "memory": bytes only; "time": timed too
         return plan_partition(
             module,
             num_stages=1,

@@ -12,8 +12,8 @@ simulating the schedule (:func:`~pipesched.partition.balance.search_schedule`,
 as ``balance="schedule"``), within the memory budget. Then, for the best cut
 of each placement (one stage per worker, and two in a V), a schedule is
 synthesized for those stage costs and the budget
-(:func:`~pipesched.schedule.synthesize`). Every candidate is scored the same
-way: its step played by :func:`~pipesched.schedule.prediction.predict` (a
+(:func:`~pipesched.analysis.synthesize`). Every candidate is scored the same
+way: its step played by :func:`~pipesched.analysis.prediction.predict` (a
 checkpointed micro-batch's backward runs its forward again; where backward is
 split, B and W each do, but on stage 0), and its memory
 swept over that timeline:
@@ -34,7 +34,8 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pipesched.checkpoint import CHECKPOINT_MODES
+from pipesched.analysis import synthesize
+from pipesched.analysis.prediction import StepModel, predict
 from pipesched.errors import ConfigError, PartitionError, PipeschedError
 from pipesched.partition.balance import min_max_counts, search_schedule
 from pipesched.partition.cuts import prefix_sums
@@ -46,6 +47,7 @@ from pipesched.planning.stage_table import (
     modes_to_compare,
     undominated,
 )
+from pipesched.runtime.stage.recompute import CHECKPOINT_MODES
 from pipesched.schedule import (
     BACKWARD,
     FORWARD,
@@ -55,10 +57,8 @@ from pipesched.schedule import (
     Timeline,
     get_schedule,
     stages_per_worker,
-    synthesize,
 )
 from pipesched.schedule.builders import SCHEDULES
-from pipesched.schedule.prediction import StepModel, predict
 
 __all__ = ["MARGIN", "MIXED_STAGES", "peak_bytes", "plan_layers"]
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from pipesched.checkpoint import checkpoint_stop
 from pipesched.partition.cuts import prefix_sums
 from pipesched.planning.candidate import Candidate, LayerCost
+from pipesched.runtime.stage.recompute import checkpoint_stop
 
 __all__ = ["MIXED_STAGES", "Modes", "StageTable", "modes_to_compare", "undominated"]
 

@@ -30,9 +30,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipesched.call import Call
+from pipesched.partition.call import Call
+from pipesched.runtime.stage.tree import tensors
 from pipesched.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
-from pipesched.tree import tensors
 
 __all__ = ["LayerTimes", "run_layer_times"]
 
@@ -109,7 +109,9 @@ def _timed(
     num_threads: int | None,
 ) -> dict[str, list[list[float]]]:
     """Each stage's measured durations per kind of action, over :data:`STEPS` steps."""
-    from pipesched.pipeline import Pipeline  # the planner runs inside Pipeline's construction
+    from pipesched.pipeline.facade import (
+        Pipeline,  # the planner runs inside Pipeline's construction
+    )
 
     call = Call.of(example_inputs)
     sequential = isinstance(module, nn.Sequential)

@@ -18,7 +18,7 @@ part that fills bubbles; ``.grad`` is accumulated by autograd's own
 detached in place: the graph dies with the caller's last reference to them.
 
 Costs beyond one backward (results stay exact): a graph analysis per B
-(:mod:`pipesched.runtime.weight_plan`), and one autograd call per group of
+(:mod:`pipesched.runtime.weight_split`), and one autograd call per group of
 weights in W, except for a fused linear
 (:func:`pipesched.runtime.fused_linear.weight_pass` runs its W directly).
 
@@ -29,7 +29,7 @@ weights in W, except for a fused linear
 - Non-reentrant checkpointing (``use_reentrant=False``) works, but B and W each
   recompute the checkpointed region: one extra forward of it. The passes of one
   W share a recomputation (``torch.utils.checkpoint.GraphExecGroup``, where torch
-  has it: :data:`pipesched.internals.one_recomputation`); B and W
+  has it: :data:`pipesched.runtime.compat.internals.one_recomputation`); B and W
   cannot, since a node unpacks all its saved tensors whatever it computes.
   Reentrant checkpointing rejects ``torch.autograd.grad``: use
   :func:`backward_full` there.
@@ -51,10 +51,10 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipesched.errors import ConfigError, ScheduleError
-from pipesched.internals import one_recomputation, run_backward
 from pipesched.runtime.backward_kind import FULL, BackwardKind, running
+from pipesched.runtime.compat.internals import one_recomputation, run_backward
 from pipesched.runtime.fused_linear import weight_pass
-from pipesched.runtime.weight_plan import Grads, Plan
+from pipesched.runtime.weight_split import Grads, WeightSplit
 
 __all__ = ["WeightGradients", "backward_full", "backward_input"]
 
@@ -136,7 +136,7 @@ def backward_input(
     result: list[Tensor | None] = [None] * len(inputs)
     if not roots:
         return tuple(result), WeightGradients((), overlapping=False)
-    plan = Plan.of(roots, [x for _, x in wanted])
+    plan = WeightSplit.of(roots, [x for _, x in wanted])
 
     captured: dict[Node, Grads] = {}
     hooks = [node.register_prehook(_capture(captured, node)) for node in plan.intermediates]

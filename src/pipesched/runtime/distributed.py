@@ -30,17 +30,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipesched.distributed.mesh import MeshInfo, wait_kept
-from pipesched.distributed.placement import keep_own_stages
 from pipesched.errors import ConfigError, RemoteError
 from pipesched.runtime.agreement import StepShape, agreed_seed, mismatch
 from pipesched.runtime.failures import Failure, FailureChannel, is_timeout
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import Link
+from pipesched.runtime.mesh import MeshInfo, wait_kept
 from pipesched.runtime.ordered import OrderedTransport, signature
 from pipesched.runtime.p2p import TaggedTransport, tcp_transport
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
+from pipesched.runtime.placement import keep_own_stages
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.transport import Transport, p2p_mode
 from pipesched.schedule import FORWARD, Action, Event, Schedule, Timeline
@@ -116,7 +116,7 @@ class DistributedRuntime:
         """This rank's runtime, its own stages' indices, and its parameters tied to other ranks.
 
         Keeps this rank's stages on its device and frees the others
-        (:func:`~pipesched.distributed.placement.keep_own_stages`); ``fuse``:
+        (:func:`~pipesched.runtime.placement.keep_own_stages`); ``fuse``:
         fused weight-gradient accumulation for parameters no other stage holds;
         ``on_stage_done``: called with a stage once it has run its last backward
         action of a step.
@@ -350,7 +350,7 @@ def _pipeline_group(info: MeshInfo) -> Any:
 
     A collective over the whole job: every rank creates every replica's group,
     in the same order, as ``new_group`` requires (ranks laid out as by
-    :func:`~pipesched.distributed.mesh.init_mesh`).
+    :func:`~pipesched.runtime.mesh.init_mesh`).
     """
     mine = None
     for d in range(info.dp_size):

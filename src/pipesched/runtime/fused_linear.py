@@ -38,12 +38,12 @@ Which gradients a call computes follows the backward pipesched declares it
 runs (:mod:`pipesched.runtime.backward_kind`): the weight's is accumulated in
 the GEMM where that backward accumulates it, returned where it captures it
 (``autograd.grad``), skipped otherwise; the input's is computed where the
-engine will use it (:func:`pipesched.internals.engine_will_execute`). A split
+engine will use it (:func:`pipesched.runtime.compat.internals.engine_will_execute`). A split
 backward (zero-bubble B, then W) therefore computes the input gradient in B
 and the fused weight accumulation in W, like any other operation. In a
 backward pipesched did not declare, the weight's gradient is returned to
 autograd: exact, not fused. The private torch APIs this relies on are checked
-in :mod:`pipesched.internals`; without them fusion is off.
+in :mod:`pipesched.runtime.compat.internals`; without them fusion is off.
 """
 
 from __future__ import annotations
@@ -56,14 +56,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from pipesched.distributed.placement import stage_parameters
-from pipesched.internals import (
+from pipesched.runtime.backward_kind import ACCUMULATE, RETURN, SKIP, BackwardKind, declaration
+from pipesched.runtime.compat.internals import (
     FUSION_SUPPORTED,
     engine_will_execute,
     has_gradient_hooks,
     top_saved_tensors_hooks,
 )
-from pipesched.runtime.backward_kind import ACCUMULATE, RETURN, SKIP, BackwardKind, declaration
+from pipesched.runtime.placement import stage_parameters
 
 __all__ = [
     "MIN_FUSED_BYTES",
@@ -103,7 +103,7 @@ def worth_fusing(
     (read at each call); 1-D ones (biases) go with their weight. A stage with no
     such weight gets the empty set, so it never enters :class:`FusedLinearMode`;
     so does every stage where this torch cannot fuse
-    (:data:`pipesched.internals.FUSION_SUPPORTED`).
+    (:data:`pipesched.runtime.compat.internals.FUSION_SUPPORTED`).
 
     Args:
         stages: the stage modules (None: a stage of another rank).

@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipesched.distributed.mesh import MeshInfo, wait_kept
-from pipesched.distributed.placement import stage_parameters
+from pipesched.runtime.mesh import MeshInfo, wait_kept
+from pipesched.runtime.placement import stage_parameters
 
 __all__ = ["BUCKET_BYTES", "GradientSync", "LocalSync", "Sync"]
 

@@ -26,9 +26,9 @@ from typing import Any, Protocol
 
 import torch
 
-from pipesched.rng import StepSeed
 from pipesched.runtime.mailbox import Aborted
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
+from pipesched.runtime.stage.rng import StepSeed
 from pipesched.runtime.streams import use_stream
 from pipesched.runtime.threads import ThreadState
 from pipesched.runtime.transport import Transport

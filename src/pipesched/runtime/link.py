@@ -107,7 +107,7 @@ class Link:
         self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, buffer, peer)
         # The last works waited for, kept: gloo's thread may hold a finished work when
         # wait() returns, and freeing it from there at interpreter exit aborts the
-        # process (see pipesched.distributed.mesh.wait_kept). Freed by Python instead.
+        # process (see pipesched.runtime.mesh.wait_kept). Freed by Python instead.
         self._recent: deque[Any] = deque(maxlen=8)
 
     # A try/except around each call rather than ``with self.peer(...)``: these run

@@ -19,16 +19,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipesched.checkpoint import checkpoint
 from pipesched.errors import ConfigError
-from pipesched.rng import StepSeed
 from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
+from pipesched.runtime.stage.recompute import checkpoint
+from pipesched.runtime.stage.rng import StepSeed
+from pipesched.runtime.stage.seeding import StageSeeding, loss_draws_nothing
+from pipesched.runtime.stage.tree import map_tensors, tensors
 from pipesched.runtime.streams import Stream, copy_to, new_stream
 from pipesched.runtime.tied import TiedGradients
 from pipesched.schedule import Event, Timeline
-from pipesched.seeding import StageSeeding, loss_draws_nothing
-from pipesched.tree import map_tensors, tensors
 
 __all__ = ["LossFn", "StagePasses", "StepInputs", "StepState"]
 
@@ -46,7 +46,7 @@ class StepInputs:
         loss_weights: each micro-batch's loss is multiplied by its weight.
         checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed
             (a tuple: stage ``s``'s ``i < checkpoint_stop[s]``).
-        seed: this call's seed for random operations (see :mod:`pipesched.rng`);
+        seed: this call's seed for random operations (see :mod:`pipesched.runtime.stage.rng`);
             None: drawn from torch's default CPU generator when first needed.
     """
 
@@ -116,7 +116,7 @@ class StagePasses:
         self.placement = tuple(placement)
         cpu = torch.device("cpu")
         self.seeding = [StageSeeding({}, s, cpu, adaptive=False) for s in _modules(self.stages)]
-        """How each stage seeds its random draws (:mod:`pipesched.seeding`)."""
+        """How each stage seeds its random draws (:mod:`pipesched.runtime.stage.seeding`)."""
         self.loss_seeding = StageSeeding(
             {}, _modules(self.stages)[-1], cpu, adaptive=False, loss=True
         )
@@ -128,7 +128,7 @@ class StagePasses:
         (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
 
     def begin(self) -> None:
-        """A step starts (see :meth:`~pipesched.seeding.StageSeeding.begin`)."""
+        """A step starts (see :meth:`~pipesched.runtime.stage.seeding.StageSeeding.begin`)."""
         for seeding in (*self.seeding, self.loss_seeding):
             seeding.begin()
 

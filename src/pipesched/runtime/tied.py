@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipesched.distributed.placement import stage_parameters
+from pipesched.runtime.placement import stage_parameters
 
 __all__ = ["TiedGradients", "shared_parameters"]
 

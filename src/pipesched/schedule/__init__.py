@@ -1,15 +1,12 @@
-"""Pipeline schedules as pure data: build, validate, simulate, render. Imports no torch."""
+"""The schedule IR: pipeline schedules as pure data, built, validated, simulated, rendered."""
 
 from pipesched.schedule.action import BACKWARD, FORWARD, KINDS, WEIGHT, Action, Kind
-from pipesched.schedule.bound import lower_bound
 from pipesched.schedule.builders import SCHEDULES, get_schedule, stages_per_worker
-from pipesched.schedule.compare import Comparison, compare
 from pipesched.schedule.costs import Costs
 from pipesched.schedule.dataflow import Message, data_predecessor, message_in, message_out
 from pipesched.schedule.limits import MAX_ACTIONS
 from pipesched.schedule.schedule import Schedule
 from pipesched.schedule.simulate import simulate
-from pipesched.schedule.synthesize import synthesize
 from pipesched.schedule.text import render_schedule, render_timeline
 from pipesched.schedule.timeline import Event, Timeline
 from pipesched.schedule.transfers import Recv, Send, transfer_plan
@@ -22,7 +19,6 @@ __all__ = [
     "SCHEDULES",
     "WEIGHT",
     "Action",
-    "Comparison",
     "Costs",
     "Event",
     "Kind",
@@ -31,16 +27,13 @@ __all__ = [
     "Schedule",
     "Send",
     "Timeline",
-    "compare",
     "data_predecessor",
     "get_schedule",
-    "lower_bound",
     "message_in",
     "message_out",
     "render_schedule",
     "render_timeline",
     "simulate",
     "stages_per_worker",
-    "synthesize",
     "transfer_plan",
 ]

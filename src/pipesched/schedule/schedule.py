@@ -151,9 +151,9 @@ class Schedule:
     def graph(self) -> nx.DiGraph:
         """The dependency graph (read-only): data edges plus each worker's order edges.
 
-        See :func:`pipesched.schedule.graph.build_graph`.
+        See :func:`pipesched.schedule.action_graph.build_graph`.
         """
-        from pipesched.schedule.graph import build_graph
+        from pipesched.schedule.action_graph import build_graph
 
         if "graph" not in self._cache:
             self._cache["graph"] = build_graph(self)
@@ -166,8 +166,8 @@ class Schedule:
             ScheduleError: an action is missing, duplicated or on the wrong worker,
                 or the order deadlocks (the message shows the cycle).
         """
+        from pipesched.schedule.action_graph import topological_order
         from pipesched.schedule.gc_pause import paused_gc
-        from pipesched.schedule.graph import topological_order
 
         if "order" not in self._cache:
             with paused_gc():

@@ -19,13 +19,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipesched.arguments import check_number, check_positive_int
-from pipesched.distributed.placement import replaced_parameters, replacement
 from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError, RemoteError
-from pipesched.microbatch import batch_size
+from pipesched.pipeline.arguments import check_number, check_positive_int
+from pipesched.runtime.placement import replaced_parameters, replacement
+from pipesched.runtime.stage.microbatch import batch_size
+from pipesched.runtime.transaction import deferred_interrupts
 from pipesched.train.checkpoint_check import (
     FIX,
-    Snapshot,
+    LoadSnapshot,
     check_fits,
     describe,
     optimizer_type,
@@ -38,10 +39,9 @@ from pipesched.train.sharded import load_sharded, save_sharded
 from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from pipesched.train.store import is_sharded
 from pipesched.train.window import GradientsAside, WindowSnapshot
-from pipesched.transaction import deferred_interrupts
 
 if TYPE_CHECKING:
-    from pipesched.pipeline import Pipeline
+    from pipesched.pipeline.facade import Pipeline
 
 __all__ = ["GradientAccumulator", "StepResult"]
 
@@ -507,7 +507,7 @@ class GradientAccumulator:
     def _load(self, state: Any, source: str | None) -> None:
         state = verified(state, describe(source))
         check_fits(self, state, source)
-        snapshot = Snapshot(self)
+        snapshot = LoadSnapshot(self)
         try:
             self.apply_state(state)
         except BaseException as err:

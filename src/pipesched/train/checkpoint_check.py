@@ -5,7 +5,7 @@ a time, so a GradientAccumulator that loads the model, then the optimizers,
 then the schedulers has overwritten the parameters by the time the second
 optimizer refuses its state. Here :func:`check_fits` looks at the whole
 checkpoint against the accumulator before anything is written, and
-:class:`Snapshot` keeps what loading writes, to put it back should applying
+:class:`LoadSnapshot` keeps what loading writes, to put it back should applying
 still fail for a reason the checks do not know (a custom optimizer's hook, a
 scheduler of another kind).
 """
@@ -24,7 +24,7 @@ from pipesched.train.state import rng_state, set_rng_state
 if TYPE_CHECKING:
     from pipesched.train.accumulator import GradientAccumulator
 
-__all__ = ["Snapshot", "check_fits", "describe"]
+__all__ = ["LoadSnapshot", "check_fits", "describe"]
 
 KEYS = ("model", "optimizers", "schedulers", "loss_scale", "rng", "counters", "window")
 WINDOW_KEYS = ("position", "items", "samples", "loss_sum", "scale", "grads")
@@ -337,7 +337,7 @@ def _count(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-class Snapshot:
+class LoadSnapshot:
     """What loading a checkpoint changes in ``acc``, to put back if applying fails.
 
     Putting back goes around the load hooks (one of them may be what failed):

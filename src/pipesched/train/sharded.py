@@ -37,7 +37,7 @@ from torch import nn
 
 from pipesched.errors import CheckpointError
 from pipesched.train import store
-from pipesched.train.checkpoint_check import FIX, Snapshot, check_fits, optimizer_type
+from pipesched.train.checkpoint_check import FIX, LoadSnapshot, check_fits, optimizer_type
 from pipesched.train.integrity import digest
 from pipesched.train.state import rng_state
 
@@ -120,7 +120,7 @@ def load_sharded(acc: GradientAccumulator, path: str) -> None:
         problem, absent = str(err), isinstance(err, FileNotFoundError)
     if distributed:
         agree(problem, absent=absent)
-    snapshot = Snapshot(acc)
+    snapshot = LoadSnapshot(acc)
     failure: BaseException | None = None
     try:
         acc.apply_state(state)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from pipesched.runtime.transaction import deferred_interrupts
 from pipesched.train.state import rng_state, set_rng_state
-from pipesched.transaction import deferred_interrupts
 
 if TYPE_CHECKING:
     from pipesched.train.accumulator import GradientAccumulator

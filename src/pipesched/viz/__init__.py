@@ -7,8 +7,8 @@ library. Nothing here imports torch.
 
 from __future__ import annotations
 
+from pipesched.viz.chrome import chrome_trace, trace_events
 from pipesched.viz.comparison import gantt_comparison
 from pipesched.viz.gantt import gantt
-from pipesched.viz.trace import chrome_trace, trace_events
 
 __all__ = ["chrome_trace", "gantt", "gantt_comparison", "trace_events"]

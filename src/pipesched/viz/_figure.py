@@ -30,7 +30,7 @@ __all__ = [
     "SUFFIXES",
     "TITLE",
     "WIDTH",
-    "Layout",
+    "FigureLayout",
     "Row",
     "check_path",
     "matplotlib_module",
@@ -55,7 +55,7 @@ STYLE = {
 
 
 @dataclass(frozen=True)
-class Layout:
+class FigureLayout:
     """Axes placed in inches from the figure's top, so box sizes in points are known."""
 
     height: float

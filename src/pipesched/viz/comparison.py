@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pipesched.analysis.compare import Comparison
 from pipesched.errors import ConfigError
-from pipesched.schedule.compare import Comparison
 from pipesched.viz import _draw
 from pipesched.viz._figure import (
     BOTTOM,
@@ -18,7 +18,7 @@ from pipesched.viz._figure import (
     STYLE,
     TITLE,
     WIDTH,
-    Layout,
+    FigureLayout,
     check_path,
     matplotlib_module,
     multi_stage,
@@ -45,7 +45,7 @@ def gantt_comparison(
     """Draws several schedules' timelines stacked on one time axis, like the zero-bubble figures.
 
     Args:
-        rows: from :func:`pipesched.schedule.compare` (schedules that cannot run
+        rows: from :func:`pipesched.analysis.compare` (schedules that cannot run
             the configuration are listed with the reason).
         path: ``.png`` or ``.svg``.
         title: the title line; the workers and micro-batches when None.
@@ -59,7 +59,7 @@ def gantt_comparison(
 
     Example:
         >>> import tempfile, pathlib
-        >>> from pipesched.schedule import compare
+        >>> from pipesched.analysis import compare
         >>> out = pathlib.Path(tempfile.mkdtemp()) / "all.svg"
         >>> gantt_comparison(compare(2, 4), out).read_text().startswith("<?xml")
         True
@@ -70,7 +70,7 @@ def gantt_comparison(
     if not schedules:
         raise ConfigError(
             "rows has no schedule to draw (every row failed or it is empty); pass "
-            "pipesched.schedule.compare(num_workers, num_microbatches)"
+            "pipesched.analysis.compare(num_workers, num_microbatches)"
         )
     if title is None:
         title = f"{schedules[0].num_workers} workers, {schedules[0].num_microbatches} micro-batches"
@@ -89,7 +89,7 @@ def _comparison_figure(rows: list[Comparison], title: str, u: TimeUnit) -> Figur
         r.timeline.num_workers * band if r.timeline is not None else failed_height for r in rows
     ]
     height = TITLE - 0.2 + LEGEND + sum(heights) + gap * len(rows) + BOTTOM
-    layout, figure = Layout(height), Figure(figsize=(WIDTH, height), dpi=DPI)
+    layout, figure = FigureLayout(height), Figure(figsize=(WIDTH, height), dpi=DPI)
     span = max(t.makespan for t in timelines) or 1.0
     points_per_unit = (WIDTH - LEFT - RIGHT) * 72 / (span * 1.005)
     multi = any(multi_stage(t) for t in timelines)

@@ -26,7 +26,7 @@ from pipesched.viz._figure import (
     STYLE,
     TITLE,
     WIDTH,
-    Layout,
+    FigureLayout,
     check_path,
     matplotlib_module,
     multi_stage,
@@ -147,7 +147,7 @@ def _gantt_figure(
     band = min(0.36, max(0.13, 8 / workers)) * (1.72 if overlay is not None else 1)
     gantt_height, act_height, gap = workers * band, 1.2, 0.48
     height = TITLE + LEGEND + gantt_height + BOTTOM + (gap + act_height if activations else 0)
-    layout, figure = Layout(height), Figure(figsize=(WIDTH, height), dpi=DPI)
+    layout, figure = FigureLayout(height), Figure(figsize=(WIDTH, height), dpi=DPI)
     both = [timeline] if overlay is None else [timeline, overlay]
     span = max(t.makespan for t in both) or 1.0
     points_per_unit = (WIDTH - LEFT - RIGHT) * 72 / (span * 1.005)

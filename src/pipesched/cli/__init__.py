@@ -1,0 +1,5 @@
+"""The ``pipesched`` command line."""
+
+from pipesched.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,158 @@
+"""Which outputs of a traced model mix rows of different samples: a micro-batch cannot compute them.
+
+A pipeline runs the model on each micro-batch, so an output is the plain
+model's only if sample i's value depends on sample i alone (logits, hidden
+states, a per-sample loss summed or averaged over samples). An in-batch
+contrastive model breaks that: CLIP's ``logits_per_image = image_embeds @
+text_embeds.T`` pairs every image with every text of the batch, and its loss
+is a cross-entropy over those pairs; per micro-batch, both are other numbers.
+
+The export tells, without running anything. Every tensor's dims carry
+symbolic sizes, and the inputs' dim 0 is the batch symbol, so each value of
+the graph is, from its inputs:
+
+- free of the batch (parameters, constants, ``arange(B)``: sizes only);
+- indexed by the batch (a dim whose size holds the batch symbol) with rows
+  that each come from their own sample;
+- pooled: depends on the batch's rows but has no batch dim (a sum or mean
+  over samples, a loss): fine as an output (the micro-batches' values add
+  up), or
+- coupled: indexed by the batch while its rows depend on other rows.
+
+A value is coupled when an input is coupled, when it has two batch dims (an
+outer product over samples: ``a @ b.T``), when it is indexed by the batch
+and computed from a pooled value (``x - x.mean(0)``), or when a scan along a
+batch dim makes it (softmax, cumsum, sort, flip, roll over dim 0).
+BatchNorm's operations count as per sample here: their coupling is told by
+:mod:`pipesched.pipeline.checks.micro_batch_norm`. Sizes are read as traced, before the
+trace pinned any: CLIP's ``len(logits)`` fixes its batch to the example's
+size, but every value computed before that still names the batch's symbol
+(values computed after it carry plain numbers, count as not indexed by the
+batch, and so are coupled only through their inputs: a pin never makes an
+output coupled, it can only hide one). What this cannot see: a nonlinear
+function of pooled values (``exp(loss)``, a product of two batch means) is
+taken for a mean over samples. Where the batch was never symbolic (nothing
+to tell by), no output counts as coupled.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from typing import Any
+
+import torch
+from torch import fx
+
+from pipesched.partition.per_sample import leaf_paths
+from pipesched.partition.trace import TracedModel
+from pipesched.runtime.compat.internals import OpOverload, pytree, size_symbols
+
+__all__ = ["coupled_flags", "coupled_paths"]
+
+_SCANS = frozenset(
+    {
+        "softmax", "_softmax", "log_softmax", "_log_softmax", "cumsum", "cumprod",
+        "logcumsumexp", "cummax", "cummin", "sort", "argsort", "flip", "roll",
+    }
+)  # fmt: skip
+"""Operations whose every output element along ``dim`` depends on the others along it."""
+
+_PER_SAMPLE_HERE = frozenset(
+    {
+        "batch_norm", "native_batch_norm", "_native_batch_norm_legit",
+        "_native_batch_norm_legit_functional", "_native_batch_norm_legit_no_training",
+        "cudnn_batch_norm", "miopen_batch_norm",
+    }
+)  # fmt: skip
+"""Batch statistics told by :mod:`pipesched.pipeline.checks.micro_batch_norm`, not here."""
+
+_cache: weakref.WeakKeyDictionary[TracedModel, tuple[bool, ...]] = weakref.WeakKeyDictionary()
+
+
+def coupled_flags(traced: TracedModel) -> tuple[bool, ...]:
+    """Per flattened output (``pytree`` order): whether it mixes rows of different samples.
+
+    See the module docstring. Computed once per trace.
+    """
+    found = _cache.get(traced)
+    if found is None:
+        found = _cache[traced] = _coupled_flags(traced)
+    return found
+
+
+def coupled_paths(traced: TracedModel) -> list[str]:
+    """The coupled outputs' paths, written as :func:`~pipesched.partition.per_sample.leaf_paths`."""
+    flags = coupled_flags(traced)
+    if not any(flags):
+        return []
+    shaped = pytree.tree_unflatten(list(range(len(flags))), traced.out_spec)
+    paths = leaf_paths(shaped)
+    return [p for p, flag in zip(paths, flags, strict=True) if flag]
+
+
+def _coupled_flags(traced: TracedModel) -> tuple[bool, ...]:
+    batch: set[Any] = set()
+    known: set[Any] = set()
+    for node in traced.inputs:
+        value = node.meta.get("val")
+        for k, dim in enumerate(value.shape if isinstance(value, torch.Tensor) else ()):
+            if isinstance(dim, torch.SymInt):
+                known |= size_symbols(dim)
+                batch |= size_symbols(dim) if k == 0 else set()
+    if not batch:
+        return (False,) * len(traced.outputs)
+
+    def batch_dims(value: Any) -> list[int]:
+        """The dims of ``value`` (a tensor, or any tensor of a tuple) sized by the batch."""
+        dims: list[int] = []
+        for tensor in pytree.tree_leaves(value):
+            if isinstance(tensor, torch.Tensor):
+                for k, size in enumerate(tensor.shape):
+                    if isinstance(size, torch.SymInt):
+                        free = size_symbols(size)
+                        if free & batch or free - known:  # unknown: data-dependent, maybe rows
+                            dims.append(k)
+        return dims
+
+    depends: dict[fx.Node, bool] = {}
+    coupled: dict[fx.Node, bool] = {}
+    for node in traced.inputs:
+        depends[node] = 0 in batch_dims(node.meta.get("val"))
+        coupled[node] = False
+    for node in traced.ops:
+        sources = [n for n in node.all_input_nodes if depends.get(n, False)]
+        value = node.meta.get("val")
+        depends[node] = bool(sources) and _is_data(value)
+        coupled[node] = depends[node] and (
+            any(coupled[n] for n in sources) or _couples(node, value, sources, batch_dims)
+        )
+    return tuple(isinstance(out, fx.Node) and coupled.get(out, False) for out in traced.outputs)
+
+
+def _is_data(value: Any) -> bool:
+    """Whether a node's value holds tensor data (not a size: those are the batch's shape only)."""
+    return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
+
+
+def _couples(node: fx.Node, value: Any, sources: list[fx.Node], batch_dims: Any) -> bool:
+    """Whether ``node`` itself mixes the rows of its batch-dependent ``sources``."""
+    op = node.target
+    name = op._schema.name.split("::")[-1] if isinstance(op, OpOverload) else None
+    if name in _PER_SAMPLE_HERE or op is operator.getitem:
+        return False
+    dims = batch_dims(value) if not isinstance(value, (tuple, list)) else []
+    if isinstance(value, torch.Tensor) and len(dims) >= 2:
+        return True  # an outer product over samples
+    if dims and any(not batch_dims(n.meta.get("val")) for n in sources):
+        return True  # indexed by the batch, computed from a value pooled over it
+    if name in _SCANS and isinstance(op, OpOverload):
+        first = node.args[0] if node.args else None
+        shape_of = batch_dims(first.meta.get("val")) if isinstance(first, fx.Node) else []
+        names = [a.name for a in op._schema.arguments]
+        given = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+        along = given.get("dim", given.get("dims", -1 if "dim" in names else None))
+        rank = first.meta["val"].ndim if isinstance(first, fx.Node) else 0
+        wanted = along if isinstance(along, (list, tuple)) else [along]
+        return any(isinstance(d, int) and rank and d % rank in shape_of for d in wanted)
+    return False

@@ -1,0 +1,145 @@
+"""The warning that BatchNorm layers normalize micro-batches, issued once per pipeline.
+
+A pipeline runs its model on each micro-batch separately, so a BatchNorm in
+training mode computes its mean and variance over a micro-batch: its outputs
+and gradients differ from the plain model's on the whole batch (exactly as
+torchgpipe and GPipe do), and its running statistics move once per
+micro-batch, each from a smaller sample. Everything else pipesched runs gives
+the plain model's numbers, so this one departure is said out loud, once, at
+the first step where it happens.
+
+Which layers count: every ``torch.nn`` BatchNorm (``BatchNorm1d/2d/3d``, their
+lazy forms, ``SyncBatchNorm``, which syncs across replicas but still over one
+micro-batch each) in training mode, or in eval mode without running
+statistics (``track_running_stats=False``: it then normalizes with batch
+statistics in eval too). Not counted: BatchNorms in eval mode with running
+statistics (they normalize with those, whatever the batch); InstanceNorm,
+LayerNorm and GroupNorm (per sample); and :class:`~pipesched.DeferredBatchNorm`
+(``deferred_batch_norm=True``): choosing it is choosing per-micro-batch
+normalization with whole-batch running statistics. A BatchNorm subclass with
+a ``forward`` of its own (normalize, then an activation) counts even then:
+``deferred_batch_norm=True`` replaces only plain BatchNorms
+(:func:`~pipesched.runtime.stage.batchnorm.is_plain_batch_norm`), so its running statistics
+move once per micro-batch, and the message says so. A step with one
+micro-batch (``chunks=1``, or a batch of one row) changes nothing and warns
+nothing.
+
+Why a warning and not an error: per-micro-batch BatchNorm is how GPipe trains
+(and large enough micro-batches make the difference small); the user should
+know, not be stopped.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Sequence
+
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from pipesched.errors import MicroBatchNormWarning, warn_user
+from pipesched.runtime.stage.batchnorm import DeferredBatchNorm, is_plain_batch_norm
+
+__all__ = ["MicroBatchNormWarning", "micro_batch_norms", "warn_micro_batch_norm"]
+
+_SHOWN_NAMES = 5  # layer names in the message; the rest are counted
+
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def micro_batch_norms(module: nn.Module) -> list[str]:
+    """The names in ``module`` of the BatchNorm layers that would normalize micro-batches.
+
+    See the module docstring for which layers count. A layer that is
+    ``module`` itself is named by its type.
+
+    Example:
+        >>> model = nn.Sequential(nn.Linear(2, 3), nn.BatchNorm1d(3), nn.LayerNorm(3))
+        >>> micro_batch_norms(model)
+        ['1']
+        >>> micro_batch_norms(model.eval())
+        []
+    """
+    return [
+        name or type(layer).__name__
+        for name, layer in module.named_modules()
+        if _normalizes_batch(layer)
+    ]
+
+
+def warn_micro_batch_norm(pipeline: nn.Module, rows: Sequence[int]) -> None:
+    """Warns once per ``pipeline`` if this step's BatchNorms normalize micro-batches.
+
+    Call at the start of every step (training or forward) with the row count
+    of each of its micro-batches. The first call that has more than one
+    micro-batch and finds a counted BatchNorm (:func:`micro_batch_norms`)
+    issues a :class:`~pipesched.errors.MicroBatchNormWarning` attributed to
+    the user's line that called the pipeline; later calls for the same
+    pipeline do nothing, whether or not the warning was filtered out.
+
+    Args:
+        pipeline: the pipeline (its layers carry the plain model's names); its
+            ``chunks`` attribute, if any, is quoted in the message.
+        rows: the rows of each micro-batch of this step.
+    """
+    if len(rows) < 2 or pipeline in _warned:
+        return
+    names = micro_batch_norms(pipeline)
+    if not names:
+        return
+    with _lock:
+        if pipeline in _warned:
+            return
+        _warned.add(pipeline)
+    chunks = getattr(pipeline, "chunks", len(rows))
+    own = [n for n in names if not is_plain_batch_norm(_layer(pipeline, n))]
+    warn_user(_message(names, own, list(rows), chunks), MicroBatchNormWarning)
+
+
+def _layer(pipeline: nn.Module, name: str) -> nn.Module:
+    try:
+        return pipeline.get_submodule(name)
+    except AttributeError:  # the pipeline itself, named by its type
+        return pipeline
+
+
+def _normalizes_batch(layer: nn.Module) -> bool:
+    if not isinstance(layer, _BatchNorm) or isinstance(layer, DeferredBatchNorm):
+        return False
+    return layer.training or (layer.running_mean is None and layer.running_var is None)
+
+
+def _message(names: list[str], own: list[str], rows: list[int], chunks: int) -> str:
+    shown = ", ".join(names[:_SHOWN_NAMES])
+    if len(names) > _SHOWN_NAMES:
+        shown += f" and {len(names) - _SHOWN_NAMES} more"
+    layers = "layer" if len(names) == 1 else f"{len(names)} layers"
+    verb = "normalizes" if len(names) == 1 else "normalize"
+    low, high = min(rows), max(rows)
+    size = f"{low}" if low == high else f"{low} to {high}"
+    count = "" if len(rows) == chunks else f": {len(rows)} micro-batches"
+    subclasses = ""
+    if own:
+        listed = ", ".join(own[:_SHOWN_NAMES]) + (
+            f" and {len(own) - _SHOWN_NAMES} more" if len(own) > _SHOWN_NAMES else ""
+        )
+        subclasses = (
+            f" {listed} {'runs its' if len(own) == 1 else 'run their'} own forward (a BatchNorm "
+            "subclass): deferred_batch_norm=True leaves such a layer as it is, so its running "
+            "statistics move once per micro-batch whatever that option; for the whole batch's, "
+            "run it with chunks=1 or give it torch's BatchNorm forward."
+        )
+    return (
+        f"BatchNorm {layers} ({shown}) {verb} over micro-batches of {size} "
+        f"row{'s' if high != 1 else ''} (batch {sum(rows)} / chunks {chunks}{count}), "
+        "not over the whole batch: outputs and gradients differ from the plain model's on "
+        "the batch, and running statistics move once per micro-batch. Options: "
+        "deferred_batch_norm=True (running statistics of the whole batch; normalization "
+        "stays per micro-batch, and this warning is not shown); GroupNorm or LayerNorm "
+        "instead of BatchNorm (per sample: no batch dependence); larger micro-batches "
+        f"(fewer chunks) for statistics closer to the batch's.{subclasses} Shown once per "
+        "Pipeline; silence it with warnings.filterwarnings('ignore', "
+        "category=pipesched.MicroBatchNormWarning)."
+    )

@@ -1,0 +1,438 @@
+"""Private torch APIs pipesched uses, each checked once at import, each with a fallback.
+
+Why a module of its own: torch promises nothing about its private names, and a
+release that renames one, or "fixes" what it returns, must neither break a
+user's step nor change its results silently. So every private API the package
+calls is looked up here, once, at import, and tried on a tiny probe where that
+is cheap and safe (a scalar backward, a two-element multiply). One that is
+missing or fails its probe switches off the feature that needed it, with one
+:class:`~pipesched.errors.TorchInternalsWarning` per process naming it, and the
+exact, slower path runs instead. No error message of torch's is used as
+control flow. A test deletes each one before import and checks that a step
+still equals the plain model's (``tests/runtime/compat/test_internals.py``); another checks
+that no other module names ``torch._C``, ``torch._ops`` or ``torch.utils._``.
+
+Checked, with a fallback (the table in docs/guide.md says what each costs):
+
+- ``torch._C._will_engine_execute_node`` (:func:`engine_will_execute`): a
+  fused linear skips an input gradient the running backward will not use
+  (never asked about a leaf). Without it: computed anyway, then dropped.
+- ``torch.autograd.graph._engine_run_backward`` (:func:`run_backward`): a
+  stage's backward without ``torch.autograd.backward``'s Python checks.
+  Without it: ``torch.autograd.backward``.
+- ``torch._C._autograd._top_saved_tensors_default_hooks``
+  (:data:`top_saved_tensors_hooks`): a fused linear sees it is inside a
+  checkpointed region. Without it: fused accumulation is off.
+- ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks``
+  (:func:`has_gradient_hooks`): a hooked parameter's gradient goes through
+  autograd, and its hooks are named in a warning. Without either: every
+  parameter counts as hooked (no fusion), and unread tables are not named.
+- ``torch.utils.checkpoint.GraphExecGroup`` (:data:`one_recomputation`, torch
+  2.9+): a W's passes share one recomputation. Without it: one per pass.
+- ``torch._foreach_mul_`` (:func:`foreach_mul_`): gradient scaling in one
+  kernel per device. Without it: one ``mul_`` per gradient (same values).
+- ``torch._C._nn._parse_to`` (:func:`parse_to`): ``Pipeline.to()``'s
+  arguments read as ``nn.Module.to`` does. Without it: read in Python.
+- ``torch.nn.modules.module._global_*_hooks`` (:func:`global_module_hooks`):
+  hooks on every module could draw random numbers inside a stage of plain
+  layers (:mod:`pipesched.runtime.stage.seeding`). Without them: every stage is seeded.
+
+- ``SymNode._expr`` (:func:`size_symbols`): a symbolic size as traced, before
+  the shape environment specialized it (CLIP's ``len(logits)`` pins the
+  batch to the example's size). Without it: the specialized size, so a model
+  that pins its batch has no output told as batch-coupled.
+
+Hard requirements, re-exported without a fallback: there is no public
+alternative, and no exact path without them.
+
+- ``torch.utils._pytree`` (:data:`pytree`): the ``TreeSpec`` ``torch.export``
+  hands back (no public pytree module exists up to torch 2.13).
+- ``torch.utils._python_dispatch.TorchDispatchMode`` (:data:`TorchDispatchMode`):
+  every random operation seeded at the dispatcher (:mod:`pipesched.runtime.stage.rng`).
+- ``torch._ops.OpOverload`` (:data:`OpOverload`) and its ``_schema``: an ATen
+  operation and its signature, read by :mod:`pipesched.partition` and the seeding.
+
+Not routed here, used in place as torch's own modules use them: ``nn.Module``'s
+storage (``_modules``, ``_parameters``, ``_buffers``, ``_apply``, ...), the base
+classes ``_BatchNorm`` and ``_DropoutNd``, and the ATen checks ``torch.export``
+inserts (dropped from traced stages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+import torch.utils.checkpoint
+from torch import Tensor, nn
+from torch._ops import OpOverload
+from torch.autograd.graph import Node
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pipesched.errors import ConfigTypeError, TorchInternalsWarning, warn_user
+
+__all__ = [
+    "FUSION_SUPPORTED",
+    "MISSING",
+    "OpOverload",
+    "TorchDispatchMode",
+    "engine_will_execute",
+    "foreach_mul_",
+    "global_module_hooks",
+    "gradient_hooks",
+    "has_gradient_hooks",
+    "has_module_hooks",
+    "one_recomputation",
+    "parse_to",
+    "pytree",
+    "run_backward",
+    "size_symbols",
+    "top_saved_tensors_hooks",
+]
+
+MISSING: list[str] = []
+"""The private APIs that were missing or failed their probe at import (warned once each)."""
+
+
+def _missing(name: str, without: str) -> None:
+    MISSING.append(name)
+    warn_user(
+        f"{name} is missing or behaves differently in torch {torch.__version__}; "
+        f"pipesched falls back to an exact, slower path: {without}",
+        TorchInternalsWarning,
+    )
+
+
+def _probe(check: Callable[[], bool]) -> bool:
+    """Runs a capability probe: True if it ran and saw what it expected.
+
+    Any exception counts as a failed probe (whatever it says): the API is
+    then not used at all, so no error of torch's steers anything later. It
+    runs on the CPU whatever device the import came under: the package is
+    imported lazily, and a first ``pipesched.Pipeline`` named inside ``with
+    torch.device("meta"):`` would otherwise probe tensors that hold no values.
+    """
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.device("cpu"):
+            return check()
+    except Exception:
+        return False
+
+
+# ------------------------------------------------------------- the autograd engine
+
+_will_engine_execute_node: Callable[[Node], bool] | None = getattr(
+    torch._C, "_will_engine_execute_node", None
+)
+
+
+def _check_will_engine_execute_node() -> bool:
+    ask = _will_engine_execute_node
+    a, b = torch.ones((), requires_grad=True), torch.ones((), requires_grad=True)
+    ya, yb = a * 2, b * 3
+    out = ya + yb
+    seen: list[tuple[bool, ...]] = []
+    handle = out.grad_fn.register_prehook(  # type: ignore[union-attr]
+        lambda _: seen.append(tuple(map(ask, (ya.grad_fn, yb.grad_fn))))  # type: ignore[arg-type]
+    )
+    try:
+        torch.autograd.backward(out, inputs=[a], retain_graph=True)
+        torch.autograd.backward(out)
+    finally:
+        handle.remove()
+    return seen == [(True, False), (True, True)]
+
+
+if _will_engine_execute_node is None or not _probe(_check_will_engine_execute_node):
+    _will_engine_execute_node = None
+    _missing(
+        "torch._C._will_engine_execute_node",
+        "a fused linear computes its input gradient whenever it has one, needed or not",
+    )
+
+
+def engine_will_execute(node: Node) -> bool:
+    """Whether the running backward executes ``node``; True where that is unknown.
+
+    Args:
+        node: a node with at least one next edge. Never a leaf: for a leaf that
+            ``torch.autograd.grad`` captures, torch raises instead of answering.
+    """
+    return True if _will_engine_execute_node is None else _will_engine_execute_node(node)
+
+
+_engine_run_backward: Callable[..., Any] | None = getattr(
+    torch.autograd.graph, "_engine_run_backward", None
+)
+_ACCUMULATE = {"allow_unreachable": True, "accumulate_grad": True}  # as autograd.backward
+
+
+def _check_engine_run_backward() -> bool:
+    a = torch.ones(2, requires_grad=True)
+    run = _engine_run_backward
+    run((a * 3,), (torch.ones(2),), False, False, (), **_ACCUMULATE)  # type: ignore[misc]
+    return a.grad is not None and a.grad.tolist() == [3.0, 3.0]
+
+
+if _engine_run_backward is None or not _probe(_check_engine_run_backward):
+    _engine_run_backward = None
+    _missing("torch.autograd.graph._engine_run_backward", "torch.autograd.backward itself")
+
+
+def run_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
+    """``torch.autograd.backward(roots, grads)`` where each gradient is its root's shape.
+
+    Why: ``torch.autograd.backward`` checks each gradient against its root in
+    Python first, about 10 us a call, a fifth of a tiny stage's backward; a
+    stage's roots get the next stage's input gradients, of their own shapes.
+    """
+    if _engine_run_backward is None:
+        torch.autograd.backward(roots, grads)
+    else:
+        _engine_run_backward(tuple(roots), tuple(grads), False, False, (), **_ACCUMULATE)
+
+
+# ------------------------------------------------------------- saved-tensor hooks
+
+_top_hooks: Callable[[bool], Any] | None = getattr(
+    getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks", None
+)
+
+
+def _check_top_hooks() -> bool:
+    if _top_hooks is None:
+        return False
+    pack, unpack = (lambda t: t), (lambda t: t)
+    outside = _top_hooks(False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        inside = _top_hooks(False)
+    return bool(inside == (pack, unpack) and _top_hooks(False) == outside)
+
+
+def _top_saved_tensors_hooks() -> Any:
+    return None if _top_hooks is None else _top_hooks(False)
+
+
+top_saved_tensors_hooks: Callable[[], Any] | None = _top_saved_tensors_hooks
+"""The innermost saved-tensor hooks in force (None outside any); None if unavailable."""
+if _top_hooks is None or not _probe(_check_top_hooks):
+    top_saved_tensors_hooks = None
+    _missing(
+        "torch._C._autograd._top_saved_tensors_default_hooks",
+        "fused weight-gradient accumulation is off",
+    )
+
+
+# ------------------------------------------------------------- a tensor's gradient hooks
+
+
+def _check_hook_table(table: str, register: Callable[[Tensor], Any]) -> bool:
+    t = torch.zeros(1, requires_grad=True)
+    before = getattr(t, table)
+    handle = register(t)
+    during = bool(getattr(t, table))
+    handle.remove()
+    return not before and during and not getattr(t, table)
+
+
+_HOOK_TABLES: list[str] = []
+"""The tensor attributes that list gradient hooks and passed their probe."""
+for _table, _register in (
+    ("_backward_hooks", lambda t: t.register_hook(lambda g: g)),
+    ("_post_accumulate_grad_hooks", lambda t: t.register_post_accumulate_grad_hook(lambda p: None)),
+):
+    if _probe(functools.partial(_check_hook_table, _table, _register)):
+        _HOOK_TABLES.append(_table)
+    else:
+        _missing(f"torch.Tensor.{_table}", "fused weight-gradient accumulation is off")
+
+
+def has_gradient_hooks(t: Tensor) -> bool:
+    """Whether ``t`` has gradient hooks; True where that cannot be told."""
+    return len(_HOOK_TABLES) < 2 or bool(gradient_hooks(t))
+
+
+def gradient_hooks(t: Tensor) -> list[str]:
+    """The hook tables of ``t`` that hold hooks, of those that can be read."""
+    return [table for table in _HOOK_TABLES if getattr(t, table)]
+
+
+FUSION_SUPPORTED = top_saved_tensors_hooks is not None and len(_HOOK_TABLES) == 2
+"""Whether fused weight-gradient accumulation can run (its checks all passed)."""
+
+
+# ------------------------------------------------------------- checkpoint recomputation
+
+_GraphExecGroup: Any = getattr(torch.utils.checkpoint, "GraphExecGroup", None)
+
+
+def _check_graph_exec_group() -> bool:
+    with _GraphExecGroup():
+        return True
+
+
+one_recomputation: Callable[[], contextlib.AbstractContextManager[Any]] = (
+    _GraphExecGroup if _GraphExecGroup is not None else contextlib.nullcontext
+)
+"""Backward calls inside it recompute each non-reentrant checkpointed region once in all."""
+if _GraphExecGroup is None or not _probe(_check_graph_exec_group):
+    one_recomputation = contextlib.nullcontext
+    _missing(
+        "torch.utils.checkpoint.GraphExecGroup",
+        "each pass of a split weight backward (W) recomputes checkpointed regions itself",
+    )
+
+
+# ------------------------------------------------------------- gradient scaling
+
+_foreach_mul: Callable[[Sequence[Tensor], float], None] | None = getattr(
+    torch, "_foreach_mul_", None
+)
+
+
+def _check_foreach_mul() -> bool:
+    if _foreach_mul is None:
+        return False
+    a, b = torch.ones(2), torch.full((3,), 2.0)
+    _foreach_mul([a, b], 0.5)
+    return bool(a.eq(0.5).all()) and bool(b.eq(1.0).all())
+
+
+if _foreach_mul is None or not _probe(_check_foreach_mul):
+    _foreach_mul = None
+    _missing("torch._foreach_mul_", "gradients are scaled one tensor at a time")
+
+
+def foreach_mul_(tensors: Sequence[Tensor], factor: float) -> None:
+    """Multiplies each tensor by ``factor`` in place."""
+    if _foreach_mul is not None:
+        _foreach_mul(tensors, factor)
+    else:
+        for t in tensors:
+            t.mul_(factor)
+
+
+# ------------------------------------------------------------- .to() arguments
+
+_ToArgs = tuple[torch.device | None, torch.dtype | None, bool, torch.memory_format | None]
+
+_parse_to: Callable[..., _ToArgs] | None = getattr(
+    getattr(torch._C, "_nn", None), "_parse_to", None
+)
+
+
+def _check_parse_to() -> bool:
+    if _parse_to is None:
+        return False
+    double, single = (
+        (torch.device("cpu"), torch.float64, False, None),
+        (None, torch.float32, False, None),
+    )
+    return _parse_to("cpu", torch.float64) == double and _parse_to(torch.float32) == single
+
+
+if _parse_to is None or not _probe(_check_parse_to):
+    _parse_to = None
+    _missing("torch._C._nn._parse_to", "Pipeline.to() reads its arguments in Python")
+
+
+def parse_to(*args: Any, **kwargs: Any) -> _ToArgs:
+    """``(device, dtype, non_blocking, memory_format)`` of ``.to()``'s arguments, None if not given.
+
+    Raises:
+        ConfigTypeError: arguments ``.to()`` does not take (Python reading only).
+    """
+    if _parse_to is not None:
+        return _parse_to(*args, **kwargs)
+    return _read_to_arguments(*args, **kwargs)
+
+
+def _read_to_arguments(*args: Any, **kwargs: Any) -> _ToArgs:
+    """``.to(device, dtype, non_blocking, copy)``, ``.to(dtype, ...)`` or ``.to(tensor, ...)``."""
+    device = kwargs.pop("device", None)
+    dtype = kwargs.pop("dtype", None)
+    non_blocking = kwargs.pop("non_blocking", False)
+    memory_format = kwargs.pop("memory_format", None)
+    kwargs.pop("copy", None)
+    rest = list(args)
+    if rest and isinstance(rest[0], Tensor):
+        other = rest.pop(0)
+        device, dtype = other.device, other.dtype
+    elif rest and not isinstance(rest[0], (torch.dtype, bool)):
+        device = rest.pop(0)
+    if rest and isinstance(rest[0], torch.dtype):
+        dtype = rest.pop(0)
+    if rest and isinstance(rest[0], bool):
+        non_blocking = rest.pop(0)
+    if rest and isinstance(rest[0], bool):
+        rest.pop(0)  # copy
+    if rest or kwargs:
+        raise ConfigTypeError(
+            f"to() got arguments it does not take: {rest + list(kwargs)}; "
+            "expected to(device, dtype, non_blocking), to(dtype) or to(tensor)"
+        )
+    where = None if device is None else torch.device(device)
+    return where, dtype, bool(non_blocking), memory_format
+
+
+# -- Hooks registered for every module ------------------------------------------------
+
+_GLOBAL_HOOKS = tuple(
+    f"_global_{kind}_hooks" for kind in ("forward", "forward_pre", "backward", "backward_pre")
+)
+_found = [getattr(torch.nn.modules.module, name, None) for name in _GLOBAL_HOOKS]
+_global_tables: list[Any] | None = _found
+if not all(isinstance(table, dict) for table in _found):
+    _global_tables = None
+    _missing("torch.nn.modules.module._global_*_hooks", "stages of plain layers are seeded too")
+
+
+def global_module_hooks() -> bool:
+    """Whether hooks for every module are registered (True where that cannot be told)."""
+    tables = _global_tables
+    return tables is None or any(tables)
+
+
+def has_module_hooks(module: nn.Module) -> bool:
+    """Whether ``module`` has forward or backward hooks of its own (nn.Module's storage)."""
+    m = module
+    return bool(
+        m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+    )
+
+
+# -- Symbolic sizes as traced -----------------------------------------------------------
+
+
+def size_symbols(size: torch.SymInt) -> set[Any]:
+    """The symbols of a traced size, as traced: a size the trace later pinned keeps them."""
+    node = size.node
+    expr = getattr(node, "_expr", None) if _size_symbols_supported() else None
+    if expr is None or not hasattr(expr, "free_symbols"):
+        expr = node.expr
+    return set(expr.free_symbols)
+
+
+@functools.cache
+def _size_symbols_supported() -> bool:
+    """Probed at the first traced size, not at import: the probe imports torch's symbolic
+    shapes (and with them torch._dynamo, 0.7 s), which a process that never traces, such
+    as every rank of a Sequential pipeline, should not pay."""
+    if _probe(_check_size_symbols):
+        return True
+    _missing("SymNode._expr", "a model that pins its batch has no output told as batch-coupled")
+    return False
+
+
+def _check_size_symbols() -> bool:
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    env = ShapeEnv()
+    symbol = env.create_unbacked_symint()
+    node = symbol.node
+    expr = getattr(node, "_expr", None)
+    return expr is not None and bool(expr.free_symbols)

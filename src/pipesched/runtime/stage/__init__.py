@@ -1,0 +1,1 @@
+"""What runs inside a stage: recomputation, randomness, deferred BatchNorm, micro-batches."""

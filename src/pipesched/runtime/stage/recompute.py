@@ -1,0 +1,312 @@
+"""Activation checkpointing: recompute a stage's forward during its backward.
+
+Why not torchgpipe's checkpointing: it is reentrant (a custom autograd
+Function whose forward runs under ``no_grad``). Reentrant checkpoints only
+reach the parameters through inputs that require grad, so a first stage fed
+token ids needs torchgpipe's "phony" tensor trick, and torch's own reentrant
+checkpoint silently leaves every parameter's ``.grad`` None there. torch's
+non-reentrant checkpoint (saved-tensor hooks) has none of that: parameters get
+gradients whatever the inputs, autocast and the RNG state of the forward are
+replayed in the recomputation, and backward may come any time later (1F1B).
+torchgpipe runs recomputation ahead of the gradient's arrival to overlap it
+with the copy of the gradient between devices; we leave that overlap to the
+runtime's streams and keep this module a thin, well-tested wrapper.
+
+Why a buffer guard: recomputing a forward repeats its side effects. A
+training-mode BatchNorm updates ``running_mean``, ``running_var`` and
+``num_batches_tracked`` on every call, and any module may keep a counter or
+an average in a buffer; a checkpointed stage would update them twice per
+micro-batch, so the model's state would depend on the checkpoint mode.
+During the recomputation we therefore put a throwaway clone in the place of
+every buffer the checkpointed module uses (its modules' own, or, for a
+traced stage, the model's buffers it reads by name) and put the real ones
+back afterwards, whatever the recomputation wrote. (Setting
+``track_running_stats=False`` instead, the obvious guard for BatchNorm, does
+not work: BatchNorm then saves two tensors fewer for backward, and the
+non-reentrant checkpoint rejects the recomputation with "A different number
+of tensors was saved during the original forward and recomputation".) The
+recomputation reads each buffer's value at the time it runs: a module whose
+output depends on a buffer it also updates (an average used in the forward)
+recomputes with the later value. Other modules with side effects (outside
+buffers) can ask :func:`is_recomputing`.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from types import TracebackType
+from typing import Any, Final
+
+import torch
+import torch.utils.checkpoint
+from torch import Tensor, nn
+
+from pipesched.errors import ConfigError, ConfigTypeError
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "buffer_slots",
+    "check_checkpoint",
+    "checkpoint",
+    "checkpoint_stop",
+    "is_recomputing",
+    "stage_stops",
+]
+
+CHECKPOINT_MODES: Final = ("always", "except_last", "never")
+"""Which micro-batches a stage checkpoints; see :func:`checkpoint_stop`."""
+
+# Where a buffer lives, ``(holder, key)``: ``holder[key]`` is the tensor a forward reads.
+_Slot = tuple[dict[str, Any], str]
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.recomputing = False
+
+
+_state = _ThreadState()
+
+
+def is_recomputing() -> bool:
+    """Whether the current thread is recomputing a checkpointed forward.
+
+    Modules with side effects in their forward (counters, statistics) check
+    it to act once per micro-batch, not twice.
+
+    Example:
+        >>> is_recomputing()
+        False
+    """
+    return _state.recomputing
+
+
+class _Recomputation:
+    """Entered around each recomputation of ``module``: sets the flag, guards the buffers.
+
+    A class and not a ``@contextmanager`` generator because torch enters the
+    same object once per backward pass over the graph (``retain_graph=True``
+    gives two), and a generator can only be entered once. Exits run even when
+    the recomputation raises, including torch's own early-stop exception,
+    which ends every recomputation as soon as the last saved tensor is rebuilt.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._saved: list[tuple[bool, list[tuple[dict[str, Any], str, Tensor]]]] = []
+
+    def __enter__(self) -> None:
+        # Clone everything first: if a clone fails, nothing has changed yet. One clone
+        # per tensor, so a buffer two modules share stays shared.
+        slots = [(holder, key, holder[key]) for holder, key in buffer_slots(self.module)]
+        clones: dict[int, Tensor] = {}
+        for _, _, buffer in slots:
+            if id(buffer) not in clones:
+                clones[id(buffer)] = buffer.clone()
+        self._saved.append((_state.recomputing, slots))
+        _state.recomputing = True
+        for holder, key, buffer in slots:
+            holder[key] = clones[id(buffer)]
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        previous, slots = self._saved.pop()
+        _state.recomputing = previous
+        for holder, key, buffer in slots:
+            holder[key] = buffer
+
+
+def buffer_slots(module: nn.Module) -> list[_Slot]:
+    """Where every buffer ``module``'s forward uses lives, once each.
+
+    A module with a ``buffer_slots()`` method (a traced stage, which reads the
+    model's buffers by name) gives those in place of its own ``_buffers``
+    (constants); any other gives its ``_buffers`` entries; then their children
+    (a traced stage's BatchNorm and Dropout layers, called as modules).
+    """
+    slots: dict[tuple[int, str], _Slot] = {}
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        own = getattr(m, "buffer_slots", None)
+        if callable(own):
+            found: list[_Slot] = own()
+        else:
+            found = [(m._buffers, k) for k, t in m._buffers.items() if t is not None]
+        stack.extend(m.children())
+        for holder, key in found:
+            slots[id(holder), key] = (holder, key)
+    return list(slots.values())
+
+
+def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True) -> Any:
+    """Runs ``module(*inputs)`` without keeping its activations; backward recomputes them.
+
+    Built on :func:`torch.utils.checkpoint.checkpoint` with
+    ``use_reentrant=False``. The recomputation replays the forward's RNG state
+    (Dropout draws the same mask) and autocast state, runs with
+    :func:`is_recomputing` True in the thread that runs it, and leaves every
+    buffer ``module`` uses (BatchNorm's running statistics, a counter) as
+    the forward left it. The recomputation runs the whole forward: torch's early stop
+    (at the last tensor backward needs) saved RReLU's noise before RReLU
+    filled it in, and backward then read uninitialized memory.
+
+    Under grad mode off (``torch.no_grad()``, evaluation) this is a plain call.
+
+    Args:
+        module: the stage (or part of it) to checkpoint.
+        *inputs: passed to ``module`` as they are; they need not require grad.
+        preserve_rng_state: replay the forward's RNG state in the
+            recomputation. Without it, Dropout draws a new mask there and the
+            gradients no longer match the forward. torch replays it by
+            setting and afterwards restoring the process-wide CPU generator
+            (and the device's), unlocked: another thread drawing from it
+            meanwhile gets, and loses, numbers from the replayed state. Where
+            random layers seed themselves per micro-batch
+            (:mod:`pipesched.runtime.stage.rng`), pass False.
+
+    Returns:
+        What ``module(*inputs)`` returns.
+
+    Raises:
+        ConfigError: ``module`` is not an ``nn.Module``.
+
+    Example:
+        >>> layer = nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.5))
+        >>> x = torch.ones(2, 3, requires_grad=True)
+        >>> checkpoint(layer, x).sum().backward()
+        >>> x.grad.shape
+        torch.Size([2, 3])
+    """
+    if not isinstance(module, nn.Module):
+        raise ConfigTypeError(
+            f"checkpoint(module=...) needs an nn.Module, got {type(module).__name__}; "
+            "wrap a plain function in an nn.Module so its buffers can be found"
+        )
+
+    def context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
+        return nullcontext(), _Recomputation(module)
+
+    call: Callable[..., Any] = torch.utils.checkpoint.checkpoint
+    return call(
+        module,
+        *inputs,
+        use_reentrant=False,
+        preserve_rng_state=preserve_rng_state,
+        context_fn=context_fn,
+        # torch saves an operation's inputs before running it, and stopping early
+        # raises right there: an input the operation fills in place (RReLU's
+        # noise) is then saved unfilled, and backward reads uninitialized memory.
+        early_stop=False,
+    )
+
+
+def checkpoint_stop(mode: str, num_microbatches: int) -> int:
+    """How many leading micro-batches a stage checkpoints: micro-batch ``i`` iff ``i < stop``.
+
+    ``"except_last"`` keeps the last micro-batch's activations because its
+    backward comes right after its forward, where recomputing it saves no
+    memory.
+
+    Args:
+        mode: one of :data:`CHECKPOINT_MODES`.
+        num_microbatches: micro-batches in the mini-batch.
+
+    Returns:
+        ``num_microbatches`` for ``"always"``, one less for ``"except_last"``
+        (never below 0), 0 for ``"never"``.
+
+    Raises:
+        ConfigError: ``mode`` is not one of :data:`CHECKPOINT_MODES`, or
+            ``num_microbatches`` is negative.
+
+    Example:
+        >>> [checkpoint_stop(mode, 4) for mode in CHECKPOINT_MODES]
+        [4, 3, 0]
+    """
+    valid = ", ".join(repr(m) for m in CHECKPOINT_MODES)
+    if not isinstance(mode, str):
+        raise ConfigTypeError(
+            f"checkpoint mode must be a str, got {type(mode).__name__} {mode!r}; use one of {valid}"
+        )
+    if mode not in CHECKPOINT_MODES:
+        raise ConfigError(f"checkpoint mode {mode!r} is not known; use one of {valid}")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int):
+        raise ConfigTypeError(
+            f"num_microbatches must be an int, got {num_microbatches!r}; "
+            "pass the number of micro-batches the batch was split into"
+        )
+    if num_microbatches < 0:
+        raise ConfigError(
+            f"num_microbatches must be 0 or more, got {num_microbatches}; "
+            "pass the number of micro-batches the batch was split into"
+        )
+    if mode == "always":
+        return num_microbatches
+    if mode == "except_last":
+        return max(num_microbatches - 1, 0)
+    return 0
+
+
+def check_checkpoint(checkpoint: Any, *, planned: bool) -> str | tuple[str, ...] | None:
+    """``Pipeline``'s ``checkpoint=``, checked: None, a mode, or one mode per stage (a tuple).
+
+    Args:
+        checkpoint: as given.
+        planned: the planner picks the rest (``schedule="auto"``): it searches
+            modes per stage itself (and the number of stages).
+
+    Raises:
+        ConfigTypeError: neither a str nor a list or tuple of str.
+        ConfigError: an unknown mode; or modes per stage under the planner.
+    """
+    if checkpoint is None or isinstance(checkpoint, str):
+        checkpoint_stop(checkpoint or "never", 1)  # checks the mode's name
+        return checkpoint
+    if not isinstance(checkpoint, list | tuple) or not checkpoint:
+        raise ConfigTypeError(
+            f"checkpoint must be a mode ({', '.join(map(repr, CHECKPOINT_MODES))}) or a "
+            f"non-empty list of one mode per stage, got {checkpoint!r}"
+        )
+    for mode in checkpoint:
+        checkpoint_stop(mode, 1)
+    if planned:
+        raise ConfigError(
+            f"checkpoint={list(checkpoint)!r} gives a mode per stage, but schedule='auto' "
+            "chooses the stages (and, under a memory_budget, modes per stage) itself: give "
+            "one mode or none, or pick the schedule and balance yourself to give one per stage"
+        )
+    return tuple(checkpoint)
+
+
+def stage_stops(
+    checkpoint: str | Sequence[str], num_stages: int, num_microbatches: int
+) -> tuple[int, ...]:
+    """Per stage, how many leading micro-batches it checkpoints (:func:`checkpoint_stop`).
+
+    Args:
+        checkpoint: one mode for every stage, or one mode per stage.
+        num_stages: the pipeline's stages.
+        num_microbatches: micro-batches in the mini-batch.
+
+    Raises:
+        ConfigError: as :func:`checkpoint_stop`, or modes for another number of stages.
+
+    Example:
+        >>> stage_stops(["always", "never"], 2, 4)
+        (4, 0)
+    """
+    if isinstance(checkpoint, str):
+        return (checkpoint_stop(checkpoint, num_microbatches),) * num_stages
+    if len(checkpoint) != num_stages:
+        raise ConfigError(
+            f"checkpoint={list(checkpoint)!r} gives {len(checkpoint)} modes for a pipeline of "
+            f"{num_stages} stages: give one mode per stage (or one mode for all)"
+        )
+    return tuple(checkpoint_stop(mode, num_microbatches) for mode in checkpoint)

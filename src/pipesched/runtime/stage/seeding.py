@@ -1,0 +1,470 @@
+"""Where a stage's random operations get seeded: the whole forward, or only modules seen drawing.
+
+Why not seed the whole forward always: :mod:`pipesched.runtime.stage.rng` seeds at the
+dispatcher, which costs one Python call per ATen operation while it is on. On a
+stage of small layers that made a step up to twice as slow, and most stages
+draw nothing at all. So a stage on the local runtime seeds its whole forward
+only in its first step (per training mode: ``train()`` and ``eval()`` are
+learned apart, dropout draws in one only), recording which modules drew. From
+its next step on, only those modules are seeded (a hook turns the dispatch
+mode on while they run), and a tripwire watches the rest: before and after
+each forward and backward it reads the default generators' states (seeded
+draws never move them, and the step's own seed draw is told apart). A
+changed state means an unseeded draw, somewhere no draw was seen before:
+the stage raises :class:`UnseededDraws`, the pipeline puts the step back
+(:mod:`pipesched.runtime.transaction`, generators included) and runs it again
+with every stage seeded throughout, learning the new place. Draws are keyed
+the same way whichever of these is on, so the numbers never depend on it. A
+stage whose draws come from no named module (a random loss function), or
+that trips three times, stays seeded throughout. A backward is seeded
+throughout where the model checkpoints itself (``torch.utils.checkpoint``
+inside a stage recomputes in backward); then every stage is, from then on:
+torch's recomputation sets and restores the shared generator from its
+thread, which other stages' tripwires would see. On a mesh a rerun needs
+every rank: a tripwire there only marks the step spoiled (``deferred``), the
+step runs to its end on every rank, the ranks agree whether any was spoiled,
+and all put it back and rerun it together (:mod:`pipesched.runtime.engine`).
+
+Except where nothing can draw: a stage made only of torch's layers that
+draw no random numbers (``nn.Linear``, activations, norms, convolutions,
+embeddings, ...; :func:`draws_nothing`), of exactly those types, with no
+module hooks, is not seeded and needs no tripwire. On a mesh that is what
+keeps the dispatch mode's cost off a stage of small layers (a 2-rank step of
+4 tiny ``Linear`` stages: 10-15% of its time).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from types import FrameType
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipesched.errors import PipeschedError
+from pipesched.runtime.compat.internals import global_module_hooks, has_module_hooks
+from pipesched.runtime.stage.rng import (
+    LOCK,
+    DrawContext,
+    SeededRandomness,
+    StepSeed,
+    generator_key,
+    generator_of,
+    same_state,
+)
+
+__all__ = ["StageSeeding", "UnseededDraws", "draws_nothing", "loss_draws_nothing"]
+
+_STRIKES = 3  # tripwires before a stage stays seeded throughout
+
+_DRAW_FREE: frozenset[type[nn.Module]] = frozenset(
+    {
+        nn.Sequential, nn.ModuleList, nn.ModuleDict, nn.Identity, nn.Flatten, nn.Unflatten,
+        nn.Linear, nn.Bilinear, nn.Embedding, nn.EmbeddingBag,
+        nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d,
+        nn.ConvTranspose3d, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.LocalResponseNorm,
+        nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm,
+        nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+        nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.Tanh, nn.Sigmoid, nn.Softplus,
+        nn.LeakyReLU, nn.ELU, nn.SELU, nn.CELU, nn.PReLU, nn.GLU, nn.Hardtanh,
+        nn.Hardswish, nn.Hardsigmoid, nn.Softsign, nn.Tanhshrink, nn.LogSigmoid,
+        nn.Softmax, nn.LogSoftmax, nn.Softmin,
+        nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, nn.AvgPool1d, nn.AvgPool2d, nn.AvgPool3d,
+        nn.AdaptiveAvgPool1d, nn.AdaptiveAvgPool2d, nn.AdaptiveAvgPool3d,
+        nn.AdaptiveMaxPool1d, nn.AdaptiveMaxPool2d, nn.AdaptiveMaxPool3d,
+        nn.ZeroPad1d, nn.ZeroPad2d, nn.ConstantPad1d, nn.ConstantPad2d, nn.PixelShuffle,
+        nn.Upsample,
+    }
+)  # fmt: skip
+"""torch's layers whose forward and backward draw no random number (exact types:
+a subclass may override forward). Dropout, RReLU, attention and every layer of
+one's own are not here: they are seeded."""
+
+
+def draws_nothing(module: nn.Module) -> bool:
+    """Whether ``module`` can draw no random number: only :data:`_DRAW_FREE` layers, no hooks.
+
+    Read at the start of every step (a layer may be swapped or hooked between
+    steps; :meth:`StageSeeding.begin`), and at every pass outside a step; it
+    walks the modules' own dicts: about a microsecond for a stage of a few
+    layers. A parametrized layer (``weight_norm``, ...) has a class of its own,
+    so the exact-type test refuses it.
+    """
+    if global_module_hooks():
+        return False
+    stack = [module]
+    while stack:
+        m = stack.pop()
+        if type(m) not in _DRAW_FREE or has_module_hooks(m):
+            return False
+        stack.extend(child for child in m._modules.values() if child is not None)
+    return True
+
+
+class UnseededDraws(PipeschedError, RuntimeError):
+    """A stage drew random numbers while its seeding was off; the pipeline reruns the step.
+
+    Seen by users only when the rerun, every pass of every stage seeded
+    throughout, trips again: a draw pipesched cannot seed (one made on
+    another thread, such as an autograd thread of another device running a
+    backward, or another thread of the program drawing from torch's default
+    generator, or from a generator a stage uses, while the step ran).
+    """
+
+
+_DRAW_FREE_LOSSES: frozenset[Any] = frozenset(
+    {
+        F.mse_loss, F.l1_loss, F.smooth_l1_loss, F.huber_loss, F.cross_entropy, F.nll_loss,
+        F.binary_cross_entropy, F.binary_cross_entropy_with_logits, F.kl_div,
+        F.cosine_embedding_loss, F.margin_ranking_loss, F.soft_margin_loss,
+    }
+)  # fmt: skip
+_DRAW_FREE_LOSS_MODULES: frozenset[type[nn.Module]] = frozenset(
+    {
+        nn.MSELoss, nn.L1Loss, nn.SmoothL1Loss, nn.HuberLoss, nn.CrossEntropyLoss,
+        nn.NLLLoss, nn.BCELoss, nn.BCEWithLogitsLoss, nn.KLDivLoss,
+    }
+)  # fmt: skip
+
+
+def loss_draws_nothing(loss_fn: Any) -> bool:
+    """Whether ``loss_fn`` is one of torch's losses, which draw no random number.
+
+    One of ``torch.nn.functional``'s losses itself, or an instance of exactly
+    one of ``torch.nn``'s loss modules without hooks. A function of one's own
+    (a lambda around one of them included) may draw: it is seeded.
+    """
+    if global_module_hooks():
+        return False
+    if isinstance(loss_fn, nn.Module):
+        return type(loss_fn) in _DRAW_FREE_LOSS_MODULES and not has_module_hooks(loss_fn)
+    try:
+        return loss_fn in _DRAW_FREE_LOSSES
+    except TypeError:  # unhashable
+        return False
+
+
+class _ThreadState(threading.local):
+    def __init__(self) -> None:
+        self.context: DrawContext | None = None  # the stage pass running in this thread
+        self.mode: SeededRandomness | None = None  # the dispatch mode on in this thread
+        self.entered: list[bool] = []  # per module hook: whether it turned the mode on
+
+
+_thread = _ThreadState()
+_NOTHING = nullcontext()  # reusable: a pass of a stage where nothing can draw
+
+
+class StageSeeding:
+    """How one stage's forwards (and backwards) seed their random operations.
+
+    Args:
+        names: the model's modules by id (:func:`pipesched.runtime.stage.rng.module_names`).
+        module: the stage (its children's ``training`` flags pick what was learned).
+        device: the stage's device (its generator is watched with the CPU's).
+        adaptive: learn where to seed (see the module's docstring); False:
+            seed the whole forward always.
+        loss: the passes run the loss function, not ``module``: seeded whatever
+            the module is.
+        deferred: a tripwire that trips marks the step :attr:`spoiled`
+            instead of raising (a mesh: every rank finishes the step, then the
+            ranks agree on a rerun).
+        label: what the stage is called in messages (``"stage 1"``).
+
+    Attributes:
+        recomputes: the stage's backward draws too (the model checkpoints
+            itself, so backward recomputes its forward, or an autograd
+            Function's backward or a gradient hook draws): backwards are
+            seeded like forwards.
+        checkpoints: the model checkpoints itself inside the stage
+            (``torch.utils.checkpoint``, seen in a seeded pass).
+        spoiled: ``deferred`` only: a tripwire tripped in this step (reset by
+            :meth:`begin`).
+    """
+
+    def __init__(
+        self,
+        names: dict[int, str],
+        module: nn.Module,
+        device: torch.device,
+        *,
+        adaptive: bool,
+        loss: bool = False,
+        deferred: bool = False,
+        label: str = "a stage",
+    ) -> None:
+        self.names = names
+        self.label = label
+        self.deferred = deferred
+        self.spoiled = False
+        self.module = module
+        self.plain = not loss  # whether the passes run the module itself (see draws_nothing)
+        self.generators = [torch.default_generator]
+        if device.type == "cuda":
+            self.generators.append(generator_of(device))
+        self.permanent = not adaptive
+        self.strikes = 0
+        self.recomputes = False
+        self.checkpoints = False
+        self.probing = False  # a rerun: backwards seeded throughout too, a trip is the user's
+        self.users: dict[int, torch.Generator] = {}  # users' generators the tripwire watches
+        self._scanned = False  # whether the modules were searched for generators (begin())
+        self.full = {True: True, False: True}  # per training mode: seed the whole forward
+        self.hooked: dict[int, list[Any]] = {}
+        self._learning: set[bool] = set()  # modes seeded throughout since the last settle()
+        self._quiet: bool | None = None  # during a step: nothing in it can draw (begin())
+
+    @property
+    def training(self) -> bool:
+        """Whether the stage runs in training mode (``model.eval()`` reaches its children)."""
+        # The module's _modules read directly: children() walks a generator per call.
+        children = [c for c in self.module._modules.values() if c is not None]
+        return any(c.training for c in children) if children else self.module.training
+
+    @property
+    def watching(self) -> bool:
+        """Whether a tripwire is armed in this stage's forwards."""
+        return not self.full[self.training]
+
+    def begin(self) -> None:
+        """A step starts: whether anything in the stage can draw is read once, for all its passes.
+
+        Why once: :func:`draws_nothing` walks the stage's modules, and a step
+        of many micro-batches of a small stage paid that walk at every pass.
+        Layers swapped or hooked between steps are seen at the next one.
+        """
+        self._quiet = self.plain and draws_nothing(self.module)
+        self.spoiled = False
+        if not self._scanned:  # the modules' own generators are watched from the first step
+            self._scanned = True
+            self.users.update((generator_key(g), g) for g in _generators_in(self.module))
+
+    def end(self) -> None:
+        """The step has ended: passes outside a step read the stage again each time."""
+        self._quiet = None
+
+    def probe(self) -> None:
+        """Before a rerun: every pass of the step is seeded throughout (and learned from).
+
+        Backwards too: the draw that tripped may have been in another stage's
+        backward (an autograd Function drawing there) that the failed run
+        never reached.
+        """
+        self.full = {True: True, False: True}
+        self.probing = True
+        self._scanned = False
+
+    def settle(self, *, pin: bool = False) -> None:
+        """After a step: from now on, seeding only in the modules seen drawing.
+
+        Args:
+            pin: seed throughout from now on, without tripwires (a stage of the
+                pipeline checkpoints itself: torch's recomputation moves the
+                shared generator from its thread, which would trip others).
+        """
+        self.probing = False
+        if pin:
+            self.permanent = True
+            self.full = {True: True, False: True}
+        for training in self._learning:
+            self.full[training] = self.permanent
+        self._learning.clear()
+
+    def forward(
+        self, seed: StepSeed, microbatch: int, place: str = ""
+    ) -> AbstractContextManager[None]:
+        """Runs the block as one forward of this stage for ``microbatch``, its draws seeded.
+
+        Raises:
+            UnseededDraws: a tripwire saw a draw no seeding covered.
+        """
+        if self._quiet and _thread.mode is None:  # nothing can draw: not even a generator
+            return _NOTHING
+        # The scope itself, not a context manager around it: one generator per pass, not two.
+        return self._scope(seed, microbatch, place, sys._getframe(1), backward=False)
+
+    def backward(self, seed: StepSeed, microbatch: int) -> AbstractContextManager[None]:
+        """Runs the block as a backward of this stage for ``microbatch``.
+
+        Its draws (a recomputation by the model's own checkpointing) are keyed
+        as the forward's were, so they reproduce its masks.
+
+        Raises:
+            UnseededDraws: a tripwire saw a draw no seeding covered.
+        """
+        if self._quiet and _thread.mode is None:
+            return _NOTHING
+        return self._scope(seed, microbatch, "", sys._getframe(1), backward=True)
+
+    @contextmanager
+    def _scope(
+        self, seed: StepSeed, microbatch: int, place: str, entry: FrameType, *, backward: bool
+    ) -> Iterator[None]:
+        """A pass of this stage; ``entry``: the frame running it (its caller's, past contextlib)."""
+        quiet = self._quiet
+        if quiet is None:  # outside a step: read now
+            quiet = self.plain and draws_nothing(self.module)
+        if quiet and _thread.mode is None:
+            yield  # nothing in it can draw: no seeding, no tripwire
+            return
+        training = self.training
+        context = DrawContext(self.names, seed, microbatch, place, entry)
+        previous, _thread.context = _thread.context, context
+        mode = _thread.mode
+        if mode is not None:  # nested (a recomputation inside a backward): the inner pass keys
+            outer, mode.context = mode.context, context
+        seeded = self.recomputes or self.probing if backward else self.full[training]
+        try:
+            if mode is not None or seeded:
+                # In the rerun, seeded passes are watched too: a draw no seeding reaches (on
+                # another thread) fails the step with what to change, not silently.
+                watch = self.probing and mode is None and not self.checkpoints
+                users = list(self.users.values()) if watch else []
+                before = self._states(users) if watch else []
+                with _seeded(context):
+                    yield
+                if watch and not self._explained(seed, users, before, self._states(users)):
+                    if self.deferred:
+                        self.spoiled = True
+                    else:
+                        raise UnseededDraws(self._tripped(microbatch, backward))
+                if backward and context.drawn:  # a recomputation, or a draw in backward
+                    self.recomputes = True
+                self._learn(context, training)
+            elif backward and self.permanent:  # seeded throughout, for good: no tripwire
+                yield
+            else:
+                users = list(self.users.values())
+                before = self._states(users)
+                yield
+                after = self._states(users)
+                if not self._explained(seed, users, before, after):
+                    if self.spoiled:  # deferred, tripped already: the step reruns anyway
+                        return  # (a recomputation of the same draw teaches nothing)
+                    self.strikes += 1
+                    self.permanent = self.permanent or self.strikes >= _STRIKES
+                    if self.deferred:
+                        self.spoiled = True
+                        return
+                    raise UnseededDraws(self._tripped(microbatch, backward))
+        finally:
+            _thread.context = previous
+            if mode is not None:
+                mode.context = outer
+            self.checkpoints = self.checkpoints or context.checkpointed
+            self.recomputes = self.recomputes or context.checkpointed
+
+    def _states(self, users: list[torch.Generator]) -> list[torch.Tensor]:
+        with LOCK:
+            return [g.get_state() for g in (*self.generators, *users)]
+
+    def _explained(
+        self,
+        seed: StepSeed,
+        users: list[torch.Generator],
+        before: list[torch.Tensor],
+        after: list[torch.Tensor],
+    ) -> bool:
+        """Whether every watched generator is where it was, or moved only by a step seed's draw."""
+        if not (seed.explains(before[0], after[0]) or same_state(before[0], after[0])):
+            return False
+        k = len(self.generators)
+        if not all(map(same_state, before[1:k], after[1:k])):
+            return False
+        for g, b, a in zip(users, before[k:], after[k:], strict=True):
+            own = seed.seen(g)
+            if not (same_state(b, a) or (own is not None and own.explains(b, a))):
+                return False
+        return True
+
+    def _tripped(self, microbatch: int, backward: bool) -> str:
+        """What an unseeded draw means: a rerun (first time), or what the user must change."""
+        where = "backward" if backward else "forward"
+        if not self.probing:
+            # Caught by the stepper, which reruns the step seeded throughout.
+            return (
+                f"{self.label} drew random numbers in its {where} of micro-batch {microbatch} "
+                "where none were seen before: the step is rerun with seeding on throughout"
+            )
+        if backward:
+            return (
+                f"{self.label} drew random numbers in its backward of micro-batch {microbatch} "
+                "(in an autograd.Function's backward or a gradient hook) that pipesched could "
+                "not seed, though the step was rerun with every pass seeded: the draw ran on "
+                "a thread other than the stage's (an autograd thread of another device), so "
+                "recomputation and a split (zero-bubble) backward cannot replay it and runs "
+                "would not repeat. Draw the noise in the forward and save it for backward "
+                "(ctx.save_for_backward), or draw in backward from a torch.Generator of your "
+                "own seeded from the forward's; the step was put back"
+            )
+        return (
+            f"{self.label} drew random numbers in its forward of micro-batch {microbatch} "
+            "that pipesched could not seed, though the step was rerun with every pass seeded: "
+            "another thread of the program drew from torch's default generator (or from a "
+            "generator this stage uses) while the step ran. Give that thread a "
+            "torch.Generator of its own; the step was put back"
+        )
+
+    def _learn(self, context: DrawContext, training: bool) -> None:
+        """After a pass seeded throughout: hooks on the modules that drew (:meth:`settle`)."""
+        self._learning.add(training)
+        self.users.update(context.users)  # watched by the tripwire from now on
+        if self.permanent:
+            return
+        if any(module is None for module in context.drawn.values()):
+            self.permanent = True  # a draw outside every named module: no place for a hook
+            return
+        for key, module in context.drawn.items():
+            if key not in self.hooked and module is not None:
+                self.hooked[key] = [  # first: the module's own pre-hooks may draw
+                    module.register_forward_pre_hook(_enter, prepend=True),
+                    module.register_forward_hook(_exit, always_call=True),
+                ]
+
+
+def _generators_in(module: nn.Module) -> list[torch.Generator]:
+    """The ``torch.Generator`` attributes of ``module``'s modules (``self.g``)."""
+    return [
+        value
+        for m in module.modules()
+        for value in vars(m).values()
+        if isinstance(value, torch.Generator)
+    ]
+
+
+@contextmanager
+def _seeded(context: DrawContext) -> Iterator[None]:
+    """The dispatch mode on for this thread, unless it is on already."""
+    if _thread.mode is not None:
+        yield
+        return
+    _thread.mode = mode = SeededRandomness(context)
+    try:
+        with mode:
+            yield
+    finally:
+        _thread.mode = None
+
+
+def _enter(module: nn.Module, args: Any) -> None:
+    """Forward pre-hook of a module seen drawing: seeding on while it runs (in a stage)."""
+    context = _thread.context
+    if context is None or _thread.mode is not None:
+        _thread.entered.append(False)
+        return
+    _thread.mode = mode = SeededRandomness(context)
+    mode.__enter__()  # type: ignore[no-untyped-call]
+    _thread.entered.append(True)
+
+
+def _exit(module: nn.Module, args: Any, output: Any) -> None:
+    mode = _thread.mode
+    if _thread.entered.pop() if _thread.entered else False:
+        _thread.mode = None
+        if mode is not None:
+            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
