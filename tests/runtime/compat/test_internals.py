@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipesched import internals
+from pipesched.runtime.compat import internals
 
 _REMOVALS = {
     # API: (how the subprocess takes it away before importing pipesched, fusion still on?)
@@ -63,7 +63,7 @@ with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     from torch import nn
     from pipesched import Pipeline, TorchInternalsWarning
-    from pipesched import internals
+    from pipesched.runtime.compat import internals
     from pipesched.runtime import fused_linear
     from pipesched.train.gradients import scale_
 
@@ -142,7 +142,7 @@ def test_probes_see_the_cpu_whatever_device_the_first_import_comes_under() -> No
         "import pipesched\n"
         "with torch.device('meta'), torch.device('meta'):\n"
         "    pipesched.Pipeline\n"
-        "from pipesched import internals\n"
+        "from pipesched.runtime.compat import internals\n"
         "print(internals.MISSING)\n"
     )
     done = subprocess.run(
