@@ -131,7 +131,7 @@ def saved_bytes(schedule: str, checkpoint: str, x: torch.Tensor, y: torch.Tensor
         with lock:
             held[stage] -= size
 
-    pipe._runtime.passes.forward_context = hooks
+    pipe.engine.runtime.passes.forward_context = hooks
     pipe.step(x, y, loss_fn=loss_fn)
     return peak
 

@@ -124,11 +124,11 @@ def main() -> None:
             memory_budget=headroom * budget,
         )
         seconds = time.perf_counter() - started
-        assert plan.plan is not None
+        assert plan.plan.report is not None
         print(f"budget {headroom:g} x the baseline's peak: planned in {seconds:.1f} s")
         print(plan.plan, end="\n\n")
         name = f"plan {headroom:g}x"
-        pipes[name], peaks[name] = plan, plan.plan.pick.peak_bytes
+        pipes[name], peaks[name] = plan, plan.plan.report.pick.peak_bytes
     times: dict[str, list[float]] = {name: [] for name in pipes}
     for pipe in pipes.values():
         for _ in range(3):  # warm-up: the allocator settles over a few steps

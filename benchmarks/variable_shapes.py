@@ -144,7 +144,7 @@ def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any]
             os.environ["PIPESCHED_P2P"] = "ordered"
         pipe = Pipeline(model(), 1, balance=[half, len(model()) - half], mesh=mesh, schedule="1f1b")
         os.environ.pop("PIPESCHED_P2P", None)
-        transport = pipe._runtime.transport
+        transport = pipe.engine.runtime.transport
 
         xs, ys = batches(lengths)
         items = sum(y.numel() for y in ys)
@@ -157,7 +157,7 @@ def contenders(rank: int) -> tuple[dict[str, Callable[[], None]], dict[str, Any]
             n: int = items,
         ) -> None:
             if cold:  # both ranks forget, between steps (no receive is pending then)
-                pipe._runtime.transport._high.clear()
+                pipe.engine.runtime.transport._high.clear()
             pipe.step(microbatches=xs, targets=ys, loss_fn=token_sum, num_items=n)
 
         runs[name] = step

@@ -102,7 +102,7 @@ def main() -> None:
         if rank == 1:
             torch.rand(5)
         seeds: list[int] = []
-        runtime = pipe._runtime
+        runtime = pipe.engine.runtime
         run = runtime.run
 
         def spy(schedule: Any, step: Any, *, detach: bool) -> Any:

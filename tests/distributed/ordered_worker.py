@@ -147,8 +147,8 @@ def train(mesh: object, name: str, pp: int, rows: tuple[int, ...]) -> dict[str, 
         "params": {n: p.detach().clone() for n, p in pipe.named_parameters()},
         "window_losses": losses,
         "norms": norms,
-        "mode": pipe._runtime.mode,
-        "stats": dataclasses.asdict(pipe._runtime.stats),
+        "mode": pipe.engine.runtime.mode,
+        "stats": dataclasses.asdict(pipe.engine.runtime.stats),
         "num_stages": pipe.num_stages,
     }
     del acc, pipe

@@ -56,7 +56,7 @@ def run(out: str, mesh: object) -> None:
     net = model(0.02 if rank == 1 else 0.0)
     own = plan_model(net, (x[:4],), 2, CHUNKS, num_threads=1, synthesized=False)
     pipe = Pipeline(net, CHUNKS, schedule="auto", mesh=mesh, example_inputs=(x[:4],))
-    assert pipe.plan is not None
+    assert pipe.plan.report is not None
     optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
     losses = []
     for step in range(STEPS):
@@ -64,7 +64,7 @@ def run(out: str, mesh: object) -> None:
         optimizer.zero_grad()
         losses.append(float(pipe.step(x, y, loss_fn=nn.functional.cross_entropy)))
         optimizer.step()
-    pick = pipe.plan.pick
+    pick = pipe.plan.report.pick
     torch.save(
         {
             "pick": (pick.schedule, pick.counts, pick.checkpoint),

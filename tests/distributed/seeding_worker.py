@@ -108,7 +108,7 @@ def train(
 
 
 def seeded_throughout(pipe: Pipeline) -> Pipeline:
-    for seeding in pipe._stepper.seedings:
+    for seeding in pipe.engine.seedings:
         seeding.permanent, seeding.full = True, {True: True, False: True}
     return pipe
 
@@ -159,9 +159,9 @@ def main() -> None:
             "params": {  # this rank's own
                 n: p.detach().clone() for n, p in pipe.named_parameters() if p.device.type != "meta"
             },
-            "reruns": pipe._stepper.reruns,
+            "reruns": pipe.engine.reruns,
             # Stage seeding learned: hooks and tripwires, not the whole forward.
-            "watching": [s.watching for s in pipe._stepper.seedings],
+            "watching": [s.watching for s in pipe.engine.seedings],
         }
         if scenario == "late":
             break

@@ -95,7 +95,7 @@ def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
     os.environ.pop("PIPESCHED_P2P", None)
     if asked is not None:
         os.environ["PIPESCHED_P2P"] = asked
-    stats = pipe._runtime.stats
+    stats = pipe.engine.runtime.stats
     replica = pipe.mesh.dp_rank
     acc = GradientAccumulator(
         pipe, torch.optim.SGD(pipe.parameters(), lr=0.0), accumulation_steps=STEPS
@@ -123,7 +123,7 @@ def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
     record["step_grads"] = grads(pipe)
     record["notices"] = (stats.notices, stats.notices - before)
     record["receives"] = (stats.unplanned, stats.unread)
-    record["mode"] = pipe._runtime.mode  # tagged, or ordered under PIPESCHED_P2P=ordered
+    record["mode"] = pipe.engine.runtime.mode  # tagged, or ordered under PIPESCHED_P2P=ordered
     return record
 
 

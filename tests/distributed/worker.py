@@ -206,8 +206,8 @@ def main() -> None:
             "all_reduces": pipe.sync.all_reduces,
             "overlapped": getattr(pipe.sync, "overlapped", 0),
             "receives": (  # (not pre-posted, posted but never read)
-                pipe._runtime.stats.unplanned,
-                pipe._runtime.stats.unread,
+                pipe.engine.runtime.stats.unplanned,
+                pipe.engine.runtime.stats.unread,
             ),
             "window_losses": losses,
             "norms": norms,

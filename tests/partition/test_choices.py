@@ -213,4 +213,4 @@ def test_model_traced_in_eval_mode_is_traced_again_to_train_with_dropout():
     pipe.eval()
     with torch.no_grad():
         assert torch.equal(pipe(ids), evaluated)  # the eval cut again, no third trace
-    assert len(pipe._assemblies) == 2
+    assert pipe.num_cuts == 2

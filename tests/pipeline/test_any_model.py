@@ -256,7 +256,7 @@ def test_gpt2_with_its_default_dropout_trains_after_an_eval_first_call():
         warnings.simplefilter("error", RetraceWarning)  # a mode's own cut: routine, no warning
         loss = pipe.step(batch, loss_fn=lambda out: out.loss)
     assert torch.isfinite(loss) and loss.item() > 0
-    assert len(pipe._assemblies) == 2
+    assert pipe.num_cuts == 2
 
 
 def test_a_new_argument_structure_is_traced_again_with_a_warning_and_kept(fp64):
@@ -271,7 +271,7 @@ def test_a_new_argument_structure_is_traced_again_with_a_warning_and_kept(fp64):
         warnings.simplefilter("error", RetraceWarning)  # both kinds of call are kept
         pipe(input_ids=batch["input_ids"])
         pipe(**batch)
-    assert len(pipe._assemblies) == 2
+    assert pipe.num_cuts == 2
 
 
 def test_parameters_are_the_models_own_before_the_first_call():

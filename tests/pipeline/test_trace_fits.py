@@ -44,7 +44,7 @@ class TopLevelBatchNorm(nn.Module):
 
 
 def test_deferred_batch_norm_commits_a_top_level_batch_norm_of_a_traced_model(fp64):
-    # DeferredBatchNorm.convert(model) (assembly.assemble, after tracing) replaces model.bn,
+    # DeferredBatchNorm.convert(model) (build_stages, after tracing) replaces model.bn,
     # but the Pipeline registered the old BatchNorm2d as pipe.bn at construction
     # (register_model): commit_all(pipe) never reaches the new layer, so running stats never
     # change, pipe.state_dict() reads the old layer, and eval outputs are the untrained ones.

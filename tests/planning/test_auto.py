@@ -57,7 +57,7 @@ def test_the_pick_is_built_and_its_gradients_are_the_models(make) -> None:
     x = torch.randn(24, 8, dtype=torch.float64)
     y = torch.randint(0, 64, (24,))
     pipe = Pipeline(model, 6, schedule="auto", devices=["cpu", "cpu"], example_inputs=(x[:4],))
-    plan = pipe.plan
+    plan = pipe.plan.report
     assert plan is not None and plan.pick.fits
     assert pipe.checkpoint == plan.pick.checkpoint
     assert tuple(pipe.balance) == plan.pick.counts
@@ -78,8 +78,8 @@ def test_a_budget_a_balance_and_a_checkpoint_mode_given_are_kept() -> None:
         example_inputs=(x[:2],),
         memory_budget=budget,
     )
-    assert pipe.plan is not None and pipe.plan.pick.peak_bytes <= budget
-    assert pipe.plan.memory_budget == budget
+    assert pipe.plan.report is not None and pipe.plan.report.pick.peak_bytes <= budget
+    assert pipe.plan.report.memory_budget == budget
     fixed = Pipeline(
         lm_like(),
         8,
@@ -89,14 +89,16 @@ def test_a_budget_a_balance_and_a_checkpoint_mode_given_are_kept() -> None:
         balance=[4, 2],
         checkpoint="always",
     )
-    assert fixed.plan is not None and fixed.balance == [4, 2] and fixed.checkpoint == "always"
-    assert {c.checkpoint for c in fixed.plan.candidates} == {"always"}
-    assert {c.counts for c in fixed.plan.candidates} == {(4, 2)}
+    assert (
+        fixed.plan.report is not None and fixed.balance == [4, 2] and fixed.checkpoint == "always"
+    )
+    assert {c.checkpoint for c in fixed.plan.report.candidates} == {"always"}
+    assert {c.counts for c in fixed.plan.report.candidates} == {(4, 2)}
 
 
 def test_without_auto_the_checkpoint_default_is_except_last() -> None:
     pipe = Pipeline(lm_like(), 4, devices=["cpu"] * 2)
-    assert pipe.checkpoint == "except_last" and pipe.plan is None
+    assert pipe.checkpoint == "except_last" and pipe.plan.report is None
 
 
 def test_auto_needs_an_example_and_a_searchable_balance() -> None:
@@ -132,8 +134,8 @@ def test_planning_times_each_layer_in_the_runtime_and_leaves_the_model_as_it_was
     x = torch.randn(8, 8, dtype=torch.float64)
     rng = torch.get_rng_state()
     pipe = Pipeline(model, 4, schedule="auto", devices=["cpu"] * 2, example_inputs=(x[:2],))
-    assert pipe.plan is not None
-    assert "measured per layer in pipesched's runtime" in pipe.plan.source
+    assert pipe.plan.report is not None
+    assert "measured per layer in pipesched's runtime" in pipe.plan.report.source
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     for name, value in model.state_dict().items():  # BatchNorm statistics untouched
@@ -150,7 +152,8 @@ def test_a_model_that_cannot_run_per_layer_falls_back_to_the_profile_and_says_so
     x = torch.randn(4, 8, dtype=torch.float64)
     with pytest.warns(UserWarning, match="per-operation profile"):
         pipe = Pipeline(lm_like(), 2, schedule="auto", devices=["cpu"] * 2, example_inputs=(x,))
-    assert pipe.plan is not None and "a run per layer failed: RuntimeError" in pipe.plan.source
+    assert pipe.plan.report is not None
+    assert "a run per layer failed: RuntimeError" in pipe.plan.report.source
 
 
 def test_a_budget_that_is_not_positive_is_refused_before_anything_runs() -> None:

@@ -22,7 +22,7 @@ RUNTIME = Path(runtime_package.__file__).parent
 def test_the_interpreter_has_one_pass_per_kind_and_nothing_else():
     model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 2))
     pipe = Pipeline(model, 2, balance=[1, 1], devices=["cpu", "cpu"], schedule="zb-h1")
-    assert set(pipe._runtime.interpreter.handlers) == set(Kind)
+    assert set(pipe.engine.runtime.interpreter.handlers) == set(Kind)
 
 
 def test_no_runtime_class_inherits_behaviour_from_another():

@@ -33,7 +33,7 @@ def _run(schedule: str, stages: int, workers: int, turns: bool) -> list[torch.Te
     layers = [nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.2), nn.Tanh()) for _ in range(stages)]
     model = nn.Sequential(*layers).double()
     pipe = Pipeline(model, 5, balance=[1] * stages, devices=["cpu"] * workers, schedule=schedule)
-    pipe._runtime.turns = _Always(turns)  # type: ignore[union-attr]
+    pipe.engine.runtime.turns = _Always(turns)  # type: ignore[union-attr]
     x, y = torch.randn(20, 6, dtype=torch.float64), torch.randn(20, 6, dtype=torch.float64)
     losses = [pipe.step(x, y, loss_fn=nn.functional.mse_loss) for _ in range(2)]
     with torch.no_grad():
@@ -60,7 +60,7 @@ def test_a_failing_worker_releases_the_others_while_they_take_turns():
 
     model = nn.Sequential(nn.Linear(3, 3), Fail())
     pipe = Pipeline(model, 2, balance=[1, 1], devices=["cpu", "cpu"], schedule="1f1b")
-    pipe._runtime.turns = _Always(True)  # type: ignore[union-attr]
+    pipe.engine.runtime.turns = _Always(True)  # type: ignore[union-attr]
     with pytest.raises(ValueError, match="boom"):
         pipe.step(torch.randn(9, 3), loss_fn=lambda y: y.sum())
 
@@ -160,11 +160,11 @@ def test_workers_taking_turns_share_one_cpu_for_the_step_only():
 
     everywhere = os.sched_getaffinity(0)
     pipe = Pipeline(nn.Sequential(Spy(), Spy()), 2, balance=[1, 1], devices=["cpu"] * 2)
-    pipe._runtime.turns = _Always(True)  # type: ignore[union-attr]
+    pipe.engine.runtime.turns = _Always(True)  # type: ignore[union-attr]
     pipe.step(torch.randn(4, 3), loss_fn=lambda y: y.sum())
     if len(everywhere) > 1 and seen[0] != everywhere:  # pinned (sched_getcpu available)
         assert all(len(cpus) == 1 for cpus in seen) and len({min(c) for c in seen}) == 1
-    pipe._runtime.turns = _Always(False)  # type: ignore[union-attr]
+    pipe.engine.runtime.turns = _Always(False)  # type: ignore[union-attr]
     seen.clear()
     pipe.step(torch.randn(4, 3), loss_fn=lambda y: y.sum())
     assert all(cpus == everywhere for cpus in seen)  # the kept threads run anywhere again

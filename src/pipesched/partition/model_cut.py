@@ -108,6 +108,7 @@ def plan_partition(
     memory_budget: float | None = None,
     num_threads: int | None = None,
     repeats: int = 3,
+    traced: TracedModel | None = None,
 ) -> ModelCut:
     """Chooses where to cut ``module`` into ``num_stages`` stages.
 
@@ -128,14 +129,17 @@ def plan_partition(
         num_threads: intra-op threads while profiling on the CPU (a pipeline
             worker's share).
         repeats: timed runs per node.
+        traced: the model's trace on ``example_inputs``, if one was made
+            already (the planner's): it is not traced again.
 
     Raises:
         ConfigError: arguments that do not fit together.
         PartitionError: the model cannot be traced or cut as asked.
     """
     mode = balance_mode(module, balance, split_points, example_inputs, memory_budget)
-    traced = None
-    if not isinstance(module, nn.Sequential):
+    if isinstance(module, nn.Sequential):
+        traced = None
+    elif traced is None:
         if example_inputs is None:
             raise ConfigError(
                 f"module is a {type(module).__name__}, not an nn.Sequential; pass "

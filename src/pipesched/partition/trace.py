@@ -46,7 +46,6 @@ from pipesched.errors import ConfigTypeError, PartitionError
 from pipesched.partition.call import Call
 from pipesched.partition.grad_regions import inline_grad_regions
 from pipesched.partition.materialize import on_meta
-from pipesched.partition.shared_traces import keep_trace, shared_trace
 from pipesched.partition.sizes import Dims, input_dims, refusal
 from pipesched.runtime.compat.internals import pytree
 
@@ -201,9 +200,6 @@ def trace_model(model: nn.Module, example_inputs: tuple[Any, ...] | Call) -> Tra
             f"{type(example_inputs).__name__}; write example_inputs=(x,)"
         )
     call = Call.of(example_inputs)
-    if (traced := shared_trace(model, call)) is not None:
-        return traced
-    asked = call
     if on_meta(model):  # the parameters hold no data: the example need not either
         call = pytree.tree_map(
             lambda v: v.detach().to("meta") if isinstance(v, torch.Tensor) else v, call
@@ -234,9 +230,7 @@ def trace_model(model: nn.Module, example_inputs: tuple[Any, ...] | Call) -> Tra
     finally:
         if forward is not None:
             del model.forward
-    traced = _read(model, program, len(call.args), tuple(call.kwargs), tuple(fixed))
-    keep_trace(model, asked, traced)
-    return traced
+    return _read(model, program, len(call.args), tuple(call.kwargs), tuple(fixed))
 
 
 def _fix_extra_keywords(model: nn.Module, call: Call) -> tuple[Call, dict[str, Any]]:

@@ -2,37 +2,42 @@
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import networkx as nx
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from pipesched.errors import ConfigError
 from pipesched.partition import Partition
-from pipesched.partition.call import Call, call_key, stage_input, with_cache_off
+from pipesched.partition.call import Call, call_key, one_call, stage_input, with_cache_off
 from pipesched.partition.materialize import InitWeights, check_meta
-from pipesched.partition.shared_traces import traces_shared
+from pipesched.partition.trace import TracedModel
 from pipesched.pipeline.arguments import check_loss, check_pipeline
 from pipesched.pipeline.batches import StepBatches, step_batches
-from pipesched.pipeline.calls import gather_timeline, run_forward, run_training
+from pipesched.pipeline.checks.coupled_outputs import coupled_paths, warn_coupled
+from pipesched.pipeline.checks.gradient_hooks import warn_gradient_hooks
+from pipesched.pipeline.checks.micro_batch_norm import warn_micro_batch_norm
+from pipesched.pipeline.outputs import join_step_outputs
 from pipesched.pipeline.pinned import Pinned
 from pipesched.pipeline.predict_step import predict_step
-from pipesched.pipeline.shadowing import Shadowing
-from pipesched.pipeline.stages import Assemblies, Assembly, register_model
-from pipesched.planning import Planning, plan_auto
+from pipesched.pipeline.shadowing import Shadowing, register_model, register_named
+from pipesched.pipeline.stages import Cuts, Stages, build_stages, example_of
+from pipesched.planning import Plan, plan_auto, resolve_plan
 from pipesched.planning.devices import Device
-from pipesched.planning.plan import Cut, resolve_layout
-from pipesched.runtime.engine import Stepper
+from pipesched.runtime.engine import Engine
 from pipesched.runtime.gradsync import LocalSync, Sync
-from pipesched.runtime.interpreter import Runtime
 from pipesched.runtime.mesh import MeshInfo
+from pipesched.runtime.passes import StepInputs
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
-from pipesched.runtime.stage.recompute import check_checkpoint, stage_stops
+from pipesched.runtime.stage.microbatch import batch_size, scatter
+from pipesched.runtime.stage.recompute import check_checkpoint
 from pipesched.schedule import Schedule, Timeline
-from pipesched.schedule.spec import check_spec, schedule_for, spec_name
+from pipesched.schedule.spec import spec_name
 
 __all__ = ["Pipeline"]
 
@@ -102,8 +107,10 @@ class Pipeline(Shadowing, Pinned):
             operations with their costs (:mod:`pipesched.partition.stage_graph`).
         partition: the per-stage table of layers, parameters, time and
             activation memory; ``print(pipe.partition)``.
-        plan: under ``schedule="auto"``, every candidate the planner compared
-            and its pick (``print(pipe.plan)``); else None.
+        plan: the frozen :class:`~pipesched.planning.Plan` it runs: schedule,
+            workers, cut arguments, recomputation; under ``schedule="auto"``
+            its ``report`` holds every candidate the planner compared and its
+            pick (``print(pipe.plan)`` shows them).
 
     Raises:
         ConfigTypeError: an argument has the wrong type (also a ``TypeError``).
@@ -140,144 +147,206 @@ class Pipeline(Shadowing, Pinned):
     ) -> None:
         super().__init__()
         check_pipeline(module, chunks, balance, num_stages, memory_budget)
-        checkpoint = check_checkpoint(checkpoint, planned=schedule == "auto")
+        checked = check_checkpoint(checkpoint, planned=schedule == "auto")
         info = None if mesh is None else MeshInfo.of(mesh)
-        self.plan: Planning | None = None  # what schedule="auto" compared and picked
-        # One trace of the model for the planner's pipelines and the pick (the model is not
-        # changed in between); elsewhere each Pipeline traces anew.
-        with traces_shared() if schedule == "auto" else contextlib.nullcontext():
-            if schedule == "auto":  # the planner's pick stands for the arguments it chose
-                auto = plan_auto(
-                    module,
-                    chunks,
-                    balance,
-                    devices,
-                    checkpoint if isinstance(checkpoint, str) else None,  # a tuple: refused above
-                    example_inputs,
-                    info,
-                    memory_budget=memory_budget,
-                    num_stages=num_stages,
-                )
-                schedule, balance, checkpoint, devices, self.plan = auto.arguments(devices)
-                memory_budget = num_stages = None
-            checkpoint = checkpoint or "except_last"
-            schedule = check_spec(schedule, chunks)
-            sequential = isinstance(module, nn.Sequential)
-            if deferred_batch_norm and sequential:
-                DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
-            self._layout = resolve_layout(
-                schedule, devices, balance, num_stages, split_points, info
-            )
-            stage_stops(checkpoint, len(self._layout.placement), 1)  # one mode per stage?
-            meta = check_meta(module, example_inputs, init_weights)
-            self._cut = Cut(
+        init_weights = check_meta(module, example_inputs, init_weights)
+        traced: TracedModel | None = None  # the planner's trace of the model, to cut with
+        if schedule == "auto":
+            plan, traced = plan_auto(
+                module,
                 chunks,
-                balance,
-                split_points,
-                memory_budget,
-                deferred_batch_norm,
-                fuse_weight_grads,
-                meta,
+                balance=balance,
+                devices=devices,
+                checkpoint=checked if isinstance(checked, str) else None,  # a tuple: refused
+                example_inputs=example_inputs,
+                mesh=info,
+                memory_budget=memory_budget,
+                num_stages=num_stages,
+                split_points=split_points,
+                deferred_batch_norm=deferred_batch_norm,
+                fuse_weight_grads=fuse_weight_grads,
+                init_weights=init_weights,
             )
-            self._model = (module,)  # a tuple: its layers are registered, not the model itself
-            self.chunks = chunks
-            self.checkpoint = checkpoint
-            self.sync: Sync = LocalSync()
-            """The reductions over the mesh's replicas and ranks (the identity locally)."""
-            self.last_timeline: Timeline | None = None
-            self.last_step_seconds: float | None = None
-            self._assemblies = Assemblies(self, module, self._layout, self._cut)
-            if sequential:
-                self._assemblies.add(example_inputs, None)
-            else:  # the whole model's children, its own parameters and buffers, from now on
-                register_model(self, module)
-                if example_inputs is not None:
-                    call = with_cache_off(module, Call.of(example_inputs))
-                    self._assemblies.add(call, call_key(call))
+        else:
+            plan = resolve_plan(
+                schedule,
+                chunks,
+                devices=devices,
+                balance=balance,
+                num_stages=num_stages,
+                split_points=split_points,
+                checkpoint=checked or "except_last",
+                mesh=info,
+                memory_budget=memory_budget,
+                deferred_batch_norm=deferred_batch_norm,
+                fuse_weight_grads=fuse_weight_grads,
+                init_weights=init_weights,
+            )
+        sequential = isinstance(module, nn.Sequential)
+        if deferred_batch_norm and sequential:
+            DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
+        self._plan = plan
+        self._model = (module,)  # a tuple: its layers are registered, not the model itself
+        self._cuts = Cuts(module, mesh_bound=info is not None)
+        self.last_timeline: Timeline | None = None
+        """The last call's measured actions (this process's)."""
+        self.last_step_seconds: float | None = None
+        """The last training step's wall time."""
+        if sequential:
+            self._add_cut(example_inputs, None)
+        else:  # the whole model's children, its own parameters and buffers, from now on
+            register_model(self, module)
+            if example_inputs is not None:
+                call = with_cache_off(module, Call.of(example_inputs))
+                self._add_cut(call, call_key(call), traced)
 
-    def _assembly_for(self, call: Call | None, inputs: list[Any]) -> Assembly:
+    def _add_cut(
+        self,
+        example: Call | tuple[Any, ...] | None,
+        key: tuple[Any, ...] | None,
+        traced: TracedModel | None = None,
+    ) -> tuple[Stages, Engine]:
+        """Cuts the model for calls of ``key`` (traced from ``example``), registers its
+        layers and builds the engine that runs it."""
+        model = self._model[0]
+        stages = build_stages(model, self._plan, example, key=key, holder=self, traced=traced)
+        for name, child in stages.replaced.items():  # a top-level BatchNorm made deferred
+            if name in self._modules:
+                self._modules[name] = child
+        for name, layer in stages.layers:
+            register_named(self, name, layer)
+        engine = Engine(
+            stages.modules,
+            stages.own,
+            stages.tied,
+            self._plan.workers,
+            model=self,
+            extra_names=stages.random_ops,
+            fuse=self._plan.fuse_weight_grads,
+        )
+        self._cuts.add(stages, engine)
+        return stages, engine
+
+    def _cut_for(self, call: Call | None, inputs: list[Any]) -> tuple[Stages, Engine]:
         """The cut that runs ``inputs`` (micro-batches of ``call``), cut now if none fits."""
-        return self._assemblies.for_call(call, inputs)
+        if call is None:  # an nn.Sequential: cut once, at construction
+            return self._cuts.current
+        found = self._cuts.find(call, inputs)
+        if found is None:
+            found = self._add_cut(example_of(inputs), call_key(call))
+            self._cuts.check_fit(found[0], inputs)
+        return found
 
-    def _built(self) -> Assembly:
-        return self._assemblies.current
+    @property
+    def plan(self) -> Plan:
+        """What this pipeline runs: schedule, workers, cut arguments, recomputation."""
+        return self._plan
+
+    @property
+    def chunks(self) -> int:
+        """Micro-batches per mini-batch (assignable)."""
+        return self._plan.chunks
+
+    @chunks.setter
+    def chunks(self, value: int) -> None:
+        check_pipeline(self._model[0], value, None, None, None)
+        self._plan = dataclasses.replace(self._plan, chunks=value)
+
+    @property
+    def checkpoint(self) -> str | tuple[str, ...]:
+        """The recomputation mode, or one per stage (assignable)."""
+        return self._plan.checkpoint
+
+    @checkpoint.setter
+    def checkpoint(self, value: str | Sequence[str]) -> None:
+        mode = check_checkpoint(value, planned=False) or "except_last"
+        plan = dataclasses.replace(self._plan, checkpoint=mode)
+        plan.stage_stops(1)  # one mode per stage?
+        self._plan = plan
 
     @property
     def schedule(self) -> str | Schedule:
         """The schedule asked for: a built-in's name, or the one Schedule given."""
-        return self._layout.schedule
+        return self._plan.schedule
 
     @property
     def schedule_name(self) -> str:
         """The schedule's name."""
-        return spec_name(self._layout.schedule)
+        return spec_name(self._plan.schedule)
 
     @property
     def mesh(self) -> MeshInfo | None:
         """This rank's place in the mesh, or None in one process."""
-        return self._layout.mesh
+        return self._plan.mesh
 
     @property
     def devices(self) -> list[torch.device]:
         """The device of each worker."""
-        return list(self._layout.devices)
+        return list(self._plan.devices)
 
     @property
     def placement(self) -> tuple[int, ...]:
         """The worker of each stage."""
-        return self._layout.placement
+        return self._plan.placement
 
     @property
     def num_stages(self) -> int:
         """Model stages."""
-        return len(self._layout.placement)
+        return self._plan.num_stages
 
     @property
     def balance(self) -> list[int]:
         """Layers (or traced operations' layers) per stage, as cut."""
-        return list(self._built().plan.counts)
+        return list(self._cuts.current[0].cut.counts)
 
     @property
     def stage_graph(self) -> nx.DiGraph:
         """The model as a networkx graph of layers or traced operations, with their costs."""
-        return self._built().plan.graph
+        return self._cuts.current[0].cut.graph
 
     @property
     def partition(self) -> Partition:
         """Per stage: layers, parameters, time, activation memory (print it)."""
-        return self._built().partition
+        return self._cuts.current[0].partition
 
     @property
     def is_cut(self) -> bool:
         """Whether the model is cut into stages (a traced model is cut at its first call)."""
-        return len(self._assemblies) > 0
+        return len(self._cuts) > 0
+
+    @property
+    def num_cuts(self) -> int:
+        """How many cuts the model has: one per kind of call (and training mode) traced."""
+        return len(self._cuts)
 
     @property
     def tied_ranks(self) -> dict[int, tuple[int, ...]]:
         """On a mesh, for each of this rank's parameters (by ``id``) that stages on other
         pp ranks use too, the sorted pp ranks that use it; empty in one process."""
-        return self._built().tied
+        return self._cuts.current[0].tied
 
     @property
     def stages(self) -> tuple[nn.Module, ...]:
         """The stage modules, sharing their layers with this Pipeline."""
-        return tuple(self._built().stages)
+        return tuple(self._cuts.current[0].modules)
 
     @property
-    def _runtime(self) -> Runtime:
-        return self._built().runtime
+    def engine(self) -> Engine:
+        """What runs the steps of the current cut: runtime, seeding, transaction, sync."""
+        return self._cuts.current[1]
 
     @property
-    def _stepper(self) -> Stepper:
-        return self._built().stepper
+    def sync(self) -> Sync:
+        """The reductions over the mesh's replicas and ranks (the identity locally)."""
+        return self._cuts.current[1].sync if self.is_cut else LocalSync()
 
     def running_here(self) -> bool:
         """Whether the calling thread is one of this pipeline's workers, inside a step."""
-        return self._assemblies.running_here()
+        return self._cuts.running_here()
 
     def schedule_for(self, num_microbatches: int) -> Schedule:
         """The validated schedule this pipeline runs for ``num_microbatches`` micro-batches."""
-        return schedule_for(self._layout.schedule, self.num_stages, num_microbatches)
+        return self._plan.schedule_for(num_microbatches)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's output on ``model(*args, **kwargs)``, computed micro-batch by micro-batch.
@@ -292,10 +361,26 @@ class Pipeline(Shadowing, Pinned):
         follow the output across ranks: train with :meth:`step`) and returns
         the output on the last stage's rank, None on the others.
         """
-        return run_forward(self, self._batch(args, kwargs))
-
-    def _batch(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        return stage_input(self._model[0], args, kwargs)
+        batch = stage_input(self._model[0], args, kwargs)
+        mesh = self.mesh
+        if mesh is not None and torch.is_grad_enabled():
+            raise ConfigError(
+                "with a mesh, pipe(x) runs forward only: call it under torch.no_grad() "
+                "(evaluation), and train with pipe.step or GradientAccumulator.step, whose "
+                "backward crosses the ranks"
+            )
+        micro = scatter(batch, self.chunks)
+        stages, engine = self._cut_for(batch if isinstance(batch, Call) else None, micro)
+        if stages.unloaded is not None:
+            stages.unloaded.check("pipe(x)")
+        rows = [batch_size(m) for m in micro]
+        warn_micro_batch_norm(self, rows)
+        step = StepInputs(micro, checkpoint_stop=self._plan.stage_stops(len(micro)))
+        result = engine.run(self.schedule_for(len(micro)), step, detach=False)
+        self.last_timeline = result.timeline
+        if mesh is not None and self.placement[-1] != mesh.pp_rank:
+            return None
+        return join_step_outputs(batch, result.outputs, rows, stages.modules[-1])
 
     def step(
         self,
@@ -345,7 +430,7 @@ class Pipeline(Shadowing, Pinned):
         check_loss(loss_fn, num_items)
         batches = self._batches(inputs, target, microbatches, targets)
         count = batches.items(num_items, positive=True)
-        return run_training(self, batches, loss_fn, summed=num_items is not None, scale=1.0 / count)
+        return self._train(batches, loss_fn, summed=num_items is not None, scale=1.0 / count)
 
     def accumulate(
         self,
@@ -382,25 +467,71 @@ class Pipeline(Shadowing, Pinned):
         check_loss(loss_fn, num_items)
         batches = self._batches(inputs, target, microbatches, targets)
         items = batches.items(num_items, positive=False)
-        total = run_training(self, batches, loss_fn, summed=num_items is not None, scale=scale)
+        total = self._train(batches, loss_fn, summed=num_items is not None, scale=scale)
         return total / scale, items
 
     def _batches(self, inputs: Any, target: Any, microbatches: Any, targets: Any) -> StepBatches:
         """The step's micro-batches, each as stage 0 takes it (a Call for a traced model)."""
+        model = self._model[0]
         if inputs is not None:
-            inputs = self._batch((inputs,), {})
+            inputs = stage_input(model, (inputs,), {})
         if isinstance(microbatches, list | tuple):
-            microbatches = [self._batch((x,), {}) for x in microbatches]
+            microbatches = [stage_input(model, (x,), {}) for x in microbatches]
         return step_batches(inputs, target, microbatches, targets, chunks=self.chunks)
 
-    def gather_timeline(self) -> Timeline | None:
+    def _train(
+        self,
+        batches: StepBatches,
+        loss_fn: Callable[..., torch.Tensor],
+        *,
+        summed: bool,
+        scale: float,
+    ) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``batches`` in the schedule's order.
+
+        Micro-batch i's loss weighs ``scale`` (``loss_fn`` returns a sum) or
+        ``scale * rows_i`` (a mean). Returns the weighted sum, on every rank.
+        """
+        begin = time.perf_counter()
+        if not any(p.requires_grad for p in self.parameters()):  # every rank holds every name
+            raise ConfigError(
+                "the training step has nothing to train: no parameter of the model requires "
+                "grad (it has none, or all were frozen with requires_grad_(False)), so "
+                "backward would compute nothing (the plain model's loss.backward() raises "
+                "here too). Unfreeze the parameters to train, or evaluate with pipe(x) under "
+                "torch.no_grad()"
+            )
+        m = len(batches.inputs)
+        stages, engine = self._cut_for(one_call(batches.inputs), batches.inputs)
+        if stages.unloaded is not None:
+            stages.unloaded.check("the training step")
+        warn_micro_batch_norm(self, batches.rows)
+        warn_gradient_hooks(self, m)
+        if m > 1 and stages.cut.traced is not None:
+            warn_coupled(self, coupled_paths(stages.cut.traced), m)
+        step = StepInputs(
+            inputs=batches.inputs,
+            targets=batches.targets,
+            loss_fn=loss_fn,
+            loss_weights=[scale if summed else scale * rows for rows in batches.rows],
+            checkpoint_stop=self._plan.stage_stops(m),
+        )
+        result = engine.run(self.schedule_for(m), step, detach=True)
+        self.last_timeline = result.timeline
+        self.last_step_seconds = time.perf_counter() - begin
+        return cast(torch.Tensor, result.loss)  # a training step's: never None
+
+    def gather_timeline(self, *, everywhere: bool = False) -> Timeline | None:
         """The last step's timeline with every rank's actions, on pipeline rank 0.
 
         Locally this is :attr:`last_timeline`. With a mesh it is a collective
         over the pipeline's ranks (call it on all of them): pp rank 0 gets
-        every rank's measured events, clocks aligned, and the others None.
+        every rank's measured events, clocks aligned, and the others None
+        (``everywhere``: every rank gets them).
         """
-        return gather_timeline(self)
+        if self.mesh is None or self.last_timeline is None:
+            return self.last_timeline
+        return self.engine.gather_timeline(self.last_timeline, everywhere=everywhere)
 
     def predict(self, num_microbatches: int | None = None) -> Timeline:
         """This pipeline's step simulated with its own measured costs (see its ``summary()``).

@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any
 
 from pipesched.analysis.prediction import StepModel, predict
 from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.pipeline.calls import gather_timeline
 from pipesched.runtime.stage.recompute import stage_stops
 from pipesched.schedule import BACKWARD, Timeline
 
@@ -57,7 +56,7 @@ def predict_step(pipe: Pipeline, num_microbatches: int | None) -> Timeline:
             )
         if num_microbatches < 1:
             raise ConfigError(f"num_microbatches must be at least 1, got {num_microbatches}")
-    timeline = gather_timeline(pipe, everywhere=True)  # a collective on a mesh
+    timeline = pipe.gather_timeline(everywhere=True)  # a collective on a mesh
     if timeline is not None and any(e.action.kind == BACKWARD for e in timeline.events):
         m = 1 + max(e.action.microbatch for e in timeline.events)
         model = StepModel.measure(

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["Shadowing", "register_named"]
+__all__ = ["Shadowing", "register_model", "register_named"]
 
 
 class Shadowing(nn.Module):
@@ -111,3 +111,14 @@ def register_named(
         holder._non_persistent_buffers_set.add(name)
     if hasattr(type(holder), name) or name in holder.__dict__:
         holder.__dict__.setdefault("_shadowed", set()).add(name)
+
+
+def register_model(holder: nn.Module, module: nn.Module) -> None:
+    """Registers ``module``'s children, parameters and buffers on ``holder``, under their names."""
+    for name, layer in module.named_children():
+        register_named(holder, name, layer)
+    for name, param in module.named_parameters(recurse=False):
+        register_named(holder, name, param)
+    for name, buffer in module.named_buffers(recurse=False):
+        persistent = name not in module._non_persistent_buffers_set
+        register_named(holder, name, buffer, persistent=persistent)

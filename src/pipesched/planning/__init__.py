@@ -10,15 +10,18 @@ from __future__ import annotations
 
 from pipesched.planning.candidate import Candidate, LayerCost, Planning
 from pipesched.planning.measure import layer_costs, plan_auto, plan_model
+from pipesched.planning.plan import Plan, resolve_plan
 from pipesched.planning.search import peak_bytes, plan_layers
 
 __all__ = [
     "Candidate",
     "LayerCost",
+    "Plan",
     "Planning",
     "layer_costs",
     "peak_bytes",
     "plan_auto",
     "plan_layers",
     "plan_model",
+    "resolve_plan",
 ]

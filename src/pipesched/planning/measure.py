@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,22 +13,20 @@ from torch import nn
 from pipesched.errors import ConfigError, PipeschedWarning, warn_user
 from pipesched.partition import ModelCut, plan_partition
 from pipesched.partition.call import Call, with_cache_off
-from pipesched.partition.materialize import on_meta
-from pipesched.partition.shared_traces import traces_shared
+from pipesched.partition.materialize import InitWeights, on_meta
 from pipesched.partition.stage_graph import layers
+from pipesched.partition.trace import TracedModel
 from pipesched.planning.candidate import LayerCost, Planning
 from pipesched.planning.devices import Device
-from pipesched.planning.plan import resolve_layout
+from pipesched.planning.plan import Plan, resolve_plan
 from pipesched.planning.search import plan_layers
 from pipesched.planning.timing import run_layer_times
 from pipesched.runtime.mesh import MeshInfo, rank0_value
 from pipesched.runtime.stage.recompute import CHECKPOINT_MODES
-from pipesched.schedule import Schedule
 
-__all__ = ["Auto", "layer_costs", "plan_auto", "plan_model"]
+__all__ = ["layer_costs", "plan_auto", "plan_model"]
 
 
-@traces_shared()  # the profile and both timing pipelines: one trace
 def layer_costs(
     module: nn.Module,
     example_inputs: tuple[Any, ...],
@@ -47,6 +44,18 @@ def layer_costs(
     the per-operation profile's where that cannot run; a model on the meta
     device gets estimated times (:mod:`pipesched.partition.estimate`).
     """
+    costs, source, _ = _layer_costs(module, example_inputs, device, num_threads, repeats)
+    return costs, source
+
+
+def _layer_costs(
+    module: nn.Module,
+    example_inputs: Any,
+    device: Device,
+    num_threads: int | None,
+    repeats: int,
+) -> tuple[list[LayerCost], str, TracedModel | None]:
+    """:func:`layer_costs`, and the model's trace they were measured on (None: a Sequential)."""
     if not isinstance(module, nn.Sequential):  # traced as Pipeline traces it: caching off
         example_inputs = with_cache_off(module, Call.of(example_inputs))
 
@@ -61,10 +70,13 @@ def layer_costs(
             example_inputs=example_inputs,
             num_threads=num_threads,
             repeats=repeats,
+            traced=traced,
         )
 
+    traced: TracedModel | None = None  # one trace: the profile's, reused by every run after it
     # The runtime times the layers; the per-operation timings are needed only without it.
     plan = profiled("time" if on_meta(module) else "memory")
+    traced = plan.traced
     graph = plan.graph
     units = layers(graph)
     crossing = [0.0] * (len(units) + 1)  # a difference array over cut positions
@@ -87,7 +99,7 @@ def layer_costs(
     source = "estimated from FLOPs (meta-device model)"
     if not plan.partition.estimated:
         try:
-            timed = run_layer_times(module, example_inputs, len(units), where, num_threads)
+            timed = run_layer_times(module, example_inputs, len(units), where, num_threads, traced)
             units = [
                 dataclasses.replace(u, forward_time=f, backward_time=b)
                 for u, f, b in zip(units, timed.forward, timed.backward, strict=True)
@@ -123,7 +135,7 @@ def layer_costs(
                 shared,
             )
         )
-    return result, source
+    return result, source, traced
 
 
 def plan_model(
@@ -145,7 +157,7 @@ def plan_model(
     See :func:`~pipesched.planning.search.plan_layers` for the arguments
     after ``chunks`` and what is compared.
     """
-    costs, source = layer_costs(module, example_inputs, device=device, num_threads=num_threads)
+    costs, source, _ = _layer_costs(module, example_inputs, device, num_threads, 3)
     return plan_layers(
         costs,
         num_workers,
@@ -159,45 +171,28 @@ def plan_model(
     )
 
 
-@dataclass(frozen=True)
-class Auto:
-    """What ``Pipeline(schedule="auto")`` builds with: the planner's pick, agreed by every rank.
-
-    Args:
-        schedule: a built-in's name, or the synthesized Schedule.
-        balance: layers per stage.
-        checkpoint: the checkpoint mode, or one per stage.
-        devices: the workers' devices.
-        planning: everything compared (rank 0's, on a mesh).
-    """
-
-    schedule: str | Schedule
-    balance: list[int]
-    checkpoint: str | tuple[str, ...]
-    devices: list[torch.device] | None
-    planning: Planning
-
-    def arguments(
-        self, devices: Sequence[Device] | None
-    ) -> tuple[str | Schedule, list[int], str | tuple[str, ...], Sequence[Device] | None, Planning]:
-        """``(schedule, balance, checkpoint, devices, planning)`` for the Pipeline to build with."""
-        chosen = devices if self.devices is None else self.devices
-        return self.schedule, self.balance, self.checkpoint, chosen, self.planning
-
-
 def plan_auto(
     module: nn.Module,
     chunks: int,
+    *,
     balance: Sequence[int] | str | None,
     devices: Sequence[Device] | None,
     checkpoint: str | None,
     example_inputs: Any,
     mesh: MeshInfo | None,
-    *,
     memory_budget: float | None,
     num_stages: int | None,
-) -> Auto:
+    split_points: Sequence[str] | None = None,
+    deferred_batch_norm: bool = False,
+    fuse_weight_grads: bool = True,
+    init_weights: InitWeights = None,
+) -> tuple[Plan, TracedModel | None]:
     """Resolves ``schedule="auto"``: profile, plan, and (on a mesh) take rank 0's pick.
+
+    Returns:
+        The plan of the pick (its ``report``: every candidate compared), and
+        the model's trace the costs were measured on (None: an ``nn.Sequential``),
+        for the Pipeline to cut with rather than trace again.
 
     Raises:
         ConfigError: no example to measure, a balance mode other than the
@@ -217,26 +212,33 @@ def plan_auto(
     workers = num_stages  # devices not given: one worker per stage of a given balance
     if counts is not None:
         workers = len(counts) if devices is None and mesh is None else None
-    layout = resolve_layout("1f1b", devices, None, workers, None, mesh)
-    planning = plan_model(
-        module,
-        example_inputs,
-        len(layout.devices),
+    where = resolve_plan("1f1b", chunks, devices=devices, num_stages=workers, mesh=mesh)
+    costs, source, traced = _layer_costs(
+        module, example_inputs, where.devices[0], where.cpu_threads, 3
+    )
+    planning = plan_layers(
+        costs,
+        len(where.devices),
         chunks,
-        device=layout.devices[0],
-        num_threads=layout.cpu_threads,
         memory_budget=memory_budget,
         checkpoints=CHECKPOINT_MODES if checkpoint is None else (checkpoint,),
         counts=counts,
+        source=f"{len(costs)} layers, {source}",
     )
-    pick = planning.pick
     if mesh is not None:  # measured costs can differ between ranks: rank 0's plan wins
         planning = rank0_value(planning)
-        pick = planning.pick
-    return Auto(
+    pick = planning.pick
+    plan = resolve_plan(
         pick.spec,
-        list(pick.counts),
-        pick.checkpoint,
-        None if mesh is not None else list(layout.devices),
-        planning,
+        chunks,
+        devices=devices if mesh is not None else where.devices,
+        balance=list(pick.counts),
+        split_points=split_points,
+        checkpoint=pick.checkpoint,
+        mesh=mesh,
+        deferred_batch_norm=deferred_batch_norm,
+        fuse_weight_grads=fuse_weight_grads,
+        init_weights=init_weights,
+        report=planning,
     )
+    return plan, traced

@@ -1,4 +1,4 @@
-"""Where a pipeline's stages run, and how the model is to be cut: the arguments, resolved."""
+"""The plan of a Pipeline: what it runs, decided before its model is cut; frozen."""
 
 from __future__ import annotations
 
@@ -9,29 +9,68 @@ import torch
 
 from pipesched.errors import ConfigError
 from pipesched.partition.materialize import InitWeights
-from pipesched.planning.devices import Device, resolve_devices, resolve_workers, threads_per_worker
+from pipesched.planning.candidate import Planning
+from pipesched.planning.devices import (
+    Device,
+    resolve_devices,
+    resolve_workers,
+    threads_per_worker,
+)
+from pipesched.runtime.engine import Workers
 from pipesched.runtime.mesh import MeshInfo
+from pipesched.runtime.stage.recompute import stage_stops
 from pipesched.schedule import Schedule, stages_per_worker
-from pipesched.schedule.spec import ScheduleSpec, spec_name, spec_placement
+from pipesched.schedule.spec import (
+    ScheduleSpec,
+    check_spec,
+    schedule_for,
+    spec_name,
+    spec_placement,
+)
 
-__all__ = ["Cut", "Layout", "resolve_layout"]
+__all__ = ["Plan", "resolve_plan"]
 
 
 @dataclass(frozen=True)
-class Layout:
-    """Where a pipeline's stages run.
+class Plan:
+    """What a Pipeline runs: the schedule family, its workers, how to cut, what to recompute.
 
     Args:
-        schedule: the schedule's name, or the one Schedule given.
-        devices: each worker's device (pp rank's, on a mesh).
+        schedule: a built-in schedule's name, or the one Schedule given.
+        chunks: micro-batches per mini-batch.
+        devices: each worker's device (this rank's, on a mesh).
         placement: each stage's worker.
+        checkpoint: the recomputation mode, or one per stage.
         mesh: this rank's place in the mesh, or None (one process).
+        balance: layers per stage, a balancing mode's name, or None.
+        split_points: names of the modules stages 1, 2, ... begin with.
+        memory_budget: bytes per worker the cut must fit.
+        deferred_batch_norm: BatchNorm layers become DeferredBatchNorm.
+        fuse_weight_grads: fused weight-gradient accumulation in steps.
+        init_weights: how the stages of a model on the meta device are
+            initialized once cut (:mod:`pipesched.partition.materialize`).
+        report: under ``schedule="auto"``, every candidate the planner
+            compared and its pick; else None.
     """
 
     schedule: ScheduleSpec
+    chunks: int
     devices: tuple[torch.device, ...]
     placement: tuple[int, ...]
-    mesh: MeshInfo | None
+    checkpoint: str | tuple[str, ...]
+    mesh: MeshInfo | None = None
+    balance: Sequence[int] | str | None = None
+    split_points: Sequence[str] | None = None
+    memory_budget: float | None = None
+    deferred_batch_norm: bool = False
+    fuse_weight_grads: bool = True
+    init_weights: InitWeights = None
+    report: Planning | None = None
+
+    @property
+    def num_stages(self) -> int:
+        """Model stages."""
+        return len(self.placement)
 
     @property
     def stage_devices(self) -> list[torch.device]:
@@ -43,45 +82,83 @@ class Layout:
         """Intra-op threads per CPU worker."""
         return threads_per_worker(sum(d.type == "cpu" for d in self.devices))
 
+    @property
+    def workers(self) -> Workers:
+        """Where the stages run, as the engine takes it."""
+        return Workers(self.devices, self.placement, self.cpu_threads, self.mesh)
 
-@dataclass(frozen=True)
-class Cut:
-    """How to cut the model: the Pipeline's arguments that choose the stages.
+    def schedule_for(self, num_microbatches: int) -> Schedule:
+        """The validated schedule for ``num_microbatches`` micro-batches."""
+        return schedule_for(self.schedule, self.num_stages, num_microbatches)
 
-    Args:
-        chunks: micro-batches per batch (what ``balance="schedule"`` simulates).
-        balance: layers per stage, or a balancing mode's name, or None.
-        split_points: names of the modules stages 1, 2, ... begin with.
-        memory_budget: bytes per worker.
-        deferred_batch_norm: replace BatchNorm layers by DeferredBatchNorm.
-        fuse_weight_grads: fused weight-gradient accumulation in steps.
-        init_weights: how the stages of a model on the meta device are
-            initialized once cut (:mod:`pipesched.partition.materialize`).
+    def stage_stops(self, num_microbatches: int) -> tuple[int, ...]:
+        """Per stage, how many leading micro-batches recompute their forward."""
+        return stage_stops(self.checkpoint, self.num_stages, num_microbatches)
+
+    def __str__(self) -> str:
+        if self.report is not None:
+            return str(self.report)
+        modes = self.checkpoint if isinstance(self.checkpoint, str) else list(self.checkpoint)
+        return (
+            f"{spec_name(self.schedule)}: {self.num_stages} stages on "
+            f"{len(self.devices)} workers {[str(d) for d in self.devices]}, "
+            f"{self.chunks} micro-batches, checkpoint {modes}"
+        )
+
+
+def resolve_plan(
+    schedule: ScheduleSpec,
+    chunks: int,
+    *,
+    devices: Sequence[Device] | None = None,
+    balance: Sequence[int] | str | None = None,
+    num_stages: int | None = None,
+    split_points: Sequence[str] | None = None,
+    checkpoint: str | tuple[str, ...] = "except_last",
+    mesh: MeshInfo | None = None,
+    memory_budget: float | None = None,
+    deferred_batch_norm: bool = False,
+    fuse_weight_grads: bool = True,
+    init_weights: InitWeights = None,
+    report: Planning | None = None,
+) -> Plan:
+    """The plan a Pipeline's arguments (checked) ask for.
+
+    Raises:
+        ConfigError: an unknown schedule, or a given Schedule for another
+            ``chunks``; the stages asked for (``num_stages``, ``balance``,
+            ``split_points``, a given Schedule) do not fit the workers; or
+            ``checkpoint`` gives modes for another number of stages.
     """
+    schedule = check_spec(schedule, chunks)
+    layout_devices, placement = _workers(schedule, devices, balance, num_stages, split_points, mesh)
+    stage_stops(checkpoint, len(placement), 1)  # one mode per stage?
+    return Plan(
+        schedule,
+        chunks,
+        layout_devices,
+        placement,
+        checkpoint,
+        mesh,
+        tuple(balance) if isinstance(balance, list) else balance,
+        tuple(split_points) if isinstance(split_points, list) else split_points,
+        memory_budget,
+        deferred_batch_norm,
+        fuse_weight_grads,
+        init_weights,
+        report,
+    )
 
-    chunks: int
-    balance: Sequence[int] | str | None
-    split_points: Sequence[str] | None
-    memory_budget: float | None
-    deferred_batch_norm: bool
-    fuse_weight_grads: bool
-    init_weights: InitWeights = None
 
-
-def resolve_layout(
+def _workers(
     schedule: ScheduleSpec,
     devices: Sequence[Device] | None,
     balance: Sequence[int] | str | None,
     num_stages: int | None,
     split_points: Sequence[str] | None,
     mesh: MeshInfo | None,
-) -> Layout:
-    """The schedule, the workers' devices and each stage's worker, from the arguments.
-
-    Raises:
-        ConfigError: the stages asked for (``num_stages``, ``balance``,
-            ``split_points``, a given Schedule) do not fit the workers.
-    """
+) -> tuple[tuple[torch.device, ...], tuple[int, ...]]:
+    """The workers' devices and each stage's worker, from the arguments."""
     counts = None if balance is None or isinstance(balance, str) else list(balance)
     requested = num_stages
     if counts is not None or split_points is not None:
@@ -91,9 +168,7 @@ def resolve_layout(
     else:
         v = stages_per_worker(schedule)
         workers, chosen = resolve_workers(schedule, v, devices, counts, requested, mesh)
-    return Layout(
-        schedule, tuple(torch.device(d) for d in chosen), spec_placement(schedule, workers), mesh
-    )
+    return tuple(torch.device(d) for d in chosen), spec_placement(schedule, workers)
 
 
 def _given_schedule_workers(

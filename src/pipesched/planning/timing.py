@@ -30,7 +30,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from pipesched.partition import TracedStage, plan_partition
 from pipesched.partition.call import Call
+from pipesched.partition.trace import TracedModel
+from pipesched.runtime.engine import Engine, Workers
+from pipesched.runtime.passes import StepInputs
 from pipesched.runtime.stage.tree import tensors
 from pipesched.schedule import BACKWARD, FORWARD, WEIGHT, Action, Schedule
 
@@ -63,6 +67,7 @@ def run_layer_times(
     num_layers: int,
     device: torch.device,
     num_threads: int | None = None,
+    traced: TracedModel | None = None,
 ) -> LayerTimes:
     """Each layer of the stage graph timed in pipesched's runtime, backward whole and split.
 
@@ -72,6 +77,7 @@ def run_layer_times(
         num_layers: the layers of its stage graph (one stage each).
         device: where every stage runs.
         num_threads: intra-op threads on a CPU (a pipeline worker's share).
+        traced: the model's trace on ``example_inputs`` (not traced again), or None.
 
     Raises:
         Exception: whatever the model raises; the caller falls back to the profile.
@@ -81,8 +87,8 @@ def run_layer_times(
     buffers = [(b, b.detach().clone()) for b in module.buffers()]
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            whole = _timed(module, example_inputs, num_layers, device, False, num_threads)
-            split = _timed(module, example_inputs, num_layers, device, True, num_threads)
+            whole = _timed(module, example_inputs, num_layers, device, False, num_threads, traced)
+            split = _timed(module, example_inputs, num_layers, device, True, num_threads, traced)
     finally:
         with torch.no_grad():
             for p, g in zip(params, grads, strict=True):
@@ -107,37 +113,50 @@ def _timed(
     device: torch.device,
     split: bool,
     num_threads: int | None,
+    traced: TracedModel | None,
 ) -> dict[str, list[list[float]]]:
     """Each stage's measured durations per kind of action, over :data:`STEPS` steps."""
-    from pipesched.pipeline.facade import (
-        Pipeline,  # the planner runs inside Pipeline's construction
-    )
-
     call = Call.of(example_inputs)
     sequential = isinstance(module, nn.Sequential)
+    schedule = _one_worker(num_layers, split)
+    threads = torch.get_num_threads() if num_threads is None else num_threads
     previous = torch.get_num_threads()
-    if num_threads is not None and device.type == "cpu":
-        torch.set_num_threads(num_threads)  # the one worker gets what a pipeline's worker gets
+    if device.type == "cpu":
+        torch.set_num_threads(threads)  # the one worker gets what a pipeline's worker gets
     try:
-        pipe = Pipeline(
+        cut = plan_partition(
             module,
-            1,
+            num_stages=num_layers,
+            devices=[device] * num_layers,
+            schedule=schedule,
+            num_microbatches=1,
             balance=[1] * num_layers,
-            devices=[device],
-            checkpoint="never",
-            schedule=_one_worker(num_layers, split),
             example_inputs=call.args if sequential else call,
+            num_threads=threads,
+            traced=traced,
         )
     finally:
         torch.set_num_threads(previous)
+    stages = cut.build(module, [device] * num_layers)
+    for stage in stages:
+        stage.to(device)
+    random_ops = [t.random_ops for t in stages if isinstance(t, TracedStage)]
+    engine = Engine(
+        stages,
+        range(num_layers),
+        {},
+        Workers((device,), (0,) * num_layers, threads),
+        model=module,
+        extra_names=[r for r in random_ops if r is not None],
+    )
     batch = call.args[0] if sequential else call
+    step = StepInputs([batch], loss_fn=_summed, loss_weights=[1.0])
     durations: dict[str, list[list[float]]] = {
         k: [[] for _ in range(num_layers)] for k in (FORWARD, BACKWARD, WEIGHT)
     }
-    for step in range(1 + STEPS):
-        pipe.step(batch, loss_fn=_summed)
-        timeline = pipe.last_timeline
-        if step == 0 or timeline is None:
+    for run in range(1 + STEPS):
+        timeline = engine.run(schedule, step, detach=True).timeline
+        if run == 0:
             continue
         for event in timeline.events:
             durations[event.action.kind][event.action.stage].append(event.duration)

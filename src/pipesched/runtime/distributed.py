@@ -33,14 +33,13 @@ from torch import nn
 from pipesched.errors import ConfigError, RemoteError
 from pipesched.runtime.agreement import StepShape, agreed_seed, mismatch
 from pipesched.runtime.failures import Failure, FailureChannel, is_timeout
-from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import Link
 from pipesched.runtime.mesh import MeshInfo, wait_kept
 from pipesched.runtime.ordered import OrderedTransport, signature
 from pipesched.runtime.p2p import TaggedTransport, tcp_transport
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
-from pipesched.runtime.placement import keep_own_stages
+from pipesched.runtime.stage.seeding import StageSeeding
 from pipesched.runtime.streams import Stream
 from pipesched.runtime.transport import Transport, p2p_mode
 from pipesched.schedule import FORWARD, Action, Event, Schedule, Timeline
@@ -60,6 +59,7 @@ class DistributedRuntime:
         placement: the worker (pp rank) of each stage.
         info: this rank's place in the mesh.
         num_threads: intra-op threads for this rank's worker.
+        seeding: as in :class:`~pipesched.runtime.passes.StagePasses`.
         fused: as in :class:`~pipesched.runtime.passes.StagePasses`.
         keys: per stage, the keys of the dict it receives (a traced model's
             stages), which crosses ranks as a tuple in this order; None: the
@@ -74,11 +74,13 @@ class DistributedRuntime:
         placement: tuple[int, ...],
         info: MeshInfo,
         num_threads: int,
+        seeding: Sequence[StageSeeding],
         fused: Sequence[frozenset[int]] | None = None,
         keys: Sequence[tuple[str, ...] | None] | None = None,
         on_stage_done: Callable[[int], None] | None = None,
     ) -> None:
-        self.passes = StagePasses(stages, [info.device] * info.pp_size, placement, fused)
+        devices = [info.device] * info.pp_size
+        self.passes = StagePasses(stages, devices, placement, seeding, fused)
         self.interpreter = Interpreter(
             self.passes, num_threads, on_failure=self._on_failure, on_stage_done=on_stage_done
         )
@@ -102,32 +104,6 @@ class DistributedRuntime:
         """What this pipeline's transfers did (:class:`~pipesched.runtime.link.TransferStats`)."""
         self.last_origin_wall = 0.0
         self._kept_work: Any = None
-
-    @classmethod
-    def on_rank(
-        cls,
-        stages: Sequence[nn.Module],
-        placement: tuple[int, ...],
-        info: MeshInfo,
-        *,
-        fuse: bool,
-        on_stage_done: Callable[[int], None] | None = None,
-    ) -> tuple[DistributedRuntime, list[int], dict[int, tuple[int, ...]]]:
-        """This rank's runtime, its own stages' indices, and its parameters tied to other ranks.
-
-        Keeps this rank's stages on its device and frees the others
-        (:func:`~pipesched.runtime.placement.keep_own_stages`); ``fuse``:
-        fused weight-gradient accumulation for parameters no other stage holds;
-        ``on_stage_done``: called with a stage once it has run its last backward
-        action of a step.
-        """
-        own, tied = keep_own_stages(stages, placement, info.pp_rank, info.device)
-        kept = [stage if s in own else None for s, stage in enumerate(stages)]
-        fused = unshared_parameters(kept) if fuse else None
-        # A traced stage passes a dict: it crosses ranks as a tuple in the sender's key order.
-        keys = [None, *(getattr(stage, "sends", None) for stage in stages[:-1])]
-        runtime = cls(kept, placement, info, torch.get_num_threads(), fused, keys, on_stage_done)
-        return runtime, own, tied
 
     def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> StepState:
         """Agrees on the step with the pipeline's other ranks, then runs this rank's actions.

@@ -1,105 +1,191 @@
-"""Running a pipeline's steps: one at a time, each a transaction, rerun once after unseeded draws.
+"""The engine: runs one pipeline's steps over its stages, each step a seeded transaction.
 
-The pipeline says what a step is (its micro-batches, loss, schedule); this
-module says how every step runs, whatever it is: under the runtime's lock
-(steps from several threads wait for each other), refused from inside one of
-the pipeline's own steps, between a :class:`~pipesched.runtime.transaction.StepSnapshot`
-and its commit (put back if anything raises), and once more, seeded
-throughout, when a stage's tripwire saw an unseeded draw
-(:mod:`pipesched.runtime.stage.seeding`); on a mesh, when one on any rank did, every rank
-at once (they agree after each step in one tiny all-reduce).
+A step runs under the runtime's lock (steps from several threads wait for
+each other), refused from inside one of the pipeline's own steps, between a
+:class:`~pipesched.runtime.transaction.StepSnapshot` and its commit (put back
+if anything raises), and once more, seeded throughout, when a stage's tripwire
+saw an unseeded draw (:mod:`pipesched.runtime.stage.seeding`); on a mesh, when
+one on any rank did, every rank at once.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import dataclasses
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.errors import ConfigError
+from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
+from pipesched.runtime.fused_linear import unshared_parameters
+from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
 from pipesched.runtime.interpreter import Runtime
+from pipesched.runtime.local import LocalRuntime
+from pipesched.runtime.mesh import MeshInfo
 from pipesched.runtime.passes import StepInputs, StepState
+from pipesched.runtime.placement import stage_parameters
+from pipesched.runtime.stage.batchnorm import commit_all
 from pipesched.runtime.stage.rng import StepSeed, draw_seed, module_names
 from pipesched.runtime.stage.seeding import StageSeeding, UnseededDraws
 from pipesched.runtime.transaction import StepSnapshot, deferred_interrupts
-from pipesched.schedule import Schedule
+from pipesched.schedule import Schedule, Timeline
 
-__all__ = ["Stepper"]
+__all__ = ["Engine", "StepResult", "Workers"]
 
 
-class Stepper:
-    """Runs the steps of one pipeline.
+@dataclass(frozen=True)
+class Workers:
+    """Where one pipeline's stages run.
 
     Args:
-        runtime: the pipeline's runtime; its stages' seeding is set up here.
-        model: the pipeline (its modules name the places of random draws,
-            its parameters and BatchNorms are what a step may change).
-        stages: every stage module; ``devices``: each stage's device.
+        devices: each worker's device (on a mesh: every pp rank's, this rank's device).
+        placement: each stage's worker.
+        cpu_threads: intra-op threads per CPU worker.
+        mesh: this rank's place in the mesh, or None (one process).
+    """
+
+    devices: tuple[torch.device, ...]
+    placement: tuple[int, ...]
+    cpu_threads: int
+    mesh: MeshInfo | None = None
+
+    @property
+    def stage_devices(self) -> list[torch.device]:
+        """The device of each stage."""
+        return [self.devices[w] for w in self.placement]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step gives back.
+
+    Args:
+        outputs: per micro-batch, the last stage's output (a forward-only step,
+            on the last stage's rank).
+        losses: per micro-batch, its weighted loss (a training step, on the
+            last stage's rank).
+        loss: a training step's weighted losses summed, on every rank; else None.
+        timeline: this process's actions, measured.
+        seconds: the step's wall time, transaction included.
+    """
+
+    outputs: dict[int, Any]
+    losses: dict[int, torch.Tensor]
+    loss: torch.Tensor | None
+    timeline: Timeline
+    seconds: float
+
+
+class Engine:
+    """Runs the steps of one cut of a pipeline: its runtime, seeding, transaction and sync.
+
+    Args:
+        stages: every stage module (on a mesh, other ranks' ones freed), each
+            already on its device.
+        own: the indices of this process's stages.
+        tied: on a mesh, for each of this rank's parameters (by id) that stages
+            on other pp ranks use too, the pp ranks that use it.
+        workers: where the stages run.
+        model: the module tree a step may change (its parameters and BatchNorm
+            layers are put back when a step fails); its module names are the
+            places of random draws, so they do not depend on the cut.
         extra_names: modules named for draws besides ``model``'s (a traced
             model's random operations).
-        finish: called at the end of a successful run, inside the transaction
-            (committing deferred BatchNorm statistics).
-        put_back: called when a run is put back (dropping the gradient sums
-            over replicas it started).
-        agree: on a mesh, a collective: whether any rank (given whether this
-            one did) saw an unseeded draw in the step just run. Tripwires then
-            only mark the step spoiled, every rank finishes it, and all put it
-            back and rerun it together (a raise on one rank would stop the
-            pipeline). Its seed is drawn before the step, for the ranks to agree on.
+        fuse: accumulate ``linear`` weight gradients inside the GEMM where no
+            other stage holds the weight.
 
     Attributes:
-        reruns: steps rerun seeded throughout after an unseeded draw (tests read it).
+        runtime: runs a schedule's actions over the stages.
+        sync: the reductions over the mesh's replicas (the identity locally).
+        seedings: how each stage (and, last, the loss function) seeds its draws.
+        reruns: steps rerun seeded throughout after an unseeded draw.
     """
 
     def __init__(
         self,
-        runtime: Runtime,
-        model: nn.Module,
         stages: Sequence[nn.Module],
-        devices: Sequence[torch.device],
-        extra_names: Sequence[nn.Module],
+        own: Sequence[int],
+        tied: dict[int, tuple[int, ...]],
+        workers: Workers,
         *,
-        finish: Callable[[], None],
-        put_back: Callable[[], None] = lambda: None,
-        agree: Callable[[bool], bool] | None = None,
+        model: nn.Module,
+        extra_names: Sequence[nn.Module] = (),
+        fuse: bool = True,
     ) -> None:
+        mesh, devices = workers.mesh, workers.stage_devices
         names = module_names(model, stages, extra_names)
-        passes, deferred = runtime.passes, agree is not None
-        passes.seeding = [
+        deferred = mesh is not None  # ranks agree on a spoiled step after it, then rerun
+        self.seedings = [
             StageSeeding(
                 names[s], stage, devices[s], adaptive=True, deferred=deferred, label=f"stage {s}"
             )
             for s, stage in enumerate(stages)
         ]
-        passes.loss_seeding = StageSeeding(
+        loss_seeding = StageSeeding(
             {}, stages[-1], devices[-1], adaptive=True, loss=True, deferred=deferred,
             label="the loss_fn",
         )  # fmt: skip
-        self.runtime = runtime
-        self.seedings = [*passes.seeding, passes.loss_seeding]
+        self.seedings.append(loss_seeding)
         self.model = model
-        self.finish = finish
-        self.put_back = put_back
-        self.agree = agree
+        self.workers = workers
+        self.stages = list(stages)
+        self.sync: Sync = LocalSync()
+        self.runtime: Runtime
+        if mesh is None:
+            fused = unshared_parameters(stages) if fuse else None
+            self.runtime = LocalRuntime(
+                stages,
+                list(workers.devices),
+                workers.placement,
+                workers.cpu_threads,
+                self.seedings,
+                fused,
+            )
+        else:
+            kept = [stage if s in own else None for s, stage in enumerate(stages)]
+            fused = unshared_parameters(kept) if fuse else None
+            # A traced stage passes a dict: it crosses ranks as a tuple in the sender's key order.
+            keys = [None, *(getattr(stage, "sends", None) for stage in stages[:-1])]
+            self.runtime = DistributedRuntime(
+                kept,
+                workers.placement,
+                mesh,
+                torch.get_num_threads(),
+                self.seedings,
+                fused,
+                keys,
+                on_stage_done=self._stage_done,
+            )
+            mine = {s: stages[s] for s in own}
+            self.sync = GradientSync(mesh, list(model.parameters()), tied, mine)
         self.reruns = 0
         self._snapshot: StepSnapshot | None = None
 
-    def run(
-        self,
-        schedule_of: Callable[[int], Schedule],
-        make_step: Callable[[int | None], StepInputs],
-        *,
-        detach: bool,
-    ) -> StepState:
-        """Runs the step ``make_step(seed)`` builds, as a transaction (see the module).
+    def running_here(self) -> bool:
+        """Whether the calling thread is one of this engine's workers, inside a step."""
+        return self.runtime.interpreter.running_here()
+
+    def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> StepResult:
+        """Runs ``step`` on ``schedule`` as a transaction (see the module).
+
+        Args:
+            schedule: the schedule for ``len(step.inputs)`` micro-batches.
+            step: the micro-batches, loss and recomputation; its ``seed`` is
+                drawn here.
+            detach: a training step's losses are detached (``pipe.step``);
+                else the outputs keep their autograd graph (``pipe(x)``).
 
         Raises:
             ConfigError: called from inside one of this pipeline's steps.
             BaseException: what the step raised; nothing it changed remains.
         """
-        if self.runtime.interpreter.running_here():
+        begin = time.perf_counter()
+        if self.running_here():
             raise ConfigError(
                 "this Pipeline was called from inside one of its own steps (a stage's "
                 "forward or the loss_fn); a step cannot run another of the same pipeline: "
@@ -107,37 +193,55 @@ class Stepper:
             )
         with self.runtime.interpreter.lock:
             try:
-                return self._attempt(schedule_of, make_step, detach)
+                state = self._attempt(schedule, step, detach)
             except UnseededDraws:
                 for seeding in self.seedings:
                     seeding.probe()
                 self.reruns += 1
-            return self._attempt(schedule_of, make_step, detach)
+                state = self._attempt(schedule, step, detach)
+        loss = None
+        if step.loss_fn is not None:
+            loss = self._total(state.losses, len(step.inputs))
+        timeline = state.timeline or Timeline((), schedule.placement)
+        seconds = time.perf_counter() - begin
+        return StepResult(state.outputs, state.losses, loss, timeline, seconds)
 
-    def commit_early(self, parameters: list[nn.Parameter]) -> None:
-        """Gradients final for this step, read before it ends (a replica's all-reduce)."""
+    def gather_timeline(self, timeline: Timeline, *, everywhere: bool = False) -> Timeline | None:
+        """``timeline`` with every pp rank's actions, on pp rank 0 (``everywhere``: on all).
+
+        Locally ``timeline`` itself. On a mesh, a collective over the pipeline's ranks.
+        """
+        if not isinstance(self.runtime, DistributedRuntime):
+            return timeline
+        return self.runtime.gather_timeline(timeline, everywhere=everywhere)
+
+    def _total(self, losses: dict[int, torch.Tensor], count: int) -> torch.Tensor:
+        """The step's weighted losses summed, on every rank."""
+        mesh = self.workers.mesh
+        if mesh is None:
+            return torch.stack([losses[i] for i in range(count)]).sum()
+        return broadcast_loss(losses, count, self.workers.placement[-1], mesh)
+
+    def _stage_done(self, stage: int) -> None:
+        """A stage's gradients are final for this step: its replicas may start summing them."""
         if self._snapshot is not None:
             with deferred_interrupts():
-                self._snapshot.commit_early(parameters)
+                self._snapshot.commit_early(stage_parameters(self.stages[stage]))
+        self.sync.stage_done(stage)
 
-    def seed(self) -> int | None:
+    def _seed(self) -> int | None:
         """This step's seed for random operations (:mod:`pipesched.runtime.stage.rng`), or None.
 
-        On a mesh every rank draws it from torch's default CPU generator,
-        and they run with pp rank 0's. Otherwise None: drawn at
-        the step's first draw, if there is one, so the generator moves exactly
-        when the model drew, whatever pipesched learned about where it draws.
+        On a mesh every rank draws it from torch's default CPU generator, and
+        they run with pp rank 0's. Otherwise None: drawn at the step's first
+        draw, if there is one, so the generator moves exactly when the model
+        drew, whatever pipesched learned about where it draws.
         """
-        if self.agree is not None or any(s.recomputes for s in self.seedings):
+        if self.workers.mesh is not None or any(s.recomputes for s in self.seedings):
             return draw_seed()  # before any recomputation juggles the generator (see _attempt)
         return None
 
-    def _attempt(
-        self,
-        schedule_of: Callable[[int], Schedule],
-        make_step: Callable[[int | None], StepInputs],
-        detach: bool,
-    ) -> StepState:
+    def _attempt(self, schedule: Schedule, step: StepInputs, detach: bool) -> StepState:
         """One run of the step: committed if it returns, put back if it raises."""
         # Read each time: parameters replaced since (load_state_dict(assign=True)) count too.
         parameters = list(self.model.parameters())
@@ -145,10 +249,11 @@ class Stepper:
         with deferred_interrupts():
             self._snapshot = snapshot = StepSnapshot.take(parameters, batch_norms)
         try:
-            step = make_step(self.seed())  # after a put-back run: the seed of its first run
+            # After a put-back run the generator is back: the seed is its first run's.
+            attempt = dataclasses.replace(step, seed=self._seed())
             start = torch.default_generator.get_state()
-            run = self.runtime.run(schedule_of(len(step.inputs)), step, detach=detach)
-            if self.agree is not None and self.agree(any(s.spoiled for s in self.seedings)):
+            state = self.runtime.run(schedule, attempt, detach=detach)
+            if self._spoiled_somewhere():
                 raise UnseededDraws(  # seen only after the rerun: run() catches the first
                     "a stage on some rank drew random numbers where none were seen before, "
                     "in a step already rerun with every pass of every stage seeded "
@@ -159,12 +264,13 @@ class Stepper:
                     "The step was put back on every rank; give that thread a torch.Generator "
                     "of its own, or draw the backward's noise in the forward and save it"
                 )
-            self.finish()
-            _settle_generators(start, run.seed, snapshot.rng[1])
+            if self.model.training:
+                commit_all(self.model)  # deferred BatchNorm statistics of the whole batch
+            _settle_generators(start, state.seed, snapshot.rng[1])
         except BaseException:
             with deferred_interrupts():
                 snapshot.restore()
-                self.put_back()
+                self.sync.drop_started()  # a step put back drops the sums it started
             raise
         finally:
             self._snapshot = None
@@ -175,7 +281,19 @@ class Stepper:
         checkpoints = any(s.checkpoints for s in self.seedings)
         for seeding in self.seedings:
             seeding.settle(pin=checkpoints)
-        return run
+        return state
+
+    def _spoiled_somewhere(self) -> bool:
+        """On a mesh, a collective: whether a stage on any rank saw an unseeded draw.
+
+        Tripwires there only mark the step spoiled, every rank finishes it, and
+        all put it back and rerun it together (a raise on one rank would stop
+        the pipeline); every replica reruns where the step summed gradients.
+        """
+        if not isinstance(self.runtime, DistributedRuntime):
+            return False
+        spoiled = any(s.spoiled for s in self.seedings)
+        return self.runtime.any_rank(spoiled, replicas=self.sync.summing_in_step)
 
 
 def _settle_generators(

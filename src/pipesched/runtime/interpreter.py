@@ -87,6 +87,7 @@ class Interpreter:
         """Held by the caller for a whole step: steps of one pipeline run one at a time."""
         self.threads = WorkerThreads()
         """The worker threads, kept from one step to the next."""
+        self._tables: dict[tuple[int, int, bool, bool], tuple[Schedule, tuple[Step, ...]]] = {}
 
     def running_here(self) -> bool:
         """Whether the calling thread is one of this interpreter's workers, inside a step."""
@@ -120,7 +121,7 @@ class Interpreter:
         transport.start(rows, step.inputs)
         threads = ThreadState.capture(self.num_threads, cpu)
         track_last = self.on_stage_done is not None
-        jobs = [(w, _steps(schedule, w, forward_only, track_last)) for w in workers]
+        jobs = [(w, self._steps(schedule, w, forward_only, track_last)) for w in workers]
         previous_threads = torch.get_num_threads()
         errors: list[tuple[BaseException, Action, int]] = []
         self.passes.begin()
@@ -129,10 +130,14 @@ class Interpreter:
         if tied is not None:
             tied.begin()
         try:
+
+            def work(w: int, steps: tuple[Step, ...]) -> None:
+                self._work(w, steps, schedule, state, transport, threads, origin, errors)
+
             if len(jobs) == 1:  # one worker (a rank of a mesh): no thread to hand over to
-                self._work(*jobs[0], schedule, state, transport, threads, origin, errors)
+                work(*jobs[0])
             else:
-                self._start_threads(jobs, schedule, state, transport, threads, origin, errors)
+                self._start_threads(jobs, transport, work)
             if tied is not None and not errors:
                 tied.finish()
         except BaseException:
@@ -155,7 +160,12 @@ class Interpreter:
         state.timeline = Timeline(tuple(state.events), schedule.placement)
         return state
 
-    def _start_threads(self, jobs: list[tuple[int, tuple[Step, ...]]], *shared: Any) -> None:
+    def _start_threads(
+        self,
+        jobs: list[tuple[int, tuple[Step, ...]]],
+        transport: Transport,
+        work: Callable[[int, tuple[Step, ...]], None],
+    ) -> None:
         """Runs each worker in a thread of its own (kept between steps) and waits for all.
 
         Each worker sets an event when it has finished, however. Why not
@@ -163,14 +173,10 @@ class Interpreter:
         thread as stopped, and the caller would return while the worker still
         runs the step.
         """
-        transport: Transport = shared[2]
         started: list[threading.Event] = []
         try:
             started = self.threads.start(
-                [
-                    (f"pipesched-worker-{w}", functools.partial(self._work, w, steps, *shared))
-                    for w, steps in jobs
-                ]
+                [(f"pipesched-worker-{w}", functools.partial(work, w, steps)) for w, steps in jobs]
             )
             for event in started:
                 event.wait()
@@ -179,6 +185,40 @@ class Interpreter:
             for event in started:  # a second Ctrl-C goes through: the user insists
                 event.wait()
             raise
+
+    def _steps(
+        self, schedule: Schedule, w: int, forward_only: bool, track_last: bool
+    ) -> tuple[Step, ...]:
+        """Worker ``w``'s actions (only F where ``forward_only``) with their messages.
+
+        Worked out once per schedule and kept here: a step of m micro-batches
+        runs 2-3 x m x stages actions, and working out each one's messages
+        again every step was a visible share of a tiny stage's action.
+        """
+        key = (id(schedule), w, forward_only, track_last)
+        kept = self._tables.get(key)
+        if kept is not None and kept[0] is schedule:
+            return kept[1]
+        num_stages, placement = schedule.num_stages, schedule.placement
+        actions = [a for a in schedule.actions[w] if not forward_only or a.kind == FORWARD]
+        last = _last_backward(actions) if track_last else {}
+        steps: list[Step] = []
+        for action in actions:
+            inbox, outbox = message_in(action, num_stages), message_out(action, num_stages)
+            steps.append(
+                (
+                    action,
+                    -1 if inbox is None else placement[inbox.source],
+                    inbox,
+                    -1 if outbox is None else placement[outbox.stage],
+                    outbox,
+                    last.get(action.stage) == action,
+                )
+            )
+        if len(self._tables) >= _KEPT_TABLES:  # a step per size of batch: keep the newest
+            del self._tables[next(iter(self._tables))]
+        self._tables[key] = (schedule, tuple(steps))
+        return self._tables[key][1]
 
     def _work(
         self,
@@ -267,40 +307,12 @@ message it takes and the worker it comes from, the message it makes and the work
 goes to (None: none), and whether it is its stage's last backward action of the step."""
 
 
-def _steps(schedule: Schedule, w: int, forward_only: bool, track_last: bool) -> tuple[Step, ...]:
-    """Worker ``w``'s actions (only F where ``forward_only``) with their messages.
-
-    Worked out once per schedule (cached on it): a step of m micro-batches
-    runs 2-3 x m x stages actions, and working out each one's messages again
-    every step was a visible share of a tiny stage's action.
-    """
-    key = f"interpreter steps {w} {forward_only} {track_last}"
-    cached = schedule._cache.get(key)
-    if cached is not None:
-        return cached  # type: ignore[return-value]
-    num_stages, placement = schedule.num_stages, schedule.placement
-    actions = [a for a in schedule.actions[w] if not forward_only or a.kind == FORWARD]
-    last = _last_backward(actions) if track_last else {}
-    steps: list[Step] = []
-    for action in actions:
-        inbox, outbox = message_in(action, num_stages), message_out(action, num_stages)
-        steps.append(
-            (
-                action,
-                -1 if inbox is None else placement[inbox.source],
-                inbox,
-                -1 if outbox is None else placement[outbox.stage],
-                outbox,
-                last.get(action.stage) == action,
-            )
-        )
-    result = schedule._cache[key] = tuple(steps)
-    return result
-
-
 def _last_backward(actions: Sequence[Action]) -> dict[int, Action]:
     """Each stage's last B or W action in ``actions``."""
     return {a.stage: a for a in actions if a.kind != FORWARD}
 
+
+_KEPT_TABLES = 64
+"""Workers' action tables kept per interpreter (schedules of as many micro-batch counts)."""
 
 _working = threading.local()  # .interpreter: whose worker this thread is, inside a step

@@ -19,6 +19,7 @@ from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import TransferStats
 from pipesched.runtime.mailbox import Mailbox
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
+from pipesched.runtime.stage.seeding import StageSeeding
 from pipesched.runtime.threads import current_cpu
 from pipesched.runtime.turns import Turns
 from pipesched.schedule import Schedule
@@ -34,6 +35,7 @@ class LocalRuntime:
         devices: the device of each schedule worker.
         placement: the worker of each stage.
         num_threads: intra-op threads each worker may use.
+        seeding: as in :class:`~pipesched.runtime.passes.StagePasses`.
         fused: as in :class:`~pipesched.runtime.passes.StagePasses`.
     """
 
@@ -43,9 +45,10 @@ class LocalRuntime:
         devices: Sequence[torch.device],
         placement: Sequence[int],
         num_threads: int,
+        seeding: Sequence[StageSeeding],
         fused: Sequence[frozenset[int]] | None = None,
     ) -> None:
-        self.passes = StagePasses(stages, devices, placement, fused)
+        self.passes = StagePasses(stages, devices, placement, seeding, fused)
         self.interpreter = Interpreter(self.passes, num_threads)
         self.stats = TransferStats()
         # On CUDA an action's time on the CPU is only its kernels' launch: no turns there.

@@ -94,6 +94,8 @@ class StagePasses:
             is already on the device of its worker.
         devices: the device of each schedule worker.
         placement: the worker of each stage.
+        seeding: how each stage seeds its random draws, then how the loss
+            function does (:mod:`pipesched.runtime.stage.seeding`).
         fused: per stage, the ids of the parameters whose ``linear`` weight
             gradients a step may accumulate in the GEMM; of them, only weights
             large enough to gain are fused
@@ -105,6 +107,7 @@ class StagePasses:
         stages: Sequence[nn.Module | None],
         devices: Sequence[torch.device],
         placement: Sequence[int],
+        seeding: Sequence[StageSeeding],
         fused: Sequence[frozenset[int]] | None = None,
     ) -> None:
         self.stages = list(stages)
@@ -114,12 +117,9 @@ class StagePasses:
         self.streams: list[Stream] = [new_stream(d) for d in devices]
         """The compute stream of each worker (None on CPU)."""
         self.placement = tuple(placement)
-        cpu = torch.device("cpu")
-        self.seeding = [StageSeeding({}, s, cpu, adaptive=False) for s in _modules(self.stages)]
+        self.seeding = list(seeding[: len(self.stages)])
         """How each stage seeds its random draws (:mod:`pipesched.runtime.stage.seeding`)."""
-        self.loss_seeding = StageSeeding(
-            {}, _modules(self.stages)[-1], cpu, adaptive=False, loss=True
-        )
+        self.loss_seeding = seeding[len(self.stages)]
         """How the loss function's random draws are seeded."""
         self.tied = TiedGradients(self.stages)
         """Shared parameters' gradients, summed in stage order (steps in several threads)."""
@@ -263,11 +263,6 @@ class StagePasses:
         tied = self.tied.stage(s) if self.tied.active else nullcontext()
         with tied, self.seeding[s].backward(state.seed, i):
             state.pending_weights.pop((s, i)).run()
-
-
-def _modules(stages: list[nn.Module | None]) -> list[nn.Module]:
-    """The stages, an empty module standing in for another rank's (until seeding is set up)."""
-    return [nn.Module() if s is None else s for s in stages]
 
 
 def _check_loss(loss: Any) -> None:

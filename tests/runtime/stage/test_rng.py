@@ -140,7 +140,7 @@ def test_a_mesh_draws_what_one_process_draws(tmp_path):
 
 
 def _seeded_throughout(pipe):
-    for seeding in pipe._stepper.seedings:
+    for seeding in pipe.engine.seedings:
         seeding.permanent, seeding.full = True, {True: True, False: True}
     return pipe
 
@@ -175,8 +175,8 @@ def test_seeding_only_where_draws_were_seen_changes_no_number(kind):
     learned, throughout = steps(adaptive), steps(_seeded_throughout(pipe()))
     assert all(torch.equal(a, b) for a, b in zip(learned[0], throughout[0], strict=True))
     _assert_bitwise((learned[0][0], learned[1]), (throughout[0][0], throughout[1]))
-    assert any(s.hooked for s in adaptive._stepper.seedings)  # only the drawing modules are seeded
-    stages = adaptive._stepper.seedings[:-1]  # the last one seeds the loss: F.mse_loss, never run
+    assert any(s.hooked for s in adaptive.engine.seedings)  # only the drawing modules are seeded
+    stages = adaptive.engine.seedings[:-1]  # the last one seeds the loss: F.mse_loss, never run
     assert not any(s.full[True] for s in stages)
 
 
@@ -205,7 +205,7 @@ def test_a_draw_in_a_new_place_reruns_the_step_and_changes_nothing_else():
 
     adaptive = pipe()
     rerun, reference = run(adaptive), run(_seeded_throughout(pipe()))
-    assert [s.strikes for s in adaptive._stepper.seedings] == [1, 0, 0]  # stage 0 tripped, once
+    assert [s.strikes for s in adaptive.engine.seedings] == [1, 0, 0]  # stage 0 tripped, once
     assert all(torch.equal(a, b) for a, b in zip(rerun[0], reference[0], strict=True))
     for got, want in zip(rerun[1:], reference[1:], strict=True):
         assert got.keys() == want.keys()

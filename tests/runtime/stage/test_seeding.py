@@ -187,8 +187,8 @@ def test_a_modules_own_pre_hook_that_draws_is_seeded_without_reruns():
     x, y = _data(1)
     for _ in range(4):
         pipe.step(x, y, loss_fn=F.mse_loss)
-    assert [s.strikes for s in pipe._stepper.seedings] == [0, 0, 0]
-    assert pipe._stepper.seedings[0].hooked and not pipe._stepper.seedings[0].full[True]
+    assert [s.strikes for s in pipe.engine.seedings] == [0, 0, 0]
+    assert pipe.engine.seedings[0].hooked and not pipe.engine.seedings[0].full[True]
 
 
 class Maybe(nn.Module):
@@ -387,7 +387,7 @@ def test_a_mesh_learns_where_stages_draw_and_every_rank_reruns_a_spoiled_step(
         net = w.model()
         pipe = Pipeline(net, w.CHUNKS, balance=w.BALANCE, devices=["cpu"] * 2, schedule="1f1b")
         losses = w.train(pipe, net[4], 0, {0})
-        assert pipe._stepper.reruns == 2
+        assert pipe.engine.reruns == 2
         params = dict(pipe.named_parameters())
         for result in ranks:
             assert result["learning"]["losses"] == losses

@@ -38,17 +38,19 @@ to tell by), no output counts as coupled.
 from __future__ import annotations
 
 import operator
+import threading
 import weakref
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
+from pipesched.errors import BatchCoupledWarning, warn_user
 from pipesched.partition.per_sample import leaf_paths
 from pipesched.partition.trace import TracedModel
 from pipesched.runtime.compat.internals import OpOverload, pytree, size_symbols
 
-__all__ = ["coupled_flags", "coupled_paths"]
+__all__ = ["coupled_flags", "coupled_paths", "warn_coupled"]
 
 _SCANS = frozenset(
     {
@@ -156,3 +158,29 @@ def _couples(node: fx.Node, value: Any, sources: list[fx.Node], batch_dims: Any)
         wanted = along if isinstance(along, (list, tuple)) else [along]
         return any(isinstance(d, int) and rank and d % rank in shape_of for d in wanted)
     return False
+
+
+_warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_lock = threading.Lock()
+
+
+def warn_coupled(pipe: nn.Module, paths: list[str], m: int) -> None:
+    """Warns once per ``pipe`` that its loss_fn gets batch-coupled outputs per micro-batch."""
+    if not paths or pipe in _warned:
+        return
+    with _lock:
+        if pipe in _warned:
+            return
+        _warned.add(pipe)
+    shown = ", ".join(f"output{p}" for p in paths)
+    warn_user(
+        f"{shown} of the model mix{'es' if len(paths) == 1 else ''} rows of different samples "
+        "(each sample's value depends on the other samples of the batch: an in-batch "
+        f"contrastive loss or a similarity matrix over the batch); this step runs {m} "
+        "micro-batches, so loss_fn receives each micro-batch's value, not the plain model's "
+        "on the batch, and a loss or gradient computed from it is another model's. Fix: have "
+        "the model return per-sample outputs (embeddings) only, and compute the coupled loss "
+        "outside the pipeline on the whole batch's (pipe(x) under autograd, then "
+        "loss.backward()), or use chunks=1. Shown once per Pipeline",
+        BatchCoupledWarning,
+    )
