@@ -1,35 +1,10 @@
 """A proven lower bound on the makespan of any split-backward schedule on a placement.
 
-The bound is the classic one for a machine with release times and tails
-(Carlier's bound for ``1|r_j,q_j|Cmax``), applied to each worker of the
-pipeline. For every action ``a`` two numbers follow from the data-flow rule
-alone, whatever order the workers run: its *head* ``r(a)``, the longest
-chain of data predecessors (with their sends) that must finish before ``a``
-can start, and its *tail* ``q(a)``, the longest chain of data successors
-that must run after ``a`` ends. Then for any set ``S`` of actions on one
-worker::
-
-    makespan >= min_{a in S} r(a) + sum_{a in S} duration(a) + min_{a in S} q(a)
-
-Proof: the first action of ``S`` to start starts no earlier than the
-smallest head; the worker runs the actions of ``S`` one at a time, so the
-last of them ends no earlier than that plus their summed durations; and
-that last action is followed by its tail, no shorter than the smallest
-tail. Heads and tails depend only on (stage, kind), never on the
-micro-batch, so each worker has at most ``3 x stages_per_worker`` classes of
-``m`` equal actions, and :func:`lower_bound` takes the largest right-hand
-side over every set of classes cut by a head threshold and a tail
-threshold. That covers the worker's total work (all its classes), the
-unavoidable ramp before a worker's first action and after its last F or B,
-and the critical path of one micro-batch (``r + duration + q`` of any
-action, a smaller right-hand side than its whole class). The bound ignores
-memory.
-
-Given a ``memory_limit``, one more bound holds, and it is the one that binds
-under 1F1B's memory: no worker can release a slot before its first B can
-start (a slot is released by a W, which follows its B), so before that
-instant it runs only forwards, at most ``slots`` of them; whatever else it
-has to do runs after. See :func:`lower_bound`.
+Carlier's bound for ``1|r_j,q_j|Cmax`` applied to each worker: for any set ``S``
+of a worker's actions, ``makespan >= min r(a) + sum duration(a) + min q(a)``,
+where the head ``r`` and tail ``q`` are the longest data-flow chains before and
+after ``a``. With a ``memory_limit`` a second bound holds: before its first B a
+worker runs at most ``slots`` forwards. The proof is in :func:`lower_bound`.
 """
 
 from __future__ import annotations

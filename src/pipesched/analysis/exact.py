@@ -1,21 +1,10 @@
 """The exact synthesis model for OR-Tools CP-SAT (the optional ``solver`` extra).
 
-Every action is an interval of its duration; a worker's actions do not
-overlap (``add_no_overlap``); each action starts after its data predecessor
-ends, plus the send latency across workers; and each stage's hold of a
-micro-batch, an interval from the start of its F to the end of its W, uses
-its stage's size in slots of its worker's (``add_cumulative``: an interval is
-``[start, end)``, so a release and an acquire at one instant share a slot,
-as the Timeline counts). The objective is the makespan. Micro-batches are
-interchangeable, so they are numbered in the order their first forward
-starts (symmetry breaking).
-
-CP-SAT works in integers: durations are scaled by :data:`SCALE` and
-rounded. The order it returns is then played with the exact costs, so the
-schedule is valid whatever the rounding; it is optimal for the rounded
-costs, within a rounding of ``actions / SCALE`` of the true optimum.
-Why CP-SAT and not an ILP: no-overlap and cumulative constraints are native
-to it, and it is maintained by Google as a wheel for every platform.
+Actions are intervals; a worker's do not overlap, each starts after its data
+predecessor plus the send latency, and a stage's hold of a micro-batch (start of
+F to end of W) takes slots of its worker's memory. Durations are scaled to
+integers by :data:`SCALE`; the returned order is replayed with the exact costs.
+Why CP-SAT, not an ILP: no-overlap and cumulative constraints are native to it.
 """
 
 from __future__ import annotations

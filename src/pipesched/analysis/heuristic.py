@@ -1,21 +1,10 @@
 """Schedule orders found by list scheduling and local search, played on a fast integer model.
 
-:func:`pipesched.analysis.synthesize` asks this module for good worker
-orders. Actions are numbered ``(stage * 3 + kind) * m + microbatch`` (kind 0
-F, 1 B, 2 W) so that an order is a list of ints and one play of it, the
-same arithmetic as :func:`pipesched.schedule.simulate` (start = the later of
-the worker's last end and the input's arrival), costs about a microsecond
-an action. Why not Schedule.simulate: local search plays thousands of
-orders, and building a Schedule, validating it and simulating it is about
-15 times slower (1.2 ms against 18 ms for zb-v's order on 8 workers x 24
-micro-batches). The synthesizer checks its final answer with the real
-simulator.
-
-Memory is counted in *slots*: one stage holding one micro-batch, from the
-start of its F to the end of its W, a release before an acquire at equal
-times (as :attr:`Timeline.activations_over_time`). With ``sizes``, a stage's
-micro-batch takes that many slots (the synthesizer's integer units of its
-activation bytes), and each worker has its own number of slots.
+Why not Schedule.simulate: local search plays thousands of orders, and building,
+validating and simulating a Schedule for each is over ten times slower. An action
+is one int, ``(stage * 3 + kind) * m + microbatch``; memory is counted in slots (a
+stage holding a micro-batch from the start of its F to the end of its W). The
+synthesizer checks its final answer with the real simulator.
 """
 
 from __future__ import annotations

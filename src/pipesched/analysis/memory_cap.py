@@ -1,14 +1,9 @@
 """A memory limit for synthesis and bounds: what each worker may hold, what a micro-batch takes.
 
-Two ways to say it, both per worker at any instant, a stage holding a
-micro-batch from the start of its F to the end of its W:
-
-- in micro-batches of a worker's whole share (``memory_limit=p`` is 1F1B's
-  peak), every stage's micro-batch the same size (``1 / stages_per_worker``);
-- in bytes (or any unit), with ``stage_memory``: what one micro-batch holds
-  on each stage, as a planner measures it. A language model's head holds its
-  logits, many times a block's activations, so a slot per micro-batch would
-  either waste the budget or overrun it.
+Either in micro-batches of a worker's whole share (``memory_limit=p`` is 1F1B's
+peak), or in bytes with ``stage_memory`` per stage: a language model's head holds
+its logits, many times a block's activations, so one slot per micro-batch would
+waste the budget or overrun it.
 """
 
 from __future__ import annotations

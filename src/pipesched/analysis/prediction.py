@@ -1,20 +1,10 @@
 """A step predicted from what a run really spends: passes, recomputation, transfers, overhead.
 
-:func:`simulate` plays a schedule with per-stage pass costs and nothing
-else. A measured step also spends time between its actions: the runtime's
-own work before each action (taking the input, bookkeeping), the latency of
-a value crossing to another worker, the forwards that checkpointed
-micro-batches run again in backward, and the step's work before its first
-action and after its last. :class:`StepModel` measures each of these from a
-measured :class:`Timeline` (or takes a profile's pass costs before any run),
-and :func:`predict` plays a schedule with all of them, returning a Timeline
-whose :class:`~pipesched.schedule.breakdown.Breakdown` splits the idle time
-by cause.
-
-Why a loop of its own and not :func:`simulate` with larger costs: the
-overhead sits before an action on its worker, and a transfer's latency
-overlaps that overhead (both are measured from the same start), which
-per-pass costs and one send latency cannot say.
+:class:`StepModel` measures from a :class:`Timeline` (or a profile) what a step
+spends besides its passes, and :func:`predict` plays a schedule with all of it,
+its :class:`~pipesched.schedule.breakdown.Breakdown` splitting idle time by cause.
+Why a loop of its own and not :func:`simulate` with larger costs: a transfer's
+latency overlaps the overhead before an action, which per-pass costs cannot say.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Schedules made for given costs and a memory limit: list scheduling, local search, a solver.
 
-:func:`synthesize` returns an ordinary :class:`Schedule` (split backward, F
-B W actions) for ``num_workers`` workers with one stage each, or two in a V
-as zb-v. It keeps the best of: list scheduling under several priority
-policies (:mod:`pipesched.analysis.heuristic`), every built-in schedule of
-the same placement that fits the memory limit, and local search from the
-best few; with ``solver="exact"`` (or ``"auto"`` on small cases) also
-OR-Tools CP-SAT (:mod:`pipesched.analysis.exact`, the optional ``solver``
-extra). Because the built-ins are among the candidates, the result is never
-slower than any of them that fits. :func:`pipesched.schedule.lower_bound`
-says how far from optimal it can be at most.
+:func:`synthesize` keeps the best of list scheduling under several priorities, every
+built-in schedule of the placement that fits the limit, local search from the best
+few and, with ``solver="exact"``, CP-SAT. The built-ins being candidates, the
+result is never slower than any of them that fits.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The ``pipesched`` command: compare, show and draw schedules and runs; convert checkpoints.
 
-The schedule commands (``simulate``, ``show``) import neither torch nor
-matplotlib; the drawing commands (``viz``, ``compare``, ``trace``) import
-:mod:`pipesched.viz`, and matplotlib with it, only when they run;
-``checkpoint`` and ``plan`` (:mod:`pipesched.cli.plan_command`) import torch only
-when they run.
-
-Every number is checked before any work: a count that is not a positive
-integer, or is past what it can mean, is an argparse error naming the
-argument; a schedule the counts imply over
-:data:`~pipesched.schedule.limits.MAX_ACTIONS` actions is refused with the
-limit before anything is built. Both exit with status 2.
+The schedule commands import neither torch nor matplotlib; the others import them
+only when they run. Every number is checked before any work (an argparse error,
+exit status 2), and a schedule over :data:`~pipesched.schedule.limits.MAX_ACTIONS`
+actions is refused before anything is built.
 """
 
 from __future__ import annotations

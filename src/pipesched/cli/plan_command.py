@@ -1,11 +1,7 @@
 """``pipesched plan``: profile a user's model and print the planner's candidates and pick.
 
-The model comes from a Python function named ``FILE.py:FUNCTION`` (or
-``package.module:FUNCTION``) that returns ``(model, batch)``: the model, and
-one mini-batch as the model takes it (a tensor, a tuple of positional
-arguments, or a dict of keyword arguments). For each ``--chunks`` the batch's
-first micro-batch is profiled, so every micro-batch count is planned with
-what its micro-batches really cost. torch loads only when the command runs.
+The model comes from ``FILE.py:FUNCTION`` (or ``package.module:FUNCTION``)
+returning ``(model, batch)``. torch loads only when the command runs.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Choosing contiguous cut points: min-max by dynamic programming, or by simulating the schedule.
 
-Pure Python over per-layer numbers (no torch), like the schedule core it calls.
-
-Why two searches. When a stage's cost does not depend on the other stages
-(parameters, time, memory of stage ``k`` given its layers), the best cuts
-minimize the largest stage cost, and dynamic programming finds them exactly
-in ``O(n^2 p)`` (torchgpipe's ``balance_by_time`` uses a greedy heuristic).
-But the step time of a schedule is not the largest stage: forward and
-backward weigh differently, the first and last stages wait differently, and
-under a memory budget 1F1B's stage ``s`` holds ``min(p - s, m)`` micro-batches
-while GPipe's hold ``m``. :func:`search_schedule` therefore scores cut points
-by the schedule core's own simulator (``Schedule.simulate(...).makespan``),
-rejecting any whose simulated peak memory exceeds the budget on some worker:
-exhaustively when there are at most :data:`EXHAUSTIVE_LIMIT` ways to cut,
-otherwise by hill climbing (moving one cut at a time while the makespan
-falls) from the time-balanced cuts.
+Pure Python over per-layer numbers (no torch). Why two searches: where a stage's
+cost does not depend on the others, dynamic programming finds the min-max cuts
+exactly; but a step is not its largest stage (F and B weigh differently, memory
+held depends on the schedule), so :func:`search_schedule` scores cuts by the
+schedule's own simulator, exhaustively or by hill climbing.
 """
 
 from __future__ import annotations

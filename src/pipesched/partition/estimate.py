@@ -1,16 +1,9 @@
 """Estimated times of layers that cannot run: FLOPs and bytes counted on the meta device.
 
-Why estimates: a model built on the meta device holds no data, so nothing can
-be timed (and must not be allocated to be timed: a rank may hold one stage of
-a model that fits no single device). Each layer or operation runs on meta
-tensors under ``torch.utils.flop_counter.FlopCounterMode``, forward and then
-backward, which counts the floating-point operations of matrix products and
-convolutions; a simple roofline turns them into seconds on a nominal device:
-``max(flops / FLOPS, bytes / BANDWIDTH)``, where bytes are what the layer
-reads and writes (inputs, parameters, outputs; the backward twice that). The
-rates are nominal, not measured: the seconds only rank the layers against
-each other, which is all balancing needs, and the partition table says they
-are estimates.
+A meta model holds no data, so nothing can be timed (nor allocated to be timed).
+FLOPs come from ``FlopCounterMode``; a roofline, ``max(flops / FLOPS, bytes /
+BANDWIDTH)``, turns them into seconds on a nominal device. The rates only rank
+layers against each other, which is all balancing needs.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """Materializing a model built on the meta device: a rank allocates and initializes its stages.
 
-Why our own and not ``Module.to_empty``: ``to_empty`` gives each module a new
-Parameter object where the device type changes, so a weight tied between two
-modules (an embedding and the head) becomes two tensors, and it allocates
-every tensor of the module it is called on. Here each meta tensor a stage
-holds is replaced by one new tensor on the stage's device in every place
-that holds it (every module, and the Pipeline's own registrations), and
-nothing of another stage is ever allocated, not even for a moment.
-
-Initialization is per module, not in the order of the model's constructor:
-every module that directly holds a tensor allocated here runs its own reset
-methods (``reset_parameters`` or ``_reset_parameters``, and
-``reset_running_stats``), then the user's ``init_weights(name, module)``,
-under a random generator seeded from ``(seed, name)`` alone. So whichever
-stages a rank holds, a module gets the values it gets in
-:func:`initialize` of the whole model: the weights do not depend on the cut,
-the number of ranks, or which other modules exist.
-
-Nothing is left silently uninitialized: floating-point tensors are filled
-with NaN before initialization and integer ones with their type's lowest
-value, and any tensor still holding them after (or, for booleans, never
-written) is a :class:`~pipesched.errors.ConfigError` naming the modules.
+Why not ``Module.to_empty``: it unties tied weights and allocates the whole module.
+Here each meta tensor of a stage becomes one tensor on the stage's device in every
+place that holds it. Each module is initialized under a generator seeded from
+``(seed, name)``, so weights do not depend on the cut or the ranks; anything left
+uninitialized (NaN-filled before) is a :class:`~pipesched.errors.ConfigError`.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """From a model to stage modules: trace or list the layers, profile them, choose the cuts, split.
 
-This is what ``Pipeline(...)`` runs at construction: an ``nn.Sequential`` is
-cut between its children, as it always was; any other model is traced with
-torch.export (:mod:`~pipesched.partition.trace`) and cut between the layers
-of its stage graph (:mod:`~pipesched.partition.stage_graph`). The cuts come from
-``balance``:
-
-- a list: layers per stage (torchgpipe's meaning);
-- ``"params"``: the largest stage's parameters minimized (the default for an
-  ``nn.Sequential``, whose layers need no example input);
-- ``"time"``: the largest stage's measured forward + backward time minimized
-  (the default for traced models; torchgpipe's ``balance_by_time``, but exact);
-- ``"memory"``: the largest estimated memory of a worker minimized:
-  parameters and their gradients (twice the parameter bytes) plus the
-  activations of the micro-batches the schedule makes the stage hold;
-- ``"schedule"``: the cuts with the smallest simulated step time of the
-  chosen schedule (:func:`~pipesched.partition.balance.search_schedule`);
-
-or from ``split_points``: the names of the modules each stage after the first
-begins with. A ``memory_budget`` (bytes per worker) rules out cuts for
-``"time"`` and ``"schedule"``.
+What ``Pipeline(...)`` runs at construction: an ``nn.Sequential`` is cut between its
+children, any other model traced with torch.export and cut between the layers of
+its stage graph. Cuts come from ``balance`` (a list, ``"params"``, ``"time"``,
+``"memory"``, ``"schedule"``; docs/partitioning.md) or ``split_points``.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Which outputs of a traced model follow the batch in dim 0: the others are not concatenated.
 
-``pipe(x)`` rebuilds the batch's output from the micro-batches' by
-concatenating tensors along dim 0. That is right for a per-sample output
-(logits, hidden states: dim 0 grows with the batch) and wrong for any other
-(a per-feature mean ``h.mean(0)``, a weight norm): four micro-batches'
-``(16,)`` would come back ``(64,)``. The export says which is which: a
-per-sample output's dim 0 is a symbol of the inputs' batch size, any other
-is a number. Where the model's code pins dim 0 of every input (a recurrent
-layer reading it as the sequence), nothing can be told, and every output
+``pipe(x)`` concatenates micro-batch outputs along dim 0, right for logits and wrong
+for a per-feature mean. The export tells them apart: a per-sample output's dim 0 is
+a symbol of the batch size. Where the model pins dim 0 of every input, every output
 counts as per sample.
 """
 

@@ -1,27 +1,10 @@
 """Measuring each layer or traced operation: forward and backward time, output and activation bytes.
 
-Why per node and on any device: torchgpipe's ``balance_by_time`` times whole
-layers and its size profiler reads CUDA memory counters, so it cannot balance
-a CPU pipeline by memory. Here every node (a layer of an ``nn.Sequential``,
-or one operation of a traced model) runs by itself on the device, its inputs
-made fresh autograd leaves: the forward is timed with autograd recording,
-the backward as ``torch.autograd.grad`` from all its floating outputs to all
-its inputs and parameters that need a gradient. Each is repeated (the fastest of
-``repeats`` after one warm-up; CUDA synchronized around each). Bytes come
-from the real output tensors: ``output_bytes`` what an edge would carry,
-``activation_bytes`` the new storage (0 for views), what a stage holds per
-micro-batch. Why the minimum and not the median of the repeats: for
-operations of microseconds, noise only ever adds (a preempted thread, a
-sleeping intra-op pool waking up, seen at 8 ms on a busy 2-core machine), so
-the fastest run is the steadiest estimate of what the operation costs.
-
-A model on the meta device runs here too, on meta tensors: nothing is timed
-then, its costs are estimated from FLOPs and bytes instead
-(``estimate=``, :mod:`pipesched.partition.estimate`).
-
-Nothing of the model changes: buffers are cloned (BatchNorm statistics
-stay), layers of a Sequential are copied to the device, and the global RNG
-state is restored afterwards (Dropout draws do not shift the user's stream).
+Why per node and on any device: torchgpipe times whole layers and reads CUDA
+memory counters, so it cannot balance a CPU pipeline by memory. Each node runs
+alone on fresh leaves; the fastest of ``repeats`` is kept, since noise only ever
+adds. A meta model is estimated instead (:mod:`pipesched.partition.estimate`).
+Nothing of the model changes: buffers are cloned and the RNG state restored.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """Cutting a traced model's operations into stage modules at given positions.
 
-Why our own split and not ``torch.fx.passes.split_module``: that pass gives
-each submodule its inputs as separate arguments and copies parameters into
-the submodules, while the runtime passes one object from stage ``s`` to
-``s + 1`` only, and stages must use the model's own parameters. Here every
-value a later stage needs travels in the dict each stage returns, through
-every stage in between (:mod:`pipesched.partition.traced_stage`).
-
-Three kinds of operations are not copied as they are:
-
-- The operations of a Dropout or BatchNorm layer are replaced by a call to
-  the layer itself. Its mode then follows ``pipe.train()`` / ``pipe.eval()``,
-  its random draws are seeded by :mod:`pipesched.runtime.stage.rng` like any
-  module's, checkpointing's BatchNorm guard finds it, and
-  ``deferred_batch_norm=True`` replaces it (a layer is replaced only where
-  its operations take one activation and give one). Only a layer whose
-  ``forward`` is torch's own counts, whatever its class: a subclass with a
-  ``forward`` of its own (timm's ``BatchNormAct2d``: normalize, then a child
-  activation) has its operations copied as traced, each child's included,
-  like any module's, with its mode fixed by the trace (a change retraces).
-- Other random operations (functional or attention dropout) run as a
-  :class:`~pipesched.partition.traced_stage.RandomOp`, seeded the same way. A
-  dropout's switch (``train``, or attention's ``dropout_p``) follows the mode
-  of the module that ran it, as its code would (``training=self.training``):
-  dropout off in eval mode. A probability of 0 seen in eval mode may be the
-  code's doing (Hugging Face passes ``0.0 if not self.training``), so that
-  module switching to training is an error rather than a silent no-dropout.
-- Devices in operations (``arange(..., device="cpu")``) become the stage's device.
+Why not ``torch.fx.passes.split_module``: it copies parameters and passes separate
+arguments, while the runtime passes one object between stages and stages must use
+the model's own parameters. Dropout and BatchNorm layers (torch's own ``forward``)
+are called as layers, so modes, seeding and ``deferred_batch_norm`` apply; other
+random operations run as a seeded :class:`~pipesched.partition.traced_stage.RandomOp`.
 """
 
 from __future__ import annotations

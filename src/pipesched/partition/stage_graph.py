@@ -1,31 +1,10 @@
 """The stage graph: a networkx DiGraph of a model's layers or traced operations, with costs.
 
-Nodes are the layers of an ``nn.Sequential`` or the operations of a
-torch.export trace; ``"<input:NAME>"`` nodes are the model's inputs and
-``"<output>"`` its output. Node attributes:
-
-- ``kind``: ``"layer"``, ``"op"``, ``"input"`` or ``"output"``;
-- ``target``: the operation (``"aten.conv2d.default"``) or the layer's class;
-- ``module``: the innermost module that ran it; ``layer``: the layer it
-  belongs to (see below) and ``unit``, that layer's index in execution order;
-- ``order``: the node's position in execution order;
-- ``params``: names of the parameters it uses; ``param_bytes`` their bytes
-  (a parameter shared by two nodes counts at each; :func:`layers` counts it once);
-- ``forward_time``, ``backward_time``: measured seconds on the example input,
-  None where not profiled; ``activation_bytes``: new storage of its output.
-
-Edges carry ``bytes``, the size of the tensors passed, including skip and
-residual edges that jump over many nodes.
-
-Why layers on top of operations: a traced GPT-2 of four blocks has ~200
-operations, and cutting between any two of them is valid but rarely wise (the
-query of an attention on one stage, its softmax on the next). Cuts are
-therefore placed between *layers*: an operation belongs to the outermost
-module on its call stack that is an element of a container (``ModuleList``,
-``Sequential``, ``ModuleDict``: transformer blocks, U-Net levels) or a leaf
-module (``wte``, ``ln_f``, ``lm_head``), else to the innermost module that ran
-it; consecutive operations of one layer form one unit. :func:`layer_graph`
-contracts the graph onto these units with ``networkx.quotient_graph``.
+Nodes carry ``kind``, ``target``, ``module``, ``layer``, ``order``, ``params`` and
+measured costs; edges carry ``bytes``. Why layers on top of operations: cutting
+between any two operations is valid but rarely wise, so cuts fall between layers
+(the outermost container element or leaf module that ran an operation), which
+:func:`layer_graph` contracts the graph onto. docs/partitioning.md has the table.
 """
 
 from __future__ import annotations

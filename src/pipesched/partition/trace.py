@@ -1,30 +1,10 @@
 """Tracing any nn.Module with torch.export into a graph of operations pipesched can cut.
 
-Why our own reading of the export, not ``ExportedProgram.module()`` or
-``torch.distributed.pipelining``'s split: both copy the parameters into new
-modules, so tied weights become two tensors (pipelining sums them by hand) and
-``pipe.named_parameters()`` loses the model's names. We keep the exported
-graph only as a list of operations and feed it the model's *own* parameters
-and buffers, looked up by name at every call (see
-:mod:`pipesched.partition.traced_stage`). Three more choices:
-
-- Every dimension of every tensor input is exported as dynamic
-  (``Dim.AUTO``): micro-batches have other sizes than the example, uneven
-  ones included, and other sequence lengths. An example of one row is traced
-  as two (export would fix a size of 1). Where the model's code pins a size
-  (an image size, a batch), export keeps it static; for the batch,
-  :attr:`TracedModel.traced_batch` says which size the stages accept.
-- export's own runtime checks (``_assert_tensor_metadata``, ``_assert_scalar``)
-  are dropped: they pin the device and dtype of the trace and a batch of at
-  least 2, while stages run on other devices and on micro-batches of one row.
-- ``torch.no_grad()`` regions (Llama's rotary embedding) are copied inline
-  with detached outputs (:mod:`pipesched.partition.grad_regions`), and each
-  input's sizes the trace holds for are kept to check calls against
-  (:mod:`pipesched.partition.sizes`).
-- A model on the meta device is traced on meta copies of the example: its
-  parameters hold no data, and export's fake tensors need one device.
-- A failed trace becomes a :class:`~pipesched.errors.PartitionError` naming
-  the line of the model that could not be traced and the ways around it.
+Why our own reading of the export: ``ExportedProgram.module()`` and torch's
+pipelining split copy the parameters, untying tied weights and losing names. We
+keep the graph as a list of operations fed the model's own parameters. Every input
+dim is exported as dynamic, export's runtime asserts are dropped, and a failed
+trace is a :class:`~pipesched.errors.PartitionError` naming the model's line.
 """
 
 from __future__ import annotations

@@ -1,21 +1,10 @@
 """One stage of a traced model: its share of the graph, run on the model's own parameters.
 
-A stage takes one object and returns one, as the runtime wants (it only
-knows stage ``s`` feeding ``s + 1``). Stage 0 takes the pipeline's input;
-every later stage takes a dict from node names to the values it needs from
-earlier stages, *including values that only pass through it* to a later
-stage (a U-Net's skip tensor crosses every stage between its encoder and
-decoder levels). A passing value leaves as a view of the value received, so
-the runtime's backward returns its gradient to the previous stage like any
-other, summed with the gradient of any use the stage makes of it. The last
-stage returns the model's output structure.
-
-Why look parameters up at every call instead of holding them: the stage then
-uses whatever the model holds right now, the very Parameter objects (tied
-weights used by two stages accumulate into one ``.grad``; the optimizer and
-``state_dict`` see the model's names) and any buffer a checkpoint's
-recomputation guard has swapped in. ``stage.to(device)`` moves exactly the
-parameters and buffers the stage uses, through their owning modules.
+A stage takes one object and returns one: later stages take a dict of the values
+they need, including values that only pass through to a later stage (a U-Net's
+skip). Why parameters are looked up at every call: the stage then uses the model's
+very Parameters (tied weights accumulate into one ``.grad``) and any buffer a
+recomputation guard has swapped in.
 """
 
 from __future__ import annotations

@@ -1,32 +1,10 @@
 """The planner's search: every schedule x checkpoint modes, each with its best cut, predicted.
 
-Pure Python over per-layer numbers (:class:`~pipesched.planning.candidate.LayerCost`),
-like the schedule core it drives; :mod:`pipesched.planning.measure` gets those
-numbers from a model.
-
-For each built-in schedule and checkpoint mode (one for every stage, and, for
-up to :data:`MIXED_STAGES` stages, each mix of "never" and "always" per stage:
-recompute the blocks that fill memory, keep the head that is costly to
-recompute) the cut points are searched by
-simulating the schedule (:func:`~pipesched.partition.balance.search_schedule`,
-as ``balance="schedule"``), within the memory budget. Then, for the best cut
-of each placement (one stage per worker, and two in a V), a schedule is
-synthesized for those stage costs and the budget
-(:func:`~pipesched.analysis.synthesize`). Every candidate is scored the same
-way: its step played by :func:`~pipesched.analysis.prediction.predict` (a
-checkpointed micro-batch's backward runs its forward again; where backward is
-split, B and W each do, but on stage 0), and its memory
-swept over that timeline:
-
-- a worker holds its stages' parameters and their gradients (twice the
-  parameter bytes; the optimizer's state is not counted);
-- a micro-batch kept whole holds its stage's input and activations from the
-  start of its forward to the end of its backward (W where backward is
-  split); a checkpointed one holds only the input until its backward starts
-  and recomputes the rest, which it then holds until that backward ends.
-
-The costs are per micro-batch as measured on one device: every worker is
-taken to be as fast as that one.
+Pure Python over per-layer :class:`~pipesched.planning.candidate.LayerCost`. For each
+built-in schedule and checkpoint mode the cuts are searched by simulation within the
+memory budget, and a schedule is synthesized for each placement's best cut. Every
+candidate is scored alike: its step by :func:`~pipesched.analysis.prediction.predict`,
+its memory swept over that timeline (parameters, gradients, held activations).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """What the ranks of one pipeline agree on at every step's start, in one small all-gather.
 
-Why: each rank cuts its own batch into micro-batches and builds its own
-schedule, so ranks given different batches (or calls) would run different
-schedules, and wait for transfers that never come until the timeout. Before
-any transfer, every pp rank therefore shares a few integers describing its
-step (:class:`StepShape`); a difference fails every rank at once with the
-same message, and leaves the pipeline usable. The same exchange hands out
-the step's seed: masks of random layers are a pure function of (seed,
-micro-batch, place in the model), so every rank must run with one seed,
-while the global generators it is drawn from may legitimately drift
-between ranks.
+Why: each rank cuts its own batch and builds its own schedule, so ranks given
+different batches would wait for transfers that never come. Every pp rank shares a
+:class:`StepShape`; a difference fails all at once with one message. The same
+exchange hands out the step's seed, which every rank must share.
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
 """One stage's backward pass, whole or split into input gradients (B) and weight gradients (W).
 
-Zero-bubble schedules run B as soon as the next stage's gradient arrives (the
-previous stage waits for it) and W later, in idle time (no stage waits for it).
-B runs autograd from the outputs to the inputs only, graph retained, while a
-pre-hook captures the gradient entering each *intermediate*: a node B executes
-that also leads to a weight along an edge B does not follow. W runs from those
-gradients to the weights only, so B and W together cost one full backward.
-
-Why not ``torch.distributed.pipelining._backward``: it is private and untyped,
-and its W needs the inputs to require grad (torch runs a full backward on the
-first stage instead). Here weights are the leaves found in the graph, so W
-accumulates into exactly the tensors :func:`backward_full` does; an output that
-does not depend on the inputs (every output of a first stage fed token ids) is
-itself a source of W, so there B computes nothing and W does all the work, the
-part that fills bubbles; ``.grad`` is accumulated by autograd's own
-``AccumulateGrad`` (layout, hooks), not by hand; the caller's outputs are not
-detached in place: the graph dies with the caller's last reference to them.
-
-Costs beyond one backward (results stay exact): a graph analysis per B
-(:mod:`pipesched.runtime.weight_split`), and one autograd call per group of
-weights in W, except for a fused linear
-(:func:`pipesched.runtime.fused_linear.weight_pass` runs its W directly).
-
-- A weight used at several places of one stage (tied, or a layer applied twice):
-  W re-runs the input-gradient chain between the uses, clamped so nothing
-  counts twice. A node that ignores which gradients are asked for (a custom
-  ``autograd.Function``) does its whole work in B and again in W.
-- Non-reentrant checkpointing (``use_reentrant=False``) works, but B and W each
-  recompute the checkpointed region: one extra forward of it. The passes of one
-  W share a recomputation (``torch.utils.checkpoint.GraphExecGroup``, where torch
-  has it: :data:`pipesched.runtime.compat.internals.one_recomputation`); B and W
-  cannot, since a node unpacks all its saved tensors whatever it computes.
-  Reentrant checkpointing rejects ``torch.autograd.grad``: use
-  :func:`backward_full` there.
-
-Each backward says what it runs (:mod:`pipesched.runtime.backward_kind`), so
-a fused linear knows whether to accumulate its weight's gradient, return it,
-or skip it.
+B runs autograd from outputs to inputs with the graph retained, capturing the
+gradient entering each intermediate that also leads to a weight; W runs from those
+to the weights, so B and W together cost one backward. Why not torch's private
+``_backward``: untyped, and its W needs inputs that require grad. Each backward
+declares its kind (:mod:`pipesched.runtime.backward_kind`) for the fused linears.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
 """Which backward pipesched is running, declared to the fused linears a thread built.
 
-A fused linear (:mod:`pipesched.runtime.fused_linear`) must know, for its
-weight, whether the running backward accumulates the gradient into ``.grad``
-(then it does so inside the GEMM), returns it (``torch.autograd.grad``
-captures the weight) or does not want it. torch answers only the first and
-last of these; for a leaf that ``autograd.grad`` captures it raises an error,
-and matching that error is what we refuse to do. So pipesched, which runs the
-backward itself (:mod:`pipesched.runtime.backward`), says what it runs:
-
-- :data:`FULL`: ``torch.autograd.backward`` without ``inputs=``: every leaf
-  it reaches accumulates;
-- ``BackwardKind(captured=...)``: ``torch.autograd.grad`` of those leaves (B);
-- ``BackwardKind(accumulated=...)``: ``torch.autograd.backward(inputs=...)``
-  accumulating those leaves only (a pass of W).
-
-The declaration is the calling thread's, and a fused linear reads the one of
-the thread that ran its forward: the autograd engine may run the backward in
-a device thread, but pipesched's stage worker runs both a micro-batch's
-forward and its backward. A backward nobody declared (the caller's own) gets
-each gradient returned to autograd: exact, not fused.
+A fused linear must know whether the running backward accumulates its weight's
+gradient, captures it (``autograd.grad``) or does not want it; torch answers only
+the first and last, so pipesched declares what it runs: :data:`FULL`, ``captured``
+(B) or ``accumulated`` (a W pass). The declaration is per thread; an undeclared
+backward gets every gradient returned to autograd (exact, not fused).
 """
 
 from __future__ import annotations

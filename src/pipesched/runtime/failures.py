@@ -1,15 +1,9 @@
 """What every rank of a pipeline learns when one fails, dies, or stops answering.
 
-Why a failure channel: gloo cannot poll a pending receive (its wait with a
-timeout closes the connection), so a rank blocked in a receive learns about
-a failure only when its peer's connection closes or its wait times out. A
-failing rank therefore writes a :class:`Failure` to the job's TCP store
-first, then closes its pipeline's connections; every rank then fails in
-turn, reads the first failure from the store, and raises it as a
-:class:`~pipesched.errors.RemoteError`. A rank that writes nothing is named
-by whoever waited for it, from how the wait ended: its connection closed (it
-died: killed, out of memory) or the wait ran out (it is alive but hung, or
-slower than the timeout).
+Why a failure channel: gloo cannot poll a pending receive, so a failing rank first
+writes a :class:`Failure` to the job's TCP store, then closes its connections; every
+rank then reads it and raises a :class:`~pipesched.errors.RemoteError`. A rank that
+wrote nothing is named by how the wait ended: connection closed (dead) or timed out.
 """
 
 from __future__ import annotations

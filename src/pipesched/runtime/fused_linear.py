@@ -1,49 +1,10 @@
 """Linear layers whose weight gradient is accumulated inside the GEMM (Megatron's fusion).
 
-A stage's backward over many small micro-batches spends a large part of its
-time *adding* each micro-batch's weight gradient into ``.grad``: for a
-``Linear(1024, 1024)`` and 32 rows, autograd's ``mm`` then ``AccumulateGrad``'s
-add (a 4 MiB read-modify-write) cost about 2.5x one ``addmm_`` into ``.grad``.
-Megatron-LM fuses the two (``gradient_accumulation_fusion``); pipesched does
-the same for ``torch.nn.functional.linear`` calls, and ``addmm(bias, x,
-weight)`` (GPT-2's ``Conv1D``), eager or in traced stages, inside its own
-forward and backward of a step.
-
-Only where it pays: the fused path is a Python ``autograd.Function`` whose
-forward and backward cost about 60 us more per call than autograd's C++
-``linear`` (measured on a 2-core EPYC, ``benchmarks/fusion.py --sweep``),
-while the add it saves costs about 60 us per MiB of weight gradient. Steps
-of 8 x ``Linear(w, w)`` in 2 stages (32-row micro-batches) ran 8% slower fused
-at w = 384 (0.56 MiB of fp32 weight), 6% faster at 512 (1 MiB), 11% faster at
-1024. So only 2-D weights of at least :data:`MIN_FUSED_BYTES` (2 MiB, twice the
-smallest that gained, for other machines' margin: ``Linear(768, 768)`` in fp32
-and up) are fused, decided once per parameter when the runtime is
-built (:func:`worth_fusing`), from the weight's size alone: neither the
-saved add nor the overhead depends on the micro-batch's rows. A stage holding
-no such weight never enters the mode, so a model of small layers runs
-exactly as with ``fuse_weight_grads=False``; in a stage that holds one, every
-other torch call pays a Python call and one set lookup (about 1.3 us).
-
-Why not everywhere else: the fused backward writes ``.grad`` itself instead of
-returning the weight's gradient to autograd, so it is used only where pipesched
-runs the backward (``Pipeline.step``/``accumulate``; not ``pipe(x)``, whose
-backward the caller runs), for parameters that no other stage shares (two
-stages in two threads would race on ``.grad``; autograd's ``AccumulateGrad``
-locks, this does not), without gradient hooks, without autocast, in plain
-strided tensors of the weight's dtype. Everything else runs the ordinary
-``linear``, and so do ``nn.MultiheadAttention``'s projections: the mode sees
-``F.multi_head_attention_forward`` as one call and runs it without the mode.
-
-Which gradients a call computes follows the backward pipesched declares it
-runs (:mod:`pipesched.runtime.backward_kind`): the weight's is accumulated in
-the GEMM where that backward accumulates it, returned where it captures it
-(``autograd.grad``), skipped otherwise; the input's is computed where the
-engine will use it (:func:`pipesched.runtime.compat.internals.engine_will_execute`). A split
-backward (zero-bubble B, then W) therefore computes the input gradient in B
-and the fused weight accumulation in W, like any other operation. In a
-backward pipesched did not declare, the weight's gradient is returned to
-autograd: exact, not fused. The private torch APIs this relies on are checked
-in :mod:`pipesched.runtime.compat.internals`; without them fusion is off.
+With small micro-batches, adding each weight gradient into ``.grad`` costs as much
+as the product; one ``addmm_`` into ``.grad`` does both. The fused path has a fixed
+per-call overhead, so only weights of at least :data:`MIN_FUSED_BYTES` are fused
+(measurements: docs/guide.md, "Fused weight-gradient accumulation"), and only where
+pipesched runs the backward and no other stage shares the weight.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """The process-group side of point-to-point transfers: post, wait, and name who failed.
 
-Both p2p transports (:mod:`pipesched.runtime.p2p`, :mod:`pipesched.runtime.ordered`)
-send and receive through a :class:`Link`. Sends never block here: their work
-and buffer are kept until :meth:`Link.finish`. A failed post or wait raises
-:class:`~pipesched.errors.RemoteError` naming the peer and why: the failure it
-reported, or how the wait ended (connection closed: it died; ran out of time:
-it is alive but hung); see :mod:`pipesched.runtime.failures`.
+Both p2p transports send and receive through a :class:`Link`; sends never block
+and are kept until :meth:`Link.finish`. A failure is a
+:class:`~pipesched.errors.RemoteError` naming the peer (:mod:`pipesched.runtime.failures`).
 """
 
 from __future__ import annotations

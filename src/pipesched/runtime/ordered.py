@@ -1,29 +1,10 @@
 """Point-to-point transfers under NCCL's rules: tags ignored, messages matched in posting order.
 
-NCCL matches the k-th send from one rank to another with the k-th receive
-posted there, and runs a pair's sends and receives on one stream in the
-order they were posted. This transport therefore posts every send and
-receive of a step in the order of the schedule's transfer plan
-(:func:`~pipesched.schedule.transfers.transfer_plan`), which both ends of
-every pair agree on: before each action, the receives the plan puts before
-it; right after an action, its send. Every message is sent under tag 0, and
-its header names it, so a message read in the wrong slot is an error that
-says so, never a swapped tensor.
-
-Sizes: a receive posted ahead must have the message's exact size. Both
-ends keep, per pair and direction, the layouts seen so far, keyed by the
-message's channel and the micro-batch's input shapes (which every rank of a
-pipeline has, and agrees on at the step's start). A known key is posted ahead
-at its size; an unknown one (a new shape) is preceded by a header-only
-notice, which the receiver waits for before posting anything after it in the
-plan. Each wait is for something earlier in the one global order, so this
-never deadlocks; it only posts less far ahead on steps with new shapes.
-A stage whose output layout changes while its input shapes do not (data-
-dependent shapes) is refused with a ConfigError.
-
-On gloo, ``PIPESCHED_P2P=ordered`` selects this transport so that CPU tests
-follow NCCL's matching rules (gloo matches a pair's messages of one tag in
-order, and every message here has tag 0).
+Every send and receive is posted in the order of the schedule's transfer plan,
+which both ends agree on; each message's header names it, so a mismatch is an
+error, never a swapped tensor. A receive needs the exact size: known layouts are
+posted ahead, a new shape is preceded by a header-only notice. On gloo,
+``PIPESCHED_P2P=ordered`` selects it so that CPU tests follow NCCL's rules.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
 """Tagged point-to-point transfers (gloo over TCP): each message under a tag naming it.
 
-Each transfer is one message (:mod:`pipesched.runtime.wire`), sent with
-``isend`` under a tag naming it (kind, stage, micro-batch). Sends never
-block. Receives are posted at their place in the step's transfer plan
-(:func:`~pipesched.schedule.transfers.transfer_plan`), so the data moves
-while this rank computes: posting a receive right after reading the one
-before it, as a first version did, made each ``irecv`` call cost about
-0.3 ms against 0.07 ms here (gloo's pair is busy with the message just read).
-A worker that needs a later message of a channel (a kind and a receiving
-stage) reads the earlier ones first and keeps them.
-
-Where receives need a message's exact size (NCCL, gloo's uv transport),
-:mod:`pipesched.runtime.ordered` is used instead.
+Sends never block; receives are posted at their place in the step's transfer plan
+so the data moves while the rank computes (posting each right after reading the
+one before was several times slower: docs/distributed.md, "Speed"). Where receives
+need exact sizes (NCCL, gloo's uv transport), :mod:`pipesched.runtime.ordered` is used.
 """
 
 from __future__ import annotations

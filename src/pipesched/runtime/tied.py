@@ -1,18 +1,9 @@
 """Parameters several stages share (tied weights): their gradients summed in stage order.
 
-Why: the stages of a step run in threads of their own, and autograd's
-``AccumulateGrad`` adds each stage's gradient into the one ``.grad`` in
-whatever order the threads get there. Floating-point addition is not
-associative, so a tied weight (an embedding and its LM head) differed run to
-run at 1e-17. While a step runs its stages in several threads, a gradient
-hook on each shared parameter takes every contribution away from autograd
-(``AccumulateGrad`` adds a zero instead) into the sum of the stage that made
-it (the stage's backward runs in one thread, micro-batches in schedule order),
-and when the step has run the sums are added to ``.grad`` in stage order.
-
-The stage is the one whose backward (B or W) runs in the hook's thread
-(:meth:`TiedGradients.stage`). A gradient computed on another thread (an
-autograd thread of a CUDA device) is left to autograd as before.
+Why: stage threads would add into one ``.grad`` in whatever order they get there,
+and floating-point addition is not associative. While a step runs, a hook takes each
+contribution into its stage's sum (:meth:`TiedGradients.stage`), and the sums are
+added to ``.grad`` in stage order when the step has run.
 """
 
 from __future__ import annotations

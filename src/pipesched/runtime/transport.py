@@ -1,19 +1,8 @@
 """The contract between the interpreter and whatever carries values between workers.
 
-One interpreter (:mod:`pipesched.runtime.interpreter`) runs every worker's
-actions; only how a value reaches another worker differs, and that is a
-:class:`Transport`: the in-process mailbox (:mod:`pipesched.runtime.mailbox`,
-threads and CUDA streams), tagged gloo point-to-point
-(:mod:`pipesched.runtime.p2p`) and NCCL-ordered point-to-point
-(:mod:`pipesched.runtime.ordered`). A value that stays on its worker (the
-turn of a V schedule) never reaches the transport.
-
-Which p2p transport a mesh uses: NCCL always gets the ordered one (it
-matches messages by order, not tag, and needs exact sizes), and so does gloo
-where it needs exact sizes too (its uv transport: macOS, Windows). gloo over
-TCP (Linux) gets the tagged one, unless the environment variable
-``PIPESCHED_P2P=ordered`` asks for the ordered one: a testing aid that makes
-gloo follow NCCL's matching rules on a CPU machine.
+A :class:`Transport` is the in-process mailbox, tagged gloo p2p or NCCL-ordered p2p.
+NCCL, and gloo where it needs exact sizes (uv: macOS, Windows), get the ordered one;
+gloo over TCP gets the tagged one unless ``PIPESCHED_P2P=ordered`` (a testing aid).
 """
 
 from __future__ import annotations

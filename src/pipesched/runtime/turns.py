@@ -1,19 +1,10 @@
 """Whether the local runtime's workers take turns: measured, since only the machine can tell.
 
-Two worker threads of one process share the GIL, and each of torch's calls
-releases it. Where actions are long (large layers) the workers truly overlap:
-one computes while the other runs Python. Where they last tens of
-microseconds (tiny layers, many micro-batches), two workers awake at once
-pass the GIL back and forth at each call, and each pass wakes a sleeping
-thread: a 2-stage step of 4 x ``Linear(16, 16)`` over 512 micro-batches ran
-up to 1.5x slower than with the workers taking turns (one runs while the other
-sleeps, :class:`~pipesched.runtime.mailbox.Mailbox`'s ``hold``), though on the
-same machine under another load, taking turns lost. Which wins depends on the
-layers, the core count and the load, so
-:class:`Turns` measures both ways on the pipeline's own steps and keeps the
-faster, checking the other again now and then (ever more rarely while it
-keeps losing). Results never depend on it: each worker runs its actions in
-the schedule's order either way.
+Two worker threads share the GIL: with long actions they overlap, with actions of
+microseconds they pass the GIL at every call and can run faster taking turns. Which
+wins depends on layers, cores and load, so :class:`Turns` measures both on the
+pipeline's own steps, keeps the faster and rechecks ever more rarely. Results never
+depend on it: each worker runs its actions in the schedule's order either way.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """Where B stops and W starts in a micro-batch's autograd graph.
 
-B (:func:`pipesched.runtime.backward.backward_input`) runs autograd from a
-stage's outputs to its inputs; the weight gradients wait for W. This module
-reads the graph once per B and says which *intermediates* (nodes B executes
-that also lead to a weight along an edge B does not follow) must have their
-incoming gradient captured, and how W splits into autograd calls: a source
-and the weights it reaches by weight-side edges run in one call (a
-:class:`Group`). Pure graph functions over ``torch.autograd.graph.Node``; no
-gradient is computed here.
+Read once per B: which intermediates must have their incoming gradient captured,
+and how W splits into autograd calls (a :class:`Group` per source and the weights it
+reaches). Pure graph functions over ``torch.autograd.graph.Node``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """The local runtime's worker threads, kept from one step to the next.
 
-Why kept: starting a thread waits until it runs, and two of them cost a step
-0.2-0.7 ms, a fifth of a whole step of 8 tiny micro-batches. A kept thread
-waits on its own queue between steps; it is named ``pipesched-worker-<w>``
-only while it runs a step's actions (``pipesched-idle`` otherwise), so
-"no worker thread left" still means that no action of the step still runs.
-The threads end when their owner is garbage collected (or the process
-exits: they are daemons); a forked child, which inherits none, starts its own.
+Why kept: starting a thread waits until it runs, a noticeable share of a short step.
+A kept thread waits on its own queue, named ``pipesched-worker-<w>`` only while it
+runs a step's actions; the threads are daemons that end with their owner.
 """
 
 from __future__ import annotations

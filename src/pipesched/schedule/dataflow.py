@@ -1,13 +1,8 @@
 """The data-flow rule, written once: which action's result each action consumes, and what moves.
 
-F(s,i) takes F(s-1,i)'s output; B(last,i) starts from F(last,i)'s loss;
-B(s,i) takes B(s+1,i)'s input gradient; W(s,i) needs B(s,i). Of these, two
-kinds of value cross from one stage to another: a stage's input activation
-(made by F of the stage before) and its output gradient (made by B of the
-stage after). A :class:`Message` names one such value by the stage and
-micro-batch that consume it. The graph, the simulator, the transfer plan and
-both runtimes read the rule from here (the simulator inlines
-:func:`data_predecessor` in its inner loop; a test holds the two equal).
+F(s,i) takes F(s-1,i)'s output; B(s,i) takes B(s+1,i)'s input gradient; W(s,i)
+needs B(s,i). A :class:`Message` names a value crossing stages by its consumer. The
+graph, simulator, transfer plan and runtimes all read the rule here.
 """
 
 from __future__ import annotations

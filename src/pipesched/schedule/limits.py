@@ -1,12 +1,8 @@
 """How large a schedule pipesched works with: one cap on actions, checked before any work.
 
-Everything the schedule core does (build, validate, simulate, render) costs
-time and memory in proportion to a schedule's actions, and a few characters
-of input (``--chunks 1000000``, a CSV cell ``0F99999999``) can imply millions
-of them. So every entry point compares the number of actions its input
-implies, ``stages x micro-batches x kinds``, with :data:`MAX_ACTIONS` before
-it allocates anything per stage or micro-batch, and says the limit when it
-refuses.
+A few characters of input (``--chunks 1000000``) can imply millions of actions, so
+every entry point compares the actions it implies with :data:`MAX_ACTIONS` before it
+allocates anything per stage or micro-batch.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """Schedules written by hand: rows of short-form actions, checked against the size they imply.
 
-A schedule's stage and micro-batch counts are not written down; they are the
-largest indexes seen plus one. So one cell (``0F99999999``) can imply a
-schedule of hundreds of millions of actions. Before anything is sized by
-those counts, :func:`layout` compares the actions they imply with the cap
-(:data:`~pipesched.schedule.limits.MAX_ACTIONS`) and with the actions the
-text lists, and names the cell with its line (or worker row) when they do
-not fit. A few missing actions are left to :meth:`Schedule.validate`, which
-names each; a text that lists fewer than half the actions its largest
-indexes imply has an index typo, and is refused at once.
+One cell (``0F99999999``) can imply a huge schedule, so :func:`layout` checks the
+implied actions against :data:`~pipesched.schedule.limits.MAX_ACTIONS` and the
+listed ones before sizing anything, naming the cell; a text listing under half the
+actions its indexes imply is refused as a typo.
 """
 
 from __future__ import annotations

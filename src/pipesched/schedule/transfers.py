@@ -1,19 +1,10 @@
 """Where values cross between workers, in one order every worker agrees on.
 
-NCCL matches point-to-point messages between two ranks by the order they are
-posted, not by tag, and runs them on one stream in that order. Two ranks
-whose postings disagree swap tensors or hang. :func:`transfer_plan` derives,
-from the schedule alone, one global order of every action (a topological
-order of the schedule graph) and puts each crossing value's send right after
-the action that makes it, and its receive at the same point of the receiving
-worker's list. Every pair of workers then sees its sends and receives in one
-order on both sides, and a worker that posts its list in order never waits
-for a message that waits behind one of its own (each wait is for something
-earlier in the one global order). torch's pipelining lowers schedules the
-same way (``_add_send_recv``); here it is pure data, computed once per
-schedule.
+NCCL matches messages by posting order, not tag. :func:`transfer_plan` takes one
+global (topological) order of the actions and puts each send right after its
+action and the receive at the same point on the receiver, so no wait waits behind
+one of its own. Example::
 
-Example:
     >>> from pipesched.schedule import get_schedule
     >>> rows = transfer_plan(get_schedule("1f1b", 2, 2))
     >>> print(", ".join(map(str, rows[1])))

@@ -1,12 +1,9 @@
 """GradientAccumulator: the accumulation window users get wrong, done exactly, once per window.
 
-Why its own class: the common recipe, ``(loss / accumulation_steps).backward()``
-with ``optimizer.step()`` every k-th call, is only right when every
-micro-batch holds the same number of items. Here every micro-batch's loss is
-a SUM over its items, sums accumulate across the window, and at the window's
-end the gradients are divided once by the window's item count (../DESIGN.md,
-"Gradient normalization"), then unscaled, checked for inf/NaN over every
-stage, clipped by one global norm, stepped, scheduled and zeroed: each once.
+Why its own class: ``(loss / k).backward()`` is right only if every micro-batch
+holds as many items. Here losses are sums, and at the window's end gradients are
+divided once by the window's item count (DESIGN.md, "Gradient normalization"), then
+unscaled, checked, clipped, stepped, scheduled and zeroed, each once.
 """
 
 from __future__ import annotations

@@ -1,13 +1,9 @@
 """Checkpoint fit: everything a load would change is checked first, and undone if it fails.
 
-Why not let torch's own ``load_state_dict``s check: they check one object at
-a time, so a GradientAccumulator that loads the model, then the optimizers,
-then the schedulers has overwritten the parameters by the time the second
-optimizer refuses its state. Here :func:`check_fits` looks at the whole
-checkpoint against the accumulator before anything is written, and
-:class:`LoadSnapshot` keeps what loading writes, to put it back should applying
-still fail for a reason the checks do not know (a custom optimizer's hook, a
-scheduler of another kind).
+Why not torch's own ``load_state_dict`` checks: they check one object at a time, so
+a failing optimizer finds the parameters already overwritten. :func:`check_fits`
+checks the whole checkpoint first, and :class:`LoadSnapshot` puts back what a load
+wrote should applying still fail.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Content checksums of checkpoints: what loads is what was saved, or it is refused.
 
-Why our own: ``torch.load`` does not check the CRC-32 its zip files carry, and
-``torch.distributed.checkpoint`` keeps none, so a flipped byte in a tensor
-loads as another number. A digest (BLAKE2b) is taken at save over every
-tensor's bytes (with its dtype and shape) and over the rest of the state,
-pickled canonically (no memo, so that which objects were shared does not
-matter; sets in a fixed order), and checked at load before anything is
-applied.
+Why our own: ``torch.load`` ignores its zips' CRC-32 and DCP keeps none. A BLAKE2b
+digest over every tensor's bytes (dtype and shape too) and the canonically pickled
+rest is taken at save and checked at load before anything is applied.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """A GradScaler driven once per accumulation window, with one inf check over every stage.
 
-Why not GradScaler's own ``unscale_``/``step``: they decide per optimizer
-whether to skip, so with one optimizer per stage one stage can step while
-another skips on an inf, and ``unscale_`` may run only once per step. We keep
-GradScaler as the user's object and its scale as the truth, but do the
-window's bookkeeping ourselves, through its public API: read the scale, and
-set the next one with ``update(new_scale=...)``, once per window, after one
-inf check over all stages' gradients.
+Why not GradScaler's ``unscale_``/``step``: they decide per optimizer, so one stage
+could step while another skips. The scaler stays the user's and its scale the
+truth; the window reads it, checks all stages once, and sets the next with
+``update(new_scale=...)``.
 """
 
 from __future__ import annotations

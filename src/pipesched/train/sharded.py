@@ -1,30 +1,9 @@
 """One checkpoint for any layout: a GradientAccumulator's state under the plain model's names.
 
-Why not each rank's ``state_dict`` in a file of its own (what a mesh saved
-before): optimizer state is keyed by the parameter's position in the
-optimizer, gradients and item counts are partial sums per replica, and a
-rank holds only its stages, so such files resume only at the layout that
-wrote them. Here every entry is keyed by the model's own names, and what
-is split over ranks is summed first, so that the checkpoint is the state
-of one logical run:
-
-- ``model/<name>``: each parameter and buffer (the model's ``state_dict`` keys);
-- ``optim/<name>/<key>``: each parameter's optimizer state (``exp_avg``, ``step``, ...);
-- ``optim_groups/<rank>``: each param group's parameter names and options
-  (``lr``, ``betas``, ...), as each rank holds them;
-- ``grad/<name>``: a mid-window gradient, summed over replicas and tied ranks;
-- ``accumulator``: counters, the window's sums (over replicas), schedulers,
-  loss scale, and the layout that wrote it;
-- ``rng/<rank>``: each process's generator states;
-- ``checksums/<rank>``: the content digest of each entry that rank wrote
-  (:mod:`pipesched.train.integrity`), checked for every entry a load reads.
-
-Every rank writes its own stages' entries (:mod:`pipesched.train.store`);
-loading reads only the entries of the loading rank's stages, at any pp, dp
-or balance, or in one process. A window's gradient and counts go to one
-replica (dp rank 0) and, for a parameter several pp ranks share, to the
-first of them; the others start the window from zero, so that the window's
-end sums to the saved totals.
+Why: per-rank ``state_dict`` files resume only at the layout that wrote them. Here
+every entry is keyed by the model's names (``model/``, ``optim/``, ``grad/``,
+``accumulator``, ``rng/``, ``checksums/``), split state is summed first, every rank
+writes its stages' entries, and a load at any pp, dp or balance reads its own.
 """
 
 from __future__ import annotations

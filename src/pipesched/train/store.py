@@ -1,17 +1,9 @@
 """Sharded checkpoint directories: DCP versions, each committed atomically.
 
-Why not write straight into ``path`` as ``torch.distributed.checkpoint.save``
-does: a rank killed halfway would leave ``path`` a mix of two checkpoints,
-and the previous one lost. Here ``path`` is a directory of versions: each
-save writes a new one (every rank its own shards, in parallel), and only
-once every rank has written does global rank 0 commit it by replacing the
-small ``path/latest`` file, atomically, then remove the older versions. A
-save that dies anywhere before that leaves ``latest`` naming the previous,
-complete version; its half-written one is removed by the next save.
-
-A version is an ordinary DCP directory: ``torch.distributed.checkpoint``,
-``dcp_to_torch_save`` and other tools read ``path/<latest>`` directly, and
-:func:`resolve` accepts a plain DCP directory written elsewhere.
+Why not save straight into ``path``: a rank killed halfway would leave a mix of two
+checkpoints. Each save writes a new version, and once every rank has written, rank 0
+commits it by replacing ``path/latest`` atomically. A version is a plain DCP
+directory that torch's tools read directly.
 """
 
 from __future__ import annotations

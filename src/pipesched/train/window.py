@@ -1,13 +1,9 @@
 """The window end as a transaction: what it changes, taken before it and put back if it fails.
 
-Why not torch's own state dicts: ``optimizer.step()`` writes parameters and
-state tensors in place (``exp_avg.mul_``), and may create state lazily, so a
-shallow copy (or a ``state_dict()``, which aliases the live tensors) would
-change with the failed step. Here every tensor the optimizers may write is
-cloned, the state's dicts are kept as objects (so that whoever holds them
-keeps holding the same ones), and gradients are kept as they were (the window
-end never writes them: it scales out of place), so a failed window end,
-KeyboardInterrupt included, leaves the accumulator exactly as before it.
+Why not torch's state dicts: ``optimizer.step()`` writes in place and creates state
+lazily, and a ``state_dict()`` aliases live tensors. Every tensor the optimizers may
+write is cloned and their dicts kept as objects, so a failed window end,
+KeyboardInterrupt included, leaves the accumulator as it was.
 """
 
 from __future__ import annotations

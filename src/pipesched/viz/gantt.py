@@ -1,11 +1,8 @@
 """Gantt pictures of a schedule or a timeline, planned or measured, as PNG or SVG.
 
-Why not torch's visualizer: torch.distributed.pipelining draws every action
-with unit width, so the real costs that make the bubbles are invisible. Here a
-box is as wide as its action took, planned or measured, and a plan can be
-drawn under a measured run of the same step. matplotlib is imported only
-inside these functions, on a figure of its own (no pyplot, no global backend),
-so drawing works without a screen and leaves the caller's matplotlib alone.
+Why not torch's visualizer: it draws every action with unit width, hiding the costs
+that make the bubbles; here a box is as wide as its action took. matplotlib is
+imported only inside these functions, on a figure of its own (no pyplot).
 """
 
 from __future__ import annotations

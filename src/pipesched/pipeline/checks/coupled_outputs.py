@@ -1,38 +1,10 @@
 """Which outputs of a traced model mix rows of different samples: a micro-batch cannot compute them.
 
-A pipeline runs the model on each micro-batch, so an output is the plain
-model's only if sample i's value depends on sample i alone (logits, hidden
-states, a per-sample loss summed or averaged over samples). An in-batch
-contrastive model breaks that: CLIP's ``logits_per_image = image_embeds @
-text_embeds.T`` pairs every image with every text of the batch, and its loss
-is a cross-entropy over those pairs; per micro-batch, both are other numbers.
-
-The export tells, without running anything. Every tensor's dims carry
-symbolic sizes, and the inputs' dim 0 is the batch symbol, so each value of
-the graph is, from its inputs:
-
-- free of the batch (parameters, constants, ``arange(B)``: sizes only);
-- indexed by the batch (a dim whose size holds the batch symbol) with rows
-  that each come from their own sample;
-- pooled: depends on the batch's rows but has no batch dim (a sum or mean
-  over samples, a loss): fine as an output (the micro-batches' values add
-  up), or
-- coupled: indexed by the batch while its rows depend on other rows.
-
-A value is coupled when an input is coupled, when it has two batch dims (an
-outer product over samples: ``a @ b.T``), when it is indexed by the batch
-and computed from a pooled value (``x - x.mean(0)``), or when a scan along a
-batch dim makes it (softmax, cumsum, sort, flip, roll over dim 0).
-BatchNorm's operations count as per sample here: their coupling is told by
-:mod:`pipesched.pipeline.checks.micro_batch_norm`. Sizes are read as traced, before the
-trace pinned any: CLIP's ``len(logits)`` fixes its batch to the example's
-size, but every value computed before that still names the batch's symbol
-(values computed after it carry plain numbers, count as not indexed by the
-batch, and so are coupled only through their inputs: a pin never makes an
-output coupled, it can only hide one). What this cannot see: a nonlinear
-function of pooled values (``exp(loss)``, a product of two batch means) is
-taken for a mean over samples. Where the batch was never symbolic (nothing
-to tell by), no output counts as coupled.
+An output is the plain model's only if sample i's value depends on sample i alone;
+CLIP's in-batch contrastive logits do not. The export's symbolic sizes tell,
+without running anything: each value is batch-free, per-sample, pooled (fine) or
+coupled (an outer product over samples, a scan along the batch, a per-sample value
+computed from a pooled one). A nonlinear function of pooled values goes unseen.
 """
 
 from __future__ import annotations

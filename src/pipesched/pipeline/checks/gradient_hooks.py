@@ -1,19 +1,9 @@
 """The warning that parameters' gradient hooks run once per micro-batch, issued once per pipeline.
 
-A pipeline runs backward once per micro-batch, so a hook registered with
-``register_hook`` on a parameter sees that micro-batch's part of the
-gradient, ``chunks`` times a step, and a hook registered with
-``register_post_accumulate_grad_hook`` runs after each micro-batch's
-accumulation: as under gradient accumulation, not as in one backward of the
-whole batch. A hook that is linear in the gradient (scaling, logging a sum)
-gives the plain model's result; one that is not (clamping, normalizing)
-does not, and an optimizer stepped in a hook ("optimizer in backward")
-changes weights that later micro-batches' backwards still need (torch then
-raises that a variable "has been modified by an inplace operation").
-
-Why a warning and not an error: a linear hook is exact, and pipesched
-cannot tell a linear hook from another. Checked at a pipeline's first
-training step with more than one micro-batch.
+A hook sees each micro-batch's part of the gradient: exact if linear in it, not if
+it clamps or normalizes, and an optimizer stepped in a hook breaks later
+backwards. Why a warning and not an error: pipesched cannot tell a linear hook from
+another. Checked at the first training step with more than one micro-batch.
 """
 
 from __future__ import annotations

@@ -1,32 +1,9 @@
 """The warning that BatchNorm layers normalize micro-batches, issued once per pipeline.
 
-A pipeline runs its model on each micro-batch separately, so a BatchNorm in
-training mode computes its mean and variance over a micro-batch: its outputs
-and gradients differ from the plain model's on the whole batch (exactly as
-torchgpipe and GPipe do), and its running statistics move once per
-micro-batch, each from a smaller sample. Everything else pipesched runs gives
-the plain model's numbers, so this one departure is said out loud, once, at
-the first step where it happens.
-
-Which layers count: every ``torch.nn`` BatchNorm (``BatchNorm1d/2d/3d``, their
-lazy forms, ``SyncBatchNorm``, which syncs across replicas but still over one
-micro-batch each) in training mode, or in eval mode without running
-statistics (``track_running_stats=False``: it then normalizes with batch
-statistics in eval too). Not counted: BatchNorms in eval mode with running
-statistics (they normalize with those, whatever the batch); InstanceNorm,
-LayerNorm and GroupNorm (per sample); and :class:`~pipesched.DeferredBatchNorm`
-(``deferred_batch_norm=True``): choosing it is choosing per-micro-batch
-normalization with whole-batch running statistics. A BatchNorm subclass with
-a ``forward`` of its own (normalize, then an activation) counts even then:
-``deferred_batch_norm=True`` replaces only plain BatchNorms
-(:func:`~pipesched.runtime.stage.batchnorm.is_plain_batch_norm`), so its running statistics
-move once per micro-batch, and the message says so. A step with one
-micro-batch (``chunks=1``, or a batch of one row) changes nothing and warns
-nothing.
-
-Why a warning and not an error: per-micro-batch BatchNorm is how GPipe trains
-(and large enough micro-batches make the difference small); the user should
-know, not be stopped.
+A training-mode BatchNorm computes statistics over one micro-batch, unlike the plain
+model; that one departure is said once, at the first step where it happens.
+:class:`~pipesched.DeferredBatchNorm` and eval-mode BatchNorms with running
+statistics do not count. Why a warning and not an error: it is how GPipe trains.
 """
 
 from __future__ import annotations

@@ -1,61 +1,10 @@
 """Private torch APIs pipesched uses, each checked once at import, each with a fallback.
 
-Why a module of its own: torch promises nothing about its private names, and a
-release that renames one, or "fixes" what it returns, must neither break a
-user's step nor change its results silently. So every private API the package
-calls is looked up here, once, at import, and tried on a tiny probe where that
-is cheap and safe (a scalar backward, a two-element multiply). One that is
-missing or fails its probe switches off the feature that needed it, with one
-:class:`~pipesched.errors.TorchInternalsWarning` per process naming it, and the
-exact, slower path runs instead. No error message of torch's is used as
-control flow. A test deletes each one before import and checks that a step
-still equals the plain model's (``tests/runtime/compat/test_internals.py``); another checks
-that no other module names ``torch._C``, ``torch._ops`` or ``torch.utils._``.
-
-Checked, with a fallback (the table in docs/guide.md says what each costs):
-
-- ``torch._C._will_engine_execute_node`` (:func:`engine_will_execute`): a
-  fused linear skips an input gradient the running backward will not use
-  (never asked about a leaf). Without it: computed anyway, then dropped.
-- ``torch.autograd.graph._engine_run_backward`` (:func:`run_backward`): a
-  stage's backward without ``torch.autograd.backward``'s Python checks.
-  Without it: ``torch.autograd.backward``.
-- ``torch._C._autograd._top_saved_tensors_default_hooks``
-  (:data:`top_saved_tensors_hooks`): a fused linear sees it is inside a
-  checkpointed region. Without it: fused accumulation is off.
-- ``Tensor._backward_hooks`` and ``Tensor._post_accumulate_grad_hooks``
-  (:func:`has_gradient_hooks`): a hooked parameter's gradient goes through
-  autograd, and its hooks are named in a warning. Without either: every
-  parameter counts as hooked (no fusion), and unread tables are not named.
-- ``torch.utils.checkpoint.GraphExecGroup`` (:data:`one_recomputation`, torch
-  2.9+): a W's passes share one recomputation. Without it: one per pass.
-- ``torch._foreach_mul_`` (:func:`foreach_mul_`): gradient scaling in one
-  kernel per device. Without it: one ``mul_`` per gradient (same values).
-- ``torch._C._nn._parse_to`` (:func:`parse_to`): ``Pipeline.to()``'s
-  arguments read as ``nn.Module.to`` does. Without it: read in Python.
-- ``torch.nn.modules.module._global_*_hooks`` (:func:`global_module_hooks`):
-  hooks on every module could draw random numbers inside a stage of plain
-  layers (:mod:`pipesched.runtime.stage.seeding`). Without them: every stage is seeded.
-
-- ``SymNode._expr`` (:func:`size_symbols`): a symbolic size as traced, before
-  the shape environment specialized it (CLIP's ``len(logits)`` pins the
-  batch to the example's size). Without it: the specialized size, so a model
-  that pins its batch has no output told as batch-coupled.
-
-Hard requirements, re-exported without a fallback: there is no public
-alternative, and no exact path without them.
-
-- ``torch.utils._pytree`` (:data:`pytree`): the ``TreeSpec`` ``torch.export``
-  hands back (no public pytree module exists up to torch 2.13).
-- ``torch.utils._python_dispatch.TorchDispatchMode`` (:data:`TorchDispatchMode`):
-  every random operation seeded at the dispatcher (:mod:`pipesched.runtime.stage.rng`).
-- ``torch._ops.OpOverload`` (:data:`OpOverload`) and its ``_schema``: an ATen
-  operation and its signature, read by :mod:`pipesched.partition` and the seeding.
-
-Not routed here, used in place as torch's own modules use them: ``nn.Module``'s
-storage (``_modules``, ``_parameters``, ``_buffers``, ``_apply``, ...), the base
-classes ``_BatchNorm`` and ``_DropoutNd``, and the ATen checks ``torch.export``
-inserts (dropped from traced stages).
+Why a module of its own: torch promises nothing about private names, and a release
+that changes one must not break or silently change a step. Each is looked up here
+once and tried on a tiny probe; one that fails switches off its feature with one
+:class:`~pipesched.errors.TorchInternalsWarning` and the exact path runs. The table of
+APIs, uses and fallbacks is in docs/guide.md, "Private torch APIs".
 """
 
 from __future__ import annotations

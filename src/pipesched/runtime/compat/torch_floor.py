@@ -1,12 +1,8 @@
 """The oldest torch pipesched runs with, checked when pipesched is imported.
 
-The floor is the oldest torch the test suite runs against (``pyproject.toml``
-declares the same; a test keeps the two equal), not the oldest one that might
-work: older releases are not tested. The check reads the installed torch's
-version from ``torch/version.py`` without importing torch, so that the schedule
-layer stays free of torch (and costs nothing to import); where that file
-cannot be read (a torch laid out otherwise, or none installed) nothing is
-checked here and torch's own import decides.
+The floor is the oldest torch the suite runs against (``pyproject.toml`` agrees; a
+test holds them equal). The version is read from ``torch/version.py`` without
+importing torch, so the schedule layer stays torch-free.
 """
 
 from __future__ import annotations

@@ -1,24 +1,9 @@
 """Manipulation of micro-batches: scatter a batch into micro-batches, gather them back.
 
-Two departures from torchgpipe's ``microbatch.py``, both on purpose:
-
-- Sizes follow :func:`torch.tensor_split`, not :func:`torch.chunk`. ``chunk``
-  cuts 10 rows into 4 as 3, 3, 3, 1 and may return fewer pieces than asked
-  (6 rows into 4 gives 2, 2, 2); ``tensor_split`` gives sizes as even as
-  possible, larger first (3, 3, 2, 2). A batch smaller than ``chunks`` runs
-  ``batch_size`` micro-batches of one row: never an empty micro-batch, whose
-  mean loss would be NaN.
-- Inputs and outputs may be any nesting of tuples, lists, dicts (any Mapping)
-  and namedtuples, with tensor and non-tensor leaves, because models take
-  ``{"input_ids": ..., "attention_mask": ...}`` and not only a tensor or a
-  tuple of tensors.
-
-A tensor leaf with ``ndim >= 1`` is *batched*: it is cut along dim 0, and all
-batched leaves must agree on that size. Non-tensor leaves and 0-dim tensors are
-shared: every micro-batch gets the same object. Pieces are views (no copy) and
-keep autograd, so gradients flow back to the whole batch.
-
-Index letters as in the rest of pipesched: ``i`` a micro-batch, ``m`` their count.
+Two departures from torchgpipe, on purpose: sizes follow :func:`torch.tensor_split`
+(as even as possible, never an empty micro-batch), and inputs may be any nesting of
+tuples, lists, mappings and namedtuples. Tensor leaves with ``ndim >= 1`` are cut
+along dim 0 as views; other leaves are shared by every micro-batch.
 """
 
 from __future__ import annotations

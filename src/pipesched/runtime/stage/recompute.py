@@ -1,34 +1,10 @@
 """Activation checkpointing: recompute a stage's forward during its backward.
 
-Why not torchgpipe's checkpointing: it is reentrant (a custom autograd
-Function whose forward runs under ``no_grad``). Reentrant checkpoints only
-reach the parameters through inputs that require grad, so a first stage fed
-token ids needs torchgpipe's "phony" tensor trick, and torch's own reentrant
-checkpoint silently leaves every parameter's ``.grad`` None there. torch's
-non-reentrant checkpoint (saved-tensor hooks) has none of that: parameters get
-gradients whatever the inputs, autocast and the RNG state of the forward are
-replayed in the recomputation, and backward may come any time later (1F1B).
-torchgpipe runs recomputation ahead of the gradient's arrival to overlap it
-with the copy of the gradient between devices; we leave that overlap to the
-runtime's streams and keep this module a thin, well-tested wrapper.
-
-Why a buffer guard: recomputing a forward repeats its side effects. A
-training-mode BatchNorm updates ``running_mean``, ``running_var`` and
-``num_batches_tracked`` on every call, and any module may keep a counter or
-an average in a buffer; a checkpointed stage would update them twice per
-micro-batch, so the model's state would depend on the checkpoint mode.
-During the recomputation we therefore put a throwaway clone in the place of
-every buffer the checkpointed module uses (its modules' own, or, for a
-traced stage, the model's buffers it reads by name) and put the real ones
-back afterwards, whatever the recomputation wrote. (Setting
-``track_running_stats=False`` instead, the obvious guard for BatchNorm, does
-not work: BatchNorm then saves two tensors fewer for backward, and the
-non-reentrant checkpoint rejects the recomputation with "A different number
-of tensors was saved during the original forward and recomputation".) The
-recomputation reads each buffer's value at the time it runs: a module whose
-output depends on a buffer it also updates (an average used in the forward)
-recomputes with the later value. Other modules with side effects (outside
-buffers) can ask :func:`is_recomputing`.
+Why torch's non-reentrant checkpoint and not torchgpipe's reentrant one: parameters
+get gradients whatever the inputs (token ids), and autocast and RNG are replayed.
+Why a buffer guard: recomputation repeats side effects (BatchNorm's running stats),
+so each buffer the module uses is swapped for a throwaway clone while it runs.
+Other modules with side effects can ask :func:`is_recomputing`.
 """
 
 from __future__ import annotations

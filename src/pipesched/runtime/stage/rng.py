@@ -1,53 +1,10 @@
 """Randomness inside stages: every random draw a pure function of (step seed, micro-batch, place).
 
-Why: torch draws random numbers from one generator per device, shared by
-every thread. With one worker thread per stage, two stages on the CPU draw
-from it concurrently, so dropout masks depend on thread timing; worse,
-activation checkpointing replays the generator's state before recomputing a
-stage, and a concurrent draw in between makes the recomputed mask differ from
-the forward's: gradients that do not belong to the output, silently.
-torchgpipe avoids the race by running all CPU stages on one thread, giving up
-parallelism; seeding only ``nn.Dropout`` modules (our first release) misses
-functional dropout, attention dropout (``nn.MultiheadAttention``, SDPA),
-``torch.rand_like`` masks, drop-path and ``bernoulli_``.
-
-So we seed at the one place every random draw passes: the dispatcher. While a
-stage runs a micro-batch's forward (or recomputes it), a ``TorchDispatchMode``
-sees each ATen operation; those tagged ``nondeterministic_seeded`` (every
-random operation torch has, including ones no list here names) draw from a
-generator seeded from
-
-    (the step's seed, the micro-batch, the module that called it, its draw count there)
-
-The generator is the thread's own (passed as ``generator=``), so the shared
-default generator is never touched and another thread's draw cannot slip in
-between; an operation without that argument (CUDA's fused dropout) seeds the
-default generator under a process-wide lock and restores it afterwards. The
-module is the innermost of the model's own named modules on the call stack
-(``"encoder.layers.1.self_attn"``), found only when a random operation runs,
-so it depends neither on how the model was cut into stages nor on where a
-recomputation starts (a stage's, or the model's own ``torch.utils.checkpoint``
-of one layer): masks depend on neither timing, balance, schedule, nor
-process, and recomputation reproduces them exactly. The step's seed is drawn
-from torch's default CPU generator once per step, at the step's first draw:
-a model with no random operations (or only ones that draw nothing, like a
-dropout of p = 0) leaves that generator as the plain model would, and
-``torch.manual_seed`` makes runs repeat.
-
-An operation given a generator of the user's own (``generator=g``) is
-seeded the same way, from ``g`` instead of the default generator: ``g``
-gives one seed per step (drawn at the step's first draw from it, under the
-lock: whichever thread gets there first draws the same number), and each
-draw's numbers are a function of (that seed, micro-batch, place, count).
-So ``g.manual_seed`` makes runs repeat, ``g`` moves by one draw per step
-that used it, and recomputation, threads, schedules and balance change
-nothing, as for default-generator draws. (Drawing from ``g`` itself, in the
-order draws happen, would tie the numbers to the order stages run in, and a
-recomputation would draw ``g``'s later numbers.)
-
-What this cannot cover: random numbers drawn outside torch's dispatcher
-(Python's ``random``, NumPy). A model's non-random operations pay one Python
-dispatch per operation in forward (a few microseconds each).
+Why: stages in threads share torch's generators, so masks would depend on timing
+and a recomputation could draw other numbers. A ``TorchDispatchMode`` seeds every
+``nondeterministic_seeded`` ATen operation from (step seed, micro-batch, innermost
+named module, draw count) on the thread's own generator, so masks depend on neither
+timing, cut, schedule nor process. Draws outside the dispatcher are not covered.
 """
 
 from __future__ import annotations

@@ -1,36 +1,10 @@
 """Where a stage's random operations get seeded: the whole forward, or only modules seen drawing.
 
-Why not seed the whole forward always: :mod:`pipesched.runtime.stage.rng` seeds at the
-dispatcher, which costs one Python call per ATen operation while it is on. On a
-stage of small layers that made a step up to twice as slow, and most stages
-draw nothing at all. So a stage on the local runtime seeds its whole forward
-only in its first step (per training mode: ``train()`` and ``eval()`` are
-learned apart, dropout draws in one only), recording which modules drew. From
-its next step on, only those modules are seeded (a hook turns the dispatch
-mode on while they run), and a tripwire watches the rest: before and after
-each forward and backward it reads the default generators' states (seeded
-draws never move them, and the step's own seed draw is told apart). A
-changed state means an unseeded draw, somewhere no draw was seen before:
-the stage raises :class:`UnseededDraws`, the pipeline puts the step back
-(:mod:`pipesched.runtime.transaction`, generators included) and runs it again
-with every stage seeded throughout, learning the new place. Draws are keyed
-the same way whichever of these is on, so the numbers never depend on it. A
-stage whose draws come from no named module (a random loss function), or
-that trips three times, stays seeded throughout. A backward is seeded
-throughout where the model checkpoints itself (``torch.utils.checkpoint``
-inside a stage recomputes in backward); then every stage is, from then on:
-torch's recomputation sets and restores the shared generator from its
-thread, which other stages' tripwires would see. On a mesh a rerun needs
-every rank: a tripwire there only marks the step spoiled (``deferred``), the
-step runs to its end on every rank, the ranks agree whether any was spoiled,
-and all put it back and rerun it together (:mod:`pipesched.runtime.engine`).
-
-Except where nothing can draw: a stage made only of torch's layers that
-draw no random numbers (``nn.Linear``, activations, norms, convolutions,
-embeddings, ...; :func:`draws_nothing`), of exactly those types, with no
-module hooks, is not seeded and needs no tripwire. On a mesh that is what
-keeps the dispatch mode's cost off a stage of small layers (a 2-rank step of
-4 tiny ``Linear`` stages: 10-15% of its time).
+Why not always the whole forward: the dispatch mode costs a Python call per
+operation, and most stages draw nothing. A stage seeds throughout in its first step,
+then only the modules seen drawing, with a tripwire on the generators' states: an
+unseeded draw raises :class:`UnseededDraws`, and the step is put back and rerun
+seeded throughout. A stage of torch's non-drawing layers (:func:`draws_nothing`) is never seeded.
 """
 
 from __future__ import annotations

@@ -1,13 +1,8 @@
 """DualPipeV: DeepSeek's DualPipe folded onto a V, as torch.distributed.pipelining orders it.
 
-Why it departs from the original: DualPipe overlaps the forward of one
-micro-batch with the backward of another inside one "overlapped chunk" (two
-CUDA streams, communication hidden behind compute). Our runtimes run one
-action at a time per worker, so an overlapped chunk becomes its forward
-followed by its backward, in the order torch emits its sub-actions. A
-backward torch runs whole (``FULL_BACKWARD``) is our ``B`` followed at once by
-its ``W``; torch's ``BACKWARD_INPUT`` is our ``B``, its ``BACKWARD_WEIGHT`` our
-``W``. So the order is torch's, action for action, with every backward split.
+Why it departs from the original: our runtimes run one action at a time per worker,
+so an overlapped chunk becomes its forward then its backward, in torch's order; a
+full backward is our ``B`` followed at once by its ``W``.
 """
 
 from __future__ import annotations

@@ -1,26 +1,10 @@
 """V-Half and V-Min: V schedules with 1/2 and 1/3 of 1F1B's activation memory.
 
-The construction is the reference code of Qi et al., 2024, "Pipeline
-Parallelism with Controllable Memory" (sail-sg/zero-bubble-pipeline-
-parallelism, ``megatron/core/pipeline_parallel/zerobubble/scheduler/
-zbv_greedy.py``), ported to our IR. The paper builds a schedule by repeating
-one *building block*: worker ``w`` runs the four passes of a micro-batch
-(forward down, forward up, backward up, backward down the V) at fixed
-offsets inside the block, and the block repeats every 6 slots, one
-micro-batch per block. The offsets between the
-passes set how many blocks overlap, hence the memory: V-Min's offsets keep
-about ``p/3`` whole shares in flight per worker, V-Half's ``p/2``
-(1F1B: ``p``). The repeated pattern has holes at the start and the end;
-the reference "squeezes" it twice with a greedy pass that moves each pass
-into the earliest free slot that its dependencies allow without raising the
-worker's peak memory, then fills the remaining holes with Ws.
-
-Names: the reference's types ``F f B b W w`` are, on worker ``w``,
-``F`` = F of stage ``w`` (down), ``f`` = F of stage ``2p-1-w`` (up),
-``B`` = B of stage ``2p-1-w`` (the gradient comes back up the V first),
-``b`` = B of stage ``w``; W of ``B`` and of ``b`` likewise. Every worker's
-list of slots per type is kept as in the reference; the order is the slots
-sorted.
+A port of Qi et al., 2024, "Pipeline Parallelism with Controllable Memory"
+(sail-sg/zero-bubble-pipeline-parallelism, ``zbv_greedy.py``): a building block
+repeated every 6 slots, its offsets setting the memory, squeezed twice by a greedy
+pass and its holes filled with Ws. The reference's ``F f B b W w`` on worker ``w``
+are F of stage ``w``, F of ``2p-1-w``, B of ``2p-1-w``, B of ``w``, and their Ws.
 """
 
 from __future__ import annotations
