@@ -49,8 +49,9 @@ alternative, and no exact path without them.
   hands back (no public pytree module exists up to torch 2.13).
 - ``torch.utils._python_dispatch.TorchDispatchMode`` (:data:`TorchDispatchMode`):
   every random operation seeded at the dispatcher (:mod:`pipesched.runtime.stage.rng`).
-- ``torch._ops.OpOverload`` (:data:`OpOverload`) and its ``_schema``: an ATen
-  operation and its signature, read by :mod:`pipesched.partition` and the seeding.
+- ``torch._ops.OpOverload`` (:data:`OpOverload`) and its ``_schema``
+  (:func:`op_schema`): an ATen operation and its signature, read by
+  :mod:`pipesched.partition`, the model checks and the seeding.
 
 Not routed here, used in place as torch's own modules use them: ``nn.Module``'s
 storage (``_modules``, ``_parameters``, ``_buffers``, ``_apply``, ...), the base
@@ -87,6 +88,7 @@ __all__ = [
     "has_gradient_hooks",
     "has_module_hooks",
     "one_recomputation",
+    "op_schema",
     "parse_to",
     "pytree",
     "run_backward",
@@ -389,6 +391,11 @@ _global_tables: list[Any] | None = _found
 if not all(isinstance(table, dict) for table in _found):
     _global_tables = None
     _missing("torch.nn.modules.module._global_*_hooks", "stages of plain layers are seeded too")
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The signature of an ATen operation: its arguments, returns, mutability."""
+    return op._schema
 
 
 def global_module_hooks() -> bool:
