@@ -139,6 +139,21 @@ def _reads(tree: ast.Module) -> Iterator[tuple[int, str, str]]:
                     yield node.lineno, f"{node.module}.{alias.name}", alias.name
 
 
+def _private_imports(tree: ast.Module, package: str) -> Iterator[tuple[int, str]]:
+    """(line, path) of each ``from pipesched.x import _y`` (or of ``x._mod``) of another package."""
+    for node in ast.walk(tree):
+        if not (isinstance(node, ast.ImportFrom) and node.level == 0 and node.module):
+            continue
+        parts = node.module.split(".")
+        if parts[0] != "pipesched":
+            continue
+        here = "/".join(parts[1:])
+        source = here if (SRC / here / "__init__.py").exists() else here.rpartition("/")[0]
+        for alias in node.names:
+            if source != package and any(map(_private, [*parts, alias.name])):
+                yield node.lineno, f"{node.module}.{alias.name}"
+
+
 def _violations(modules: dict[str, ast.Module] = MODULES) -> list[tuple[str, int, str, str]]:
     """(module, line, expression, why) of every read outside its owner."""
     found = []
@@ -151,6 +166,8 @@ def _violations(modules: dict[str, ast.Module] = MODULES) -> list[tuple[str, int
                 continue
             why = "another package's private" if name in OURS else "a torch private"
             found.append((module, line, expression, why))
+        for line, path in _private_imports(tree, package):
+            found.append((module, line, path, "another package's private"))
     return found
 
 
@@ -178,16 +195,22 @@ def test_the_rule_bites():
     """Reads planted in a copy of the modules are reported; the same reads at home are not."""
     planted = {
         # another package's private: the Schedule's cache, read by the runtime
-        "runtime/mailbox.py": "def f(schedule):\n    return schedule._cache\n",
+        "runtime/mailbox.py": (
+            "from pipesched.viz import _draw\ndef f(schedule):\n    return schedule._cache\n"
+        ),
         # a torch private outside the shims
         "viz/gantt.py": "def f(t):\n    return t._base, torch._C\n",
         # at home: the schedule package reads its own class's private
-        "schedule/text.py": "def f(schedule):\n    return schedule._cache\n",
+        "schedule/text.py": (
+            "from pipesched.schedule.schedule import _x\n"
+            "def f(schedule):\n    return schedule._cache\n"
+        ),
     }
     modules = MODULES | {m: ast.parse(code) for m, code in planted.items()}
     found = {(m, e) for m, _, e, _ in _violations(modules) if m in planted}
     assert found == {
         ("runtime/mailbox.py", "schedule._cache"),
+        ("runtime/mailbox.py", "pipesched.viz._draw"),
         ("viz/gantt.py", "t._base"),
         ("viz/gantt.py", "torch._C"),
     }
@@ -278,4 +301,7 @@ def test_the_train_rules_bite():
         "train/planted.py:4: pipesched.runtime.transaction",
     ]
     # acc._items is the accumulator's own (train/ defines it); pipe._built is the Pipeline's
-    assert _train_reads(modules) == ["train/planted.py:6: acc.pipe._built"]
+    assert _train_reads(modules) == [
+        "train/planted.py:3: pipesched._LAZY",
+        "train/planted.py:6: acc.pipe._built",
+    ]
