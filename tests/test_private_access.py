@@ -18,15 +18,14 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "pipesched"
 COMPAT = "runtime/compat"
 
-# A documented public API despite its underscore: the caller's frame.
-PUBLIC_UNDERSCORE = {"sys._getframe"}
+# Documented public APIs despite their underscore: the caller's frame, a namedtuple's fields.
+PUBLIC_UNDERSCORE = {"sys._getframe", "_fields"}
 
 # The modules that use torch's private names in place, as torch's own modules do (see
 # runtime/compat/internals.py, "Not routed here"), or a namedtuple's documented methods:
 # module -> the names it may read, and why.
 TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
     "schedule/simulate.py": ({"_make"}, "namedtuple API: an Event from its fields"),
-    "runtime/stage/microbatch.py": ({"_fields"}, "namedtuple API: rebuilds a split namedtuple"),
     "partition/materialize.py": (
         {"_parameters", "_buffers", "_non_persistent_buffers_set", "_version"},
         "swaps a module's own tensors in place; a tensor's version tells it was written",
@@ -46,8 +45,8 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
     "runtime/stage/recompute.py": ({"_buffers"}, "restores a recomputed layer's own buffers"),
     "runtime/stage/seeding.py": ({"_modules"}, "walks children without Module's dedup"),
     "runtime/stage/rng.py": (
-        {"_DropoutNd", "_call_impl"},
-        "seeds dropout layers and wraps Module's call to seed each layer",
+        {"_DropoutNd", "_call_impl", "_cdata"},
+        "seeds dropout layers, wraps Module's call to seed each layer, tells generators apart",
     ),
     "runtime/stage/batchnorm.py": ({"_BatchNorm"}, "DeferredBatchNorm is a _BatchNorm"),
 }
@@ -123,13 +122,25 @@ MODULES = dict(_modules())
 DEFINED: dict[str, set[str]] = defaultdict(set)  # package directory -> names
 for _module, _tree in MODULES.items():
     DEFINED[_package(_module)] |= _defines(_tree)
-OURS = set().union(*DEFINED.values())
 
 
 def _reads(tree: ast.Module) -> Iterator[tuple[int, str, str]]:
-    """(line, expression, private name) of each ``x._name`` and ``from m import _name``."""
+    """(line, expression, private name) of each ``x._name``, ``getattr(x, "_name")`` and
+    ``from m import _name``."""
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and _private(node.attr):
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "hasattr", "setattr", "delattr")
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+            and _private(node.args[1].value)
+        ):
+            owner = node.args[0]
+            if not (isinstance(owner, ast.Name) and owner.id in ("self", "cls")):
+                yield node.lineno, f"{ast.unparse(owner)}.{node.args[1].value}", node.args[1].value
+        elif isinstance(node, ast.Attribute) and _private(node.attr):
             if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                 continue
             yield node.lineno, ast.unparse(node), node.attr
@@ -160,12 +171,11 @@ def _violations(modules: dict[str, ast.Module] = MODULES) -> list[tuple[str, int
     for module, tree in modules.items():
         package = _package(module)
         for line, expression, name in _reads(tree):
-            if expression in PUBLIC_UNDERSCORE or name in DEFINED[package]:
+            if {expression, name} & PUBLIC_UNDERSCORE or name in DEFINED[package]:
                 continue
             if package == COMPAT or name in TORCH_PRIVATES.get(module, (set(), ""))[0]:
                 continue
-            why = "another package's private" if name in OURS else "a torch private"
-            found.append((module, line, expression, why))
+            found.append((module, line, expression, "read outside its class or package"))
         for line, path in _private_imports(tree, package):
             found.append((module, line, path, "another package's private"))
     return found
@@ -199,7 +209,7 @@ def test_the_rule_bites():
             "from pipesched.viz import _draw\ndef f(schedule):\n    return schedule._cache\n"
         ),
         # a torch private outside the shims
-        "viz/gantt.py": "def f(t):\n    return t._base, torch._C\n",
+        "viz/gantt.py": 'def f(t):\n    return t._base, torch._C, getattr(t, "_cdata")\n',
         # at home: the schedule package reads its own class's private
         "schedule/text.py": (
             "from pipesched.schedule.schedule import _x\n"
@@ -213,6 +223,7 @@ def test_the_rule_bites():
         ("runtime/mailbox.py", "pipesched.viz._draw"),
         ("viz/gantt.py", "t._base"),
         ("viz/gantt.py", "torch._C"),
+        ("viz/gantt.py", "t._cdata"),
     }
 
 

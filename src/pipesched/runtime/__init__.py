@@ -11,7 +11,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pipesched.runtime.compat.internals import foreach_mul_
+    from pipesched.runtime.compat.internals import foreach_mul_, scaler_device
     from pipesched.runtime.placement import replaced_parameters, replacement
     from pipesched.runtime.stage.microbatch import batch_size
     from pipesched.runtime.transaction import deferred_interrupts
@@ -22,6 +22,7 @@ __all__ = [
     "foreach_mul_",
     "replaced_parameters",
     "replacement",
+    "scaler_device",
 ]
 
 _LAZY = {
@@ -30,6 +31,7 @@ _LAZY = {
     "foreach_mul_": "pipesched.runtime.compat.internals",
     "replaced_parameters": "pipesched.runtime.placement",
     "replacement": "pipesched.runtime.placement",
+    "scaler_device": "pipesched.runtime.compat.internals",
 }
 
 

@@ -56,7 +56,9 @@ alternative, and no exact path without them.
 Not routed here, used in place as torch's own modules use them: ``nn.Module``'s
 storage (``_modules``, ``_parameters``, ``_buffers``, ``_apply``, ...), the base
 classes ``_BatchNorm`` and ``_DropoutNd``, and the ATen checks ``torch.export``
-inserts (dropped from traced stages).
+inserts (dropped from traced stages); ``tests/test_private_access.py`` lists the
+modules that do, each with its reason. ``GradScaler._device`` (:func:`scaler_device`)
+is read here for the same reason: no public name holds it.
 """
 
 from __future__ import annotations
@@ -92,6 +94,7 @@ __all__ = [
     "parse_to",
     "pytree",
     "run_backward",
+    "scaler_device",
     "size_symbols",
     "top_saved_tensors_hooks",
 ]
@@ -396,6 +399,11 @@ if not all(isinstance(table, dict) for table in _found):
 def op_schema(op: OpOverload) -> torch.FunctionSchema:
     """The signature of an ATen operation: its arguments, returns, mutability."""
     return op._schema
+
+
+def scaler_device(scaler: Any) -> str:
+    """The device type a ``torch.amp.GradScaler`` was made for (it has no public name for it)."""
+    return str(getattr(scaler, "_device", "cuda"))
 
 
 def global_module_hooks() -> bool:
