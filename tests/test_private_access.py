@@ -3,9 +3,9 @@
 Read from the AST of every module under ``src/pipesched``. An attribute ``x._name`` (not a
 dunder) is the module's own when ``x`` is ``self`` or ``cls``, or when ``_name`` is defined (a
 def, a class, an assignment, a ``self._name = ...``) by a module or class of the same package
-directory. Any other private of pipesched is another package's; a private pipesched defines
-nowhere is torch's (or the standard library's), read only by the torch shims
-(``runtime/compat/``) and by the modules of :data:`TORCH_PRIVATES`.
+directory. Any other read is of another package's private or of torch's: torch's only in the
+torch shims (``runtime/compat/``) and, name by name, in the modules of :data:`TORCH_PRIVATES`.
+``getattr(x, "_name")`` and ``import``/``from`` of a private name or module count as reads.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ LEAD: dict[tuple[str, str], str] = {
     ("pipeline/shadowing.py", "holder._non_persistent_buffers_set"): "TORCH_PRIVATES entry",
     ("runtime/passes.py", "torch.ops.aten._unsafe_view"): "TORCH_PRIVATES entry",
     ("runtime/passes.py", "given._version"): "TORCH_PRIVATES entry",
+    ("runtime/transaction.py", "_signal"): "a TORCH_PRIVATES entry (skips signal.py enums)",
 }
 
 
@@ -144,6 +145,11 @@ def _reads(tree: ast.Module) -> Iterator[tuple[int, str, str]]:
             if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
                 continue
             yield node.lineno, ast.unparse(node), node.attr
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                hidden = [part for part in alias.name.split(".") if _private(part)]
+                if hidden and not alias.name.startswith("pipesched."):
+                    yield node.lineno, alias.name, hidden[0]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             for alias in node.names:
                 if _private(alias.name) and not node.module.startswith("pipesched."):
@@ -209,7 +215,10 @@ def test_the_rule_bites():
             "from pipesched.viz import _draw\ndef f(schedule):\n    return schedule._cache\n"
         ),
         # a torch private outside the shims
-        "viz/gantt.py": 'def f(t):\n    return t._base, torch._C, getattr(t, "_cdata")\n',
+        "viz/gantt.py": (
+            "import torch.utils._pytree\n"
+            'def f(t):\n    return t._base, torch._C, getattr(t, "_cdata")\n'
+        ),
         # at home: the schedule package reads its own class's private
         "schedule/text.py": (
             "from pipesched.schedule.schedule import _x\n"
@@ -224,6 +233,7 @@ def test_the_rule_bites():
         ("viz/gantt.py", "t._base"),
         ("viz/gantt.py", "torch._C"),
         ("viz/gantt.py", "t._cdata"),
+        ("viz/gantt.py", "torch.utils._pytree"),
     }
 
 
