@@ -1,4 +1,4 @@
-"""The exception hierarchy (one base class, each subclass also a built-in type) and warnings."""
+"""The exception hierarchy (one base class, each a built-in type too), warnings, argument checks."""
 
 from __future__ import annotations
 
@@ -18,6 +18,8 @@ __all__ = [
     "RetraceWarning",
     "ScheduleError",
     "TorchInternalsWarning",
+    "check_number",
+    "check_positive_int",
     "warn_user",
 ]
 
@@ -157,3 +159,39 @@ def warn_user(message: str, category: type[Warning]) -> None:
 
 def _internal(module: str) -> bool:
     return module.split(".", 1)[0] in ("pipesched", "torch")
+
+
+def check_positive_int(name: str, value: object, hint: str = "") -> int:
+    """``value`` as an int >= 1.
+
+    Raises:
+        ConfigTypeError: ``value`` is not an int (a bool is not one either).
+        ConfigError: ``value`` is an int below 1.
+    """
+    if isinstance(value, bool) or not isinstance(value, int):
+        fix = f"; pass {name}={_as_int(value)}" if _as_int(value) is not None else ""
+        raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}{fix}{hint}")
+    if value < 1:
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}{hint}")
+    return value
+
+
+def check_number(name: str, value: object, what: str) -> None:
+    """Refuses a ``value`` that is not a real number (a bool is not one either).
+
+    Raises:
+        ConfigTypeError: naming ``name``, ``what`` it must be, and the value seen.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigTypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
+
+
+def _as_int(value: object) -> int | None:
+    """The int a user plainly meant (``"4"``, ``4.0``), if any."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None

@@ -128,3 +128,13 @@ def test_str_is_the_order_table():
     assert str(get_schedule("gpipe", 2, 1)) == (
         "gpipe: 2 stages on 2 workers, 1 micro-batches\nworker 0: 0F0 0B0\nworker 1: 1F0 1B0"
     )
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb-v"])
+def test_order_is_every_action_once_each_after_its_dependencies(name):
+    schedule = get_schedule(name, 4, 6)
+    order = schedule.order()
+    assert sorted(order) == sorted(a for worker in schedule.actions for a in worker)
+    position = {a: i for i, a in enumerate(order)}
+    graph = schedule.graph()
+    assert all(position[u] < position[v] for u, v in graph.edges)

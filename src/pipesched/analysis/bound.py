@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from pipesched.analysis.memory_cap import MemoryCap, memory_cap
 from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.schedule.builders._args import check_count
+from pipesched.schedule.builders.argument_checks import check_count
 from pipesched.schedule.costs import Costs
 
 __all__ = ["StageCosts", "lower_bound", "stage_costs", "synth_placement"]

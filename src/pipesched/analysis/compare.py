@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from pipesched.errors import ConfigError
 from pipesched.schedule.builders import SCHEDULES, check_size_of, get_schedule, stages_per_worker
-from pipesched.schedule.builders._args import check_count
+from pipesched.schedule.builders.argument_checks import check_count
 from pipesched.schedule.costs import Costs
 from pipesched.schedule.schedule import Schedule
 from pipesched.schedule.timeline import Timeline

@@ -226,7 +226,7 @@ def _typical(
     if not any(r for rows in spread.values() for r in rows):
         return steady
     rng = random.Random(0)
-    order: list[Action] = schedule._cache["order"]  # type: ignore[assignment]
+    order = schedule.order()
     plays = []
     for _ in range(SAMPLES):
         factor = {}
@@ -258,7 +258,7 @@ def _play(
     overhead: tuple[float, ...],
     factor: Mapping[Action, float] | None = None,
 ) -> Timeline:
-    order: list[Action] = schedule._cache["order"]  # type: ignore[assignment]
+    order = schedule.order()
     placement, n = schedule.placement, schedule.num_stages
     end: dict[tuple[int, str, int], float] = {}
     free = [0.0] * schedule.num_workers

@@ -18,7 +18,7 @@ from pipesched.analysis.memory_cap import MemoryCap, memory_cap
 from pipesched.errors import ConfigError, PipeschedError, ScheduleError
 from pipesched.schedule.action import Action
 from pipesched.schedule.builders import SCHEDULES
-from pipesched.schedule.builders._args import check_count
+from pipesched.schedule.builders.argument_checks import check_count
 from pipesched.schedule.costs import Costs
 from pipesched.schedule.limits import check_size
 from pipesched.schedule.schedule import Schedule

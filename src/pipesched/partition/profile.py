@@ -23,7 +23,7 @@ from torch import fx, nn
 from pipesched.partition.call import Call
 from pipesched.partition.estimate import count_flops, estimated_seconds, tensor_bytes
 from pipesched.partition.trace import TracedModel
-from pipesched.runtime.compat.internals import OpOverload, pytree
+from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree
 from pipesched.runtime.stage.tree import map_tensors, tensors
 
 __all__ = ["NodeCost", "device_kind", "measure_sequential", "measure_traced"]
@@ -115,7 +115,7 @@ def measure_traced(
             op = node.target
             overload = isinstance(op, OpOverload)
             # In-place operations run once: repeating them would change the values.
-            once = not overload or op._schema.is_mutable  # type: ignore[union-attr]
+            once = not overload or op_schema(op).is_mutable  # type: ignore[arg-type]
             args, kwargs, grad_leaves = _arguments(
                 node, values, set() if once else wants_grad, device
             )
@@ -254,7 +254,7 @@ def _is_view(op: Any) -> bool:
     """Whether ``op`` returns an alias of an input (a view), not new storage."""
     if not isinstance(op, OpOverload):
         return bool(op.__module__ == "_operator")  # getitem of a multi-output op
-    return any(r.alias_info is not None for r in op._schema.returns)
+    return any(r.alias_info is not None for r in op_schema(op).returns)
 
 
 def _floating(value: Any) -> bool:

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from pipesched.errors import PartitionError
 from pipesched.partition.trace import TracedModel
 from pipesched.partition.traced_stage import ModeCheck, RandomOp, Switch, TracedStage
-from pipesched.runtime.compat.internals import OpOverload, pytree
+from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
 from pipesched.runtime.stage.rng import RANDOM_MODULES
 
@@ -262,7 +262,7 @@ def _randomness(node: fx.Node) -> tuple[int | None, str | None, float] | None:
     op = node.target
     if not isinstance(op, OpOverload) or torch.Tag.nondeterministic_seeded not in op.tags:
         return None
-    names = [a.name for a in op._schema.arguments]
+    names = [a.name for a in op_schema(op).arguments]
     values: dict[str, Any] = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
     for name in ("train", "dropout_p"):
         if name in names:

@@ -174,6 +174,11 @@ class Schedule:
                 self._cache["order"] = topological_order(self)
         return self
 
+    def order(self) -> list[Action]:
+        """Every action once, each after its dependencies (validates first; read-only)."""
+        self.validate()
+        return self._cache["order"]  # type: ignore[return-value]
+
     def simulate(self, costs: Costs | None = None) -> Timeline:
         """Runs the schedule on paper: every action as early as its dependencies allow.
 

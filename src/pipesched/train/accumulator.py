@@ -16,11 +16,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipesched.errors import CheckpointError, ConfigError, ConfigTypeError, RemoteError
-from pipesched.pipeline.arguments import check_number, check_positive_int
-from pipesched.runtime.placement import replaced_parameters, replacement
-from pipesched.runtime.stage.microbatch import batch_size
-from pipesched.runtime.transaction import deferred_interrupts
+from pipesched.errors import (
+    CheckpointError,
+    ConfigError,
+    ConfigTypeError,
+    RemoteError,
+    check_number,
+    check_positive_int,
+)
+from pipesched.runtime import batch_size, deferred_interrupts, replaced_parameters, replacement
 from pipesched.train.checkpoint_check import (
     FIX,
     LoadSnapshot,
@@ -38,7 +42,7 @@ from pipesched.train.store import is_sharded
 from pipesched.train.window import GradientsAside, WindowSnapshot
 
 if TYPE_CHECKING:
-    from pipesched.pipeline.facade import Pipeline
+    from pipesched.pipeline import Pipeline
 
 __all__ = ["GradientAccumulator", "StepResult"]
 

@@ -21,7 +21,7 @@ from pipesched.train.sharded import agree
 from pipesched.train.state import save_checkpoint
 
 if TYPE_CHECKING:
-    from pipesched.pipeline.facade import Pipeline
+    from pipesched.pipeline import Pipeline
 
 __all__ = ["describe", "export_model", "import_model", "load_model", "model_state"]
 

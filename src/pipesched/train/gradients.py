@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
-from pipesched.runtime.compat.internals import foreach_mul_
+from pipesched.runtime import foreach_mul_
 
 __all__ = ["all_finite", "clip_to_", "grads_of", "scale_", "scaled"]
 

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from pipesched.errors import ConfigError
+from pipesched.runtime import scaler_device
 
 __all__ = ["LossScale"]
 
@@ -33,7 +34,7 @@ class LossScale:
         self.growth_tracker = 0
         if self.scaler is None:
             return
-        device = str(getattr(self.scaler, "_device", "cuda"))
+        device = scaler_device(self.scaler)
         kinds = sorted({d.type for d in devices})
         if kinds != [device]:
             raise ConfigError(

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from pipesched.errors import CheckpointError
-from pipesched.runtime.transaction import deferred_interrupts
+from pipesched.runtime import deferred_interrupts
 
 __all__ = [
     "load_checkpoint",
@@ -100,7 +100,7 @@ class _Writer:
 def _interrupts_stop_the_write() -> Iterator[list[Any]]:
     """Holds a Ctrl-C back until the block ends, then raises it; the list tells it came.
 
-    :func:`pipesched.runtime.transaction.deferred_interrupts`, but the block sees that
+    :func:`pipesched.runtime.deferred_interrupts`, but the block sees that
     one came, to stop the write, only where it raises KeyboardInterrupt
     (Python's handler) or ends the process. A handler of the program's own is
     called once the save is done (it may want the save); an ignored SIGINT

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipesched.runtime.transaction import deferred_interrupts
+from pipesched.runtime import deferred_interrupts
 from pipesched.train.state import rng_state, set_rng_state
 
 if TYPE_CHECKING:

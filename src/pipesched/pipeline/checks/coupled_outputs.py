@@ -20,7 +20,7 @@ from torch import fx, nn
 from pipesched.errors import BatchCoupledWarning, warn_user
 from pipesched.partition.per_sample import leaf_paths
 from pipesched.partition.trace import TracedModel
-from pipesched.runtime.compat.internals import OpOverload, pytree, size_symbols
+from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree, size_symbols
 
 __all__ = ["coupled_flags", "coupled_paths", "warn_coupled"]
 
@@ -112,7 +112,7 @@ def _is_data(value: Any) -> bool:
 def _couples(node: fx.Node, value: Any, sources: list[fx.Node], batch_dims: Any) -> bool:
     """Whether ``node`` itself mixes the rows of its batch-dependent ``sources``."""
     op = node.target
-    name = op._schema.name.split("::")[-1] if isinstance(op, OpOverload) else None
+    name = op_schema(op).name.split("::")[-1] if isinstance(op, OpOverload) else None
     if name in _PER_SAMPLE_HERE or op is operator.getitem:
         return False
     dims = batch_dims(value) if not isinstance(value, (tuple, list)) else []
@@ -123,7 +123,7 @@ def _couples(node: fx.Node, value: Any, sources: list[fx.Node], batch_dims: Any)
     if name in _SCANS and isinstance(op, OpOverload):
         first = node.args[0] if node.args else None
         shape_of = batch_dims(first.meta.get("val")) if isinstance(first, fx.Node) else []
-        names = [a.name for a in op._schema.arguments]
+        names = [a.name for a in op_schema(op).arguments]
         given = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
         along = given.get("dim", given.get("dims", -1 if "dim" in names else None))
         rank = first.meta["val"].ndim if isinstance(first, fx.Node) else 0

@@ -36,9 +36,11 @@ __all__ = [
     "has_gradient_hooks",
     "has_module_hooks",
     "one_recomputation",
+    "op_schema",
     "parse_to",
     "pytree",
     "run_backward",
+    "scaler_device",
     "size_symbols",
     "top_saved_tensors_hooks",
 ]
@@ -338,6 +340,16 @@ _global_tables: list[Any] | None = _found
 if not all(isinstance(table, dict) for table in _found):
     _global_tables = None
     _missing("torch.nn.modules.module._global_*_hooks", "stages of plain layers are seeded too")
+
+
+def op_schema(op: OpOverload) -> torch.FunctionSchema:
+    """The signature of an ATen operation: its arguments, returns, mutability."""
+    return op._schema
+
+
+def scaler_device(scaler: Any) -> str:
+    """The device type a ``torch.amp.GradScaler`` was made for (it has no public name for it)."""
+    return str(getattr(scaler, "_device", "cuda"))
 
 
 def global_module_hooks() -> bool:

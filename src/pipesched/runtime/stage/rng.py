@@ -22,7 +22,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from pipesched.runtime.compat.internals import OpOverload, TorchDispatchMode
+from pipesched.runtime.compat.internals import OpOverload, TorchDispatchMode, op_schema
 
 __all__ = [
     "LOCK",
@@ -333,7 +333,7 @@ def _takes_generator(func: OpOverload) -> bool:
     """Whether ``func`` has a ``generator=`` argument."""
     takes = _TAKES_GENERATOR.get(func)
     if takes is None:
-        takes = any(a.name == "generator" for a in func._schema.arguments)
+        takes = any(a.name == "generator" for a in op_schema(func).arguments)
         _TAKES_GENERATOR[func] = takes
     return takes
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.schedule.builders._args import (
+from pipesched.schedule.builders.argument_checks import (
     check_count,
     check_padded_work,
     check_schedule_size,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from pipesched.schedule.builders._args import (
+from pipesched.schedule.builders.argument_checks import (
     check_count,
     check_padded_work,
     check_schedule_size,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pipesched.schedule.action import BACKWARD, FORWARD, Action
-from pipesched.schedule.builders._args import check_count, check_schedule_size
+from pipesched.schedule.builders.argument_checks import check_count, check_schedule_size
 from pipesched.schedule.schedule import Schedule
 
 __all__ = ["gpipe"]

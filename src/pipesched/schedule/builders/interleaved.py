@@ -5,7 +5,7 @@ from __future__ import annotations
 from itertools import pairwise
 
 from pipesched.schedule.action import BACKWARD, FORWARD, Action
-from pipesched.schedule.builders._args import (
+from pipesched.schedule.builders.argument_checks import (
     check_count,
     check_schedule_size,
     check_virtual_stages,

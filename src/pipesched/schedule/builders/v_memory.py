@@ -13,7 +13,11 @@ from collections.abc import Callable
 
 from pipesched.errors import ConfigError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from pipesched.schedule.builders._args import check_count, check_schedule_size, check_v_stages
+from pipesched.schedule.builders.argument_checks import (
+    check_count,
+    check_schedule_size,
+    check_v_stages,
+)
 from pipesched.schedule.schedule import Schedule
 
 __all__ = ["MAX_SQUEEZE", "check_squeeze_work", "v_half", "v_min"]

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from pipesched.errors import ConfigError
 from pipesched.schedule.action import BACKWARD, FORWARD, WEIGHT, Action
-from pipesched.schedule.builders._args import check_count, check_schedule_size, check_v_stages
+from pipesched.schedule.builders.argument_checks import (
+    check_count,
+    check_schedule_size,
+    check_v_stages,
+)
 from pipesched.schedule.builders.one_f_one_b import one_f_one_b_row
 from pipesched.schedule.limits import MAX_ACTIONS, limit_text
 from pipesched.schedule.schedule import Schedule

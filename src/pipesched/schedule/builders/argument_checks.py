@@ -1,4 +1,4 @@
-"""Argument checks shared by the schedule builders."""
+"""Argument checks shared by the schedule builders and the analysis over them."""
 
 from __future__ import annotations
 
