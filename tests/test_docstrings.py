@@ -18,15 +18,7 @@ TIMING = re.compile(r"\d(?:[\d.,]*\d)?\s*(?:ms|s|µs|us|%)(?![\w])")
 
 # issue 26: lead rewrites these modules now (their docstrings are too long or carry
 # timings); remove each name once its rewrite lands.
-EXEMPT = {
-    "pipeline/predict_step.py",
-    "pipeline/shadowing.py",
-    "runtime/distributed.py",
-    "runtime/gradsync.py",
-    "runtime/interpreter.py",
-    "runtime/transaction.py",
-    "planning/timing.py",
-}
+EXEMPT: set[str] = set()
 
 MODULES = sorted(str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py"))
 

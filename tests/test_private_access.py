@@ -49,30 +49,24 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
         "seeds dropout layers, wraps Module's call to seed each layer, tells generators apart",
     ),
     "runtime/stage/batchnorm.py": ({"_BatchNorm"}, "DeferredBatchNorm is a _BatchNorm"),
+    "runtime/engine.py": ({"_BatchNorm"}, "a step puts back every BatchNorm's statistics"),
+    "runtime/transaction.py": (
+        {"_BatchNorm", "_signal"},
+        "snapshots every BatchNorm; _signal skips signal.py's enum conversion under a held Ctrl-C",
+    ),
+    "pipeline/shadowing.py": (
+        {"_modules", "_parameters", "_buffers", "_non_persistent_buffers_set"},
+        "registers a model's entries straight into Module's dicts, names it shadows included",
+    ),
+    "runtime/passes.py": (
+        {"_unsafe_view", "_version"},
+        "hands a stage input over as a view autograd lets be written in place; a version tells",
+    ),
 }
 
 # issue 26: lead. Violations in the files the lead is rewriting: (module, expression) -> the
 # public name proposed. Each entry fails the test once it no longer occurs: remove it then.
-LEAD: dict[tuple[str, str], str] = {
-    # issue 26: lead. The interpreter's tables belong to the engine, not Schedule._cache.
-    ("runtime/interpreter.py", "schedule._cache"): "the engine's own per-schedule tables",
-    # issue 26: lead. DeferredBatchNorm.reset_accumulators() (public) for the rollback.
-    ("runtime/transaction.py", "layer._reset_accumulators"): "layer.reset_accumulators()",
-    # issue 26: lead. The stage builder writes pipe._modules: the Pipeline registers stages.
-    ("pipeline/stages.py", "pipe._modules"): "Pipeline registers what the builder returns",
-    # issue 26: lead. torch privates outside compat: add the module to TORCH_PRIVATES or route
-    # them through runtime/compat.
-    ("runtime/engine.py", "torch.nn.modules.batchnorm._BatchNorm"): "TORCH_PRIVATES entry",
-    ("runtime/transaction.py", "torch.nn.modules.batchnorm._BatchNorm"): "TORCH_PRIVATES entry",
-    ("pipeline/stages.py", "module._non_persistent_buffers_set"): "TORCH_PRIVATES entry",
-    ("pipeline/shadowing.py", "holder._modules"): "TORCH_PRIVATES entry",
-    ("pipeline/shadowing.py", "holder._parameters"): "TORCH_PRIVATES entry",
-    ("pipeline/shadowing.py", "holder._buffers"): "TORCH_PRIVATES entry",
-    ("pipeline/shadowing.py", "holder._non_persistent_buffers_set"): "TORCH_PRIVATES entry",
-    ("runtime/passes.py", "torch.ops.aten._unsafe_view"): "TORCH_PRIVATES entry",
-    ("runtime/passes.py", "given._version"): "TORCH_PRIVATES entry",
-    ("runtime/transaction.py", "_signal"): "a TORCH_PRIVATES entry (skips signal.py enums)",
-}
+LEAD: dict[tuple[str, str], str] = {}
 
 
 def _private(name: str) -> bool:

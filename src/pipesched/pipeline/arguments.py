@@ -15,7 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipesched.errors import ConfigError, ConfigTypeError, PipeschedWarning, warn_user
+from pipesched.errors import (
+    ConfigError,
+    ConfigTypeError,
+    PipeschedWarning,
+    check_number,
+    check_positive_int,
+    warn_user,
+)
 from pipesched.runtime.placement import check_not_freed
 from pipesched.runtime.stage.microbatch import batch_size
 from pipesched.runtime.stage.tree import tensors
@@ -24,36 +31,9 @@ __all__ = [
     "check_inputs",
     "check_loss",
     "check_module",
-    "check_number",
     "check_pipeline",
-    "check_positive_int",
     "check_step",
 ]
-
-
-def check_positive_int(name: str, value: object, hint: str = "") -> int:
-    """``value`` as an int >= 1.
-
-    Raises:
-        ConfigTypeError: ``value`` is not an int (a bool is not one either).
-        ConfigError: ``value`` is an int below 1.
-    """
-    if isinstance(value, bool) or not isinstance(value, int):
-        fix = f"; pass {name}={_as_int(value)}" if _as_int(value) is not None else ""
-        raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}{fix}{hint}")
-    if value < 1:
-        raise ConfigError(f"{name} must be a positive integer, got {value!r}{hint}")
-    return value
-
-
-def check_number(name: str, value: object, what: str) -> None:
-    """Refuses a ``value`` that is not a real number (a bool is not one either).
-
-    Raises:
-        ConfigTypeError: naming ``name``, ``what`` it must be, and the value seen.
-    """
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigTypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
 
 
 def check_module(name: str, value: object) -> nn.Module:
@@ -200,14 +180,3 @@ def check_inputs(inputs: Any, name: str) -> int:
             "autograd-transparent: loss_fn(pipe(x), y).backward()"
         )
     return rows
-
-
-def _as_int(value: object) -> int | None:
-    """The int a user plainly meant (``"4"``, ``4.0``), if any."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, str) and value.strip().isdigit():
-        return int(value)
-    return None

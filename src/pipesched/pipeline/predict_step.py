@@ -1,29 +1,9 @@
 """Pipeline.predict: a step simulated with the pipeline's own costs, as the run spends them.
 
-A step's time is more than its passes. Measured from the last training
-step's timeline (every rank's, gathered, on a mesh), the model of a step
-(:class:`~pipesched.analysis.prediction.StepModel`) counts:
-
-- passes: each stage's mean F, B and W (the loss is inside the last stage's
-  F and B), apart for checkpointed and kept micro-batches;
-- recomputation: what a checkpointed micro-batch's backward costs more
-  (its forward, run again), by the same split;
-- overhead: per worker, the median gap before an action whose input was
-  already there (taking the input, seeding, bookkeeping);
-- transfers: the mean time from a producer's end to the start of its
-  consumer on another worker, over consumers that waited for it (negative
-  ones, where a producer was preempted after sending, count as 0);
-- variability: how like actions' durations spread around their mean. The
-  step returned is the median (by makespan) of 31 played with durations
-  drawn from the measured spread, seeded: a step whose passes vary waits
-  for its slowest producers, and takes longer than its means say;
-- outside: ``pipe.step``'s wall time minus the actions' makespan (the
-  micro-batches cut, the transaction's snapshot and commit, threads started;
-  the slowest rank's on a mesh).
-
-Before any training step only the partition's profiled (or, for a model on
-the meta device, estimated) pass times are known, and the prediction says
-so in its breakdown's source: it leaves out overhead, transfers and outside.
+From the last training step's timeline (every rank's, on a mesh) the step's
+model counts passes, recomputation, per-action overhead, transfers, the spread
+of durations and the time outside the actions; before any step, only the
+partition's pass times (docs/schedules.md, "Predicting a step", says more).
 """
 
 from __future__ import annotations

@@ -1,16 +1,10 @@
 """A module holding another model's layers under their own names, even names it uses itself.
 
-Why: a Pipeline registers the model's children, parameters and buffers on
-itself so that ``pipe.state_dict()`` and checkpoints carry the plain model's
-names. A model may use a name the Pipeline uses too (timm's ConvNeXt has
-``stages``; a layer could be called ``devices`` or ``schedule``). torch's
-``add_module`` refuses such a name, and wrapping the model renames every
-parameter (``model.*``). Here the model's entry goes straight into
-``_modules`` / ``_parameters`` / ``_buffers``, where ``state_dict()``,
-``named_parameters()``, ``load_state_dict()`` and ``_apply`` find it, while
-attribute access (``pipe.stages``) and assignment keep meaning the
-Pipeline's own attribute. The model's entry stays reachable by name through
-:meth:`get_submodule`, :meth:`get_parameter` and :meth:`get_buffer`.
+Why: the Pipeline registers the model's entries on itself so that checkpoints
+carry the plain model's names; torch's ``add_module`` refuses a name the
+Pipeline uses too (timm's ConvNeXt has ``stages``), so entries go straight into
+``_modules``/``_parameters``/``_buffers`` while attribute access keeps meaning
+the Pipeline's own attribute.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""Each layer timed as the runtime runs it: the steps of a pipeline with one stage per layer.
+"""Each layer timed as the runtime runs it: an engine with one stage per layer, on one worker.
 
-Why not the per-operation profile that ``balance="time"`` uses: timing each
-operation alone, on fresh leaves, leaves out what a stage's pass really
-spends around them, and not evenly: the autograd engine's work per node (a
-Transformer block has dozens of small ones, an LM head one large matmul), the
-accumulation of each micro-batch's weight gradient into ``.grad`` (an
-embedding's is as large as the table), the loss's softmax over a large
-vocabulary. Measured on a GPT-2 with a 32k vocabulary, the profile put its
-blocks' forwards at 80% of what the runtime spends on them, its
-embedding's backward at under half and its loss's backward at a fifth.
-
-Here the model is cut into one stage per layer, all on one worker of the
-device with a pipeline worker's threads, and a few training steps of the
-example micro-batch run through pipesched's own runtime (one micro-batch, one
-action at a time, no recomputation, the model's loss or else the sum of its
-floating outputs), once with each backward whole (as GPipe and 1F1B run it)
-and once as B then W (as zero-bubble schedules do); each layer's
-times are the medians of its measured actions. Nothing of the model
-changes: gradients, buffers (BatchNorm statistics) and the random generators
-are put back.
+Why not the per-operation profile ``balance="time"`` uses: timed alone, an
+operation leaves out what a stage's pass spends around it (autograd's work per
+node, gradient accumulation, a large loss), and not evenly
+(docs/partitioning.md gives the measurements). Nothing of the model changes:
+gradients, buffers and the random generators are put back.
 """
 
 from __future__ import annotations

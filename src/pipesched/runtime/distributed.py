@@ -1,19 +1,9 @@
 """The runtime across processes: each rank runs its own worker's actions; values cross by p2p.
 
-It runs the interpreter every runtime shares (:mod:`pipesched.runtime.interpreter`)
-with a p2p transport: a step starts with the pipeline's ranks agreeing on its
-shape and seed (:mod:`pipesched.runtime.agreement`); only this rank's schedule
-worker runs here; a value for a stage on another rank travels by
-point-to-point (tagged on gloo, :mod:`pipesched.runtime.p2p`; in one agreed
-order under NCCL's rules, :mod:`pipesched.runtime.ordered`), one for a stage
-on this rank (V schedules) stays in memory; and a failure is reported to
-every rank before this one stops (:mod:`pipesched.runtime.failures`).
-
-The transfers and the agreement use a process group of the pipeline's own
-(its pp ranks, with the mesh's timeout). After a failure that group alone is
-closed, which makes every rank waiting on this one fail at once; the default
-process group and the mesh's groups stay usable, so the user's own error
-handling (``dist.get_rank()``, a barrier, a checkpoint) still works.
+A step starts with the pipeline's ranks agreeing on its shape and seed; a
+failure is reported to every rank before this one stops. The pipeline's own
+process group is the one closed after a failure, so the default group and the
+mesh's stay usable for the user's error handling.
 """
 
 from __future__ import annotations

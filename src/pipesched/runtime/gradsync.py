@@ -1,20 +1,9 @@
 """What replicas and pipeline ranks agree on once per window: gradients, counts, norms.
 
-Once per accumulation window, never per step: each stage's gradients are
-all-reduced over the "dp" dimension in buckets (parameters shared by stages
-on different pp ranks are summed over those ranks too); item counts and
-losses are summed over "dp"; the inf/NaN verdict and the squared gradient
-norm are combined over every rank. The local runtime uses :class:`LocalSync`,
-where all of this is the identity, so :class:`GradientAccumulator` is one
-class for both.
-
-Overlap: told that the next step ends the window (:meth:`Sync.window_ends`),
-the sync starts a stage's all-reduces, asynchronously, as soon as that
-stage's last backward action of the step is done, while the rank's other
-stages (interleaved and V schedules) and the other ranks still run; the
-window's end then only waits for them. Replicas of one pp rank run the same
-actions in the same order, so they start the same collectives in the same
-order, as torch.distributed requires.
+Once per accumulation window, never per step; a stage's all-reduces start as
+soon as its last backward of the window's last step is done, overlapped with
+the rest of the step. :class:`LocalSync` is the identity, so one
+:class:`~pipesched.GradientAccumulator` serves both.
 """
 
 from __future__ import annotations

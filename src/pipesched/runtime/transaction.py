@@ -1,21 +1,10 @@
 """A step as a transaction: what a step changes, taken before it and put back if it raises.
 
-Why: a step adds every micro-batch's gradients into ``.grad`` as it goes (the
-fused accumulation writes there inside the GEMM). When micro-batch 3 of a stage
-raises, micro-batches 0-2 are already in; a retry of the same batch (inside an
-accumulation window, or after a Ctrl-C) would count them twice, silently.
-torch's own ``backward`` has the same property, but a pipeline step is many
-backwards, and a user cannot tell how far it got. So a step sets aside what
-it may change before it starts and commits at its end:
-
-- gradients: each existing ``.grad`` is set aside (not copied: a copy of
-  every gradient cost a fifth of a step) and the step accumulates into fresh
-  ones; a successful step adds them into the set-aside tensors (one add per
-  parameter, as many adds as accumulating in place would have done) and puts
-  those back; a failed step just puts them back;
-- BatchNorm running statistics (copies: they are small), and the deferred
-  BatchNorm accumulators;
-- torch's default generators.
+Why: a failed step has already added some micro-batches' gradients; a retry
+would count them twice, silently. So each ``.grad`` is set aside (not copied)
+and the step accumulates into fresh ones, added in at commit; BatchNorm
+statistics, deferred BatchNorm accumulators and the default generators are
+kept too.
 """
 
 from __future__ import annotations
@@ -124,7 +113,7 @@ class StepSnapshot:
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
         for layer in self.deferred:
-            layer._reset_accumulators()
+            layer.reset_accumulators()
         cpu, cuda = self.rng
         torch.set_rng_state(cpu)
         if cuda is not None:

@@ -77,9 +77,9 @@ class DeferredBatchNorm(_BatchNorm):
         super().__init__(
             num_features, eps, momentum, affine, track_running_stats, device=device, dtype=dtype
         )
-        self._reset_accumulators()
+        self.reset_accumulators()
 
-    def _reset_accumulators(self) -> None:
+    def reset_accumulators(self) -> None:
         # Per channel: values seen, a shift (the first micro-batch's mean), and
         # the mean and M2 of the values minus the shift, all float64.
         self._count = 0
@@ -158,7 +158,7 @@ class DeferredBatchNorm(_BatchNorm):
         commit called twice) makes it a no-op.
         """
         count, shift, mean, m2 = self._count, self._shift, self._mean, self._m2
-        self._reset_accumulators()
+        self.reset_accumulators()
         running_mean, running_var = self.running_mean, self.running_var
         if shift is None or mean is None or m2 is None:
             return
