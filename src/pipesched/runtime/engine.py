@@ -35,7 +35,7 @@ from pipesched.runtime.stage.seeding import StageSeeding, UnseededDraws
 from pipesched.runtime.transaction import StepSnapshot, deferred_interrupts
 from pipesched.schedule import Schedule, Timeline
 
-__all__ = ["Engine", "StepResult", "Workers"]
+__all__ = ["Engine", "RunResult", "Workers"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ class Workers:
 
 
 @dataclass(frozen=True)
-class StepResult:
+class RunResult:
     """What one step gives back.
 
     Args:
@@ -170,7 +170,7 @@ class Engine:
         """Whether the calling thread is one of this engine's workers, inside a step."""
         return self.runtime.interpreter.running_here()
 
-    def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> StepResult:
+    def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> RunResult:
         """Runs ``step`` on ``schedule`` as a transaction (see the module).
 
         Args:
@@ -204,7 +204,7 @@ class Engine:
             loss = self._total(state.losses, len(step.inputs))
         timeline = state.timeline or Timeline((), schedule.placement)
         seconds = time.perf_counter() - begin
-        return StepResult(state.outputs, state.losses, loss, timeline, seconds)
+        return RunResult(state.outputs, state.losses, loss, timeline, seconds)
 
     def gather_timeline(self, timeline: Timeline, *, everywhere: bool = False) -> Timeline | None:
         """``timeline`` with every pp rank's actions, on pp rank 0 (``everywhere``: on all).
