@@ -33,8 +33,7 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging
 
-from pipesched import GradientAccumulator, Pipeline
-from pipesched.runtime.mesh import init_mesh
+from pipesched import GradientAccumulator, Pipeline, init_mesh
 
 VOCAB, LENGTH, BATCH, CHUNKS, STEPS = 64, 32, 16, 4, 40
 

@@ -26,8 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from pipesched import GradientAccumulator, Pipeline
-from pipesched.runtime.mesh import init_mesh
+from pipesched import GradientAccumulator, Pipeline, init_mesh
 
 VOCAB, WIDTH, HEADS, LAYERS, LENGTH = 64, 64, 4, 4, 32
 

@@ -28,6 +28,7 @@ check_torch_version(installed_torch_version())  # without importing torch
 if TYPE_CHECKING:
     from pipesched.partition.materialize import initialize
     from pipesched.pipeline.facade import Pipeline
+    from pipesched.runtime.mesh import init_mesh
     from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
     from pipesched.runtime.stage.recompute import is_recomputing
     from pipesched.train import GradientAccumulator
@@ -51,6 +52,7 @@ __all__ = [
     "Timeline",
     "TorchInternalsWarning",
     "get_schedule",
+    "init_mesh",
     "initialize",
     "is_recomputing",
 ]
@@ -62,6 +64,7 @@ _LAZY = {
     "is_recomputing": "pipesched.runtime.stage.recompute",
     "GradientAccumulator": "pipesched.train",
     "initialize": "pipesched.partition.materialize",
+    "init_mesh": "pipesched.runtime.mesh",
 }
 
 
