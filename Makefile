@@ -1,6 +1,6 @@
 # Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
 #
-# --no-compile: Python compiles a module when it is first imported; compiling every file of
+#: Python compiles a module when it is first imported; compiling every file of
 # torch and transformers at install time is work most of them never need.
 #
 # torch is installed first, pinned, so that pip never resolves a bare "torch"
@@ -19,8 +19,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile -e ".[viz,test]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[viz,test]"
 	touch $(STAMP)
 
 demo: $(STAMP)
