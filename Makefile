@@ -19,8 +19,8 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install -q --disable-pip-version-check $(TORCH_SPEC)
-	$(BIN)/python -m pip install -q --disable-pip-version-check -e ".[viz,test]"
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile $(TORCH_SPEC)
+	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile -e ".[viz,test]"
 	touch $(STAMP)
 
 demo: $(STAMP)
