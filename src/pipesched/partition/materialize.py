@@ -22,6 +22,8 @@ from pipesched.errors import ConfigError, ConfigTypeError
 __all__ = [
     "SKIP",
     "InitWeights",
+    "Materialized",
+    "Swaps",
     "Unloaded",
     "check_init_weights",
     "check_meta",
@@ -127,6 +129,7 @@ def materialize(
     *,
     holders: Sequence[nn.Module] = (),
     every: bool = False,
+    record: Swaps | None = None,
 ) -> list[tuple[str, torch.Tensor]]:
     """Allocates the meta tensors of ``owners`` on ``device`` and initializes their modules.
 
@@ -136,10 +139,13 @@ def materialize(
         device: the stage's device.
         init_weights: None, a callable ``(name, module)``, or ``"skip"``.
         seed: the base of every module's seed.
-        holders: other modules that hold the model's tensors too (the
-            Pipeline, traced stages): their references follow.
+        holders: other modules that hold the model's tensors too (traced
+            stages): their references follow.
         every: initialize every module holding a tensor of ``owners``, meta or not
             (:func:`initialize`); else only those holding a tensor allocated here.
+        record: where each replacement made here is recorded, for modules
+            that hold the model's tensors and are not ``holders`` (the Pipeline
+            applies it to itself, :meth:`Swaps.apply`).
 
     Returns:
         Under ``"skip"``, each tensor allocated and left for a load, with its
@@ -156,6 +162,8 @@ def materialize(
             for old in tensors.values():
                 if old is not None and (old.is_meta or every) and id(old) not in fresh:
                     fresh[id(old)] = _allocate(old, device, fill=fill)
+                    if record is not None:
+                        record.add(old, fresh[id(old)])
     _swap([model, *holders], fresh)
     replaced = {id(t): t for t in fresh.values()}
     touched = [
@@ -188,6 +196,10 @@ def materialize(
         for d, k, t in before.values()
         if t is not None and d.get(k) is not t and d.get(k) is not None
     }
+    if record is not None:
+        for _, _, t in before.values():
+            if t is not None and id(t) in assigned:
+                record.add(t, assigned[id(t)])
     _swap([model, *holders], assigned)
     _check_written([model, *holders], replaced, versions)
     return []
@@ -315,34 +327,83 @@ def materialize_stages(
     own: Sequence[int],
     devices: Sequence[torch.device],
     model: nn.Module,
-    holders: Sequence[nn.Module],
     init_weights: InitWeights,
     seed: int,
-) -> Unloaded:
+) -> Materialized:
     """Allocates and initializes stages ``own`` of a meta-device model, each on its device.
+
+    The model and every stage module hold the new tensors when it returns;
+    any other holder of the model's tensors (the Pipeline) applies
+    :attr:`Materialized.swaps` to itself.
 
     Args:
         stages: every stage module (the others stay on meta).
         own: the indices of the stages this process runs.
         devices: each stage's device.
         model: the model.
-        holders: what else holds the model's tensors (the Pipeline).
         init_weights, seed: see :func:`materialize`.
 
     Returns:
-        What ``"skip"`` left for a load (empty otherwise).
+        What ``"skip"`` left for a load (empty otherwise), and what replaced what.
     """
     left: dict[int, tuple[str, torch.Tensor]] = {}
+    swaps = Swaps()
     for s in own:
         stage = stages[s]
         # A traced stage holds the model's tensors through their owners (and its constants).
         traced: Sequence[nn.Module] | None = getattr(stage, "owners", None)
         owners = [*traced, stage] if traced is not None else list(stage.modules())
         for name, t in materialize(
-            owners, model, devices[s], init_weights, seed, holders=[*holders, *stages]
+            owners, model, devices[s], init_weights, seed, holders=stages, record=swaps
         ):
             left.setdefault(id(t), (name, t))
-    return Unloaded(model, list(left.values()))
+    return Materialized(Unloaded(model, list(left.values())), swaps)
+
+
+class Swaps:
+    """Which tensor replaced which while a model was materialized, for its other holders.
+
+    Each entry keeps the tensor it replaces alive, so its ``id`` names no
+    other tensor until every holder has applied the replacement. A tensor
+    replaced again (allocated, then assigned anew by ``init_weights``) maps
+    straight to the last one.
+    """
+
+    def __init__(self) -> None:
+        self._by_old: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._old_of: dict[int, int] = {}  # id(a replacement) -> id(the tensor it replaced)
+
+    def add(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """Records that ``new`` replaced ``old`` (itself perhaps a replacement)."""
+        if new is old:
+            return
+        first = self._old_of.pop(id(old), None)
+        if first is not None:  # a replacement replaced: the first tensor maps to the last
+            self._by_old[first] = (self._by_old[first][0], new)
+        else:
+            first = id(old)
+            self._by_old.setdefault(first, (old, new))
+        self._old_of[id(new)] = first
+
+    def __len__(self) -> int:
+        return len(self._by_old)
+
+    def apply(self, holder: nn.Module) -> None:
+        """In every module of ``holder``, each replaced tensor replaced by its last replacement."""
+        _swap([holder], {k: new for k, (_, new) in self._by_old.items()})
+
+
+@dataclass(frozen=True, eq=False)
+class Materialized:
+    """What :func:`materialize_stages` did.
+
+    Args:
+        unloaded: what ``init_weights="skip"`` left for a load.
+        swaps: which tensor replaced which, for the model's other holders.
+    """
+
+    unloaded: Unloaded
+    swaps: Swaps
 
 
 @dataclass(eq=False)

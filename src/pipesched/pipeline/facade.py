@@ -209,7 +209,9 @@ class Pipeline(Shadowing, Pinned):
         """Cuts the model for calls of ``key`` (traced from ``example``), registers its
         layers and builds the engine that runs it."""
         model = self._model[0]
-        stages = build_stages(model, self._plan, example, key=key, holder=self, traced=traced)
+        stages = build_stages(model, self._plan, example, key=key, traced=traced)
+        if stages.swaps is not None:  # built on meta: hold the tensors the model holds now
+            stages.swaps.apply(self)
         for name, child in stages.replaced.items():  # a top-level BatchNorm made deferred
             if name in self._modules:
                 self._modules[name] = child

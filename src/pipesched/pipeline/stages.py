@@ -18,7 +18,7 @@ from torch import nn
 from pipesched.errors import ConfigError, RetraceWarning, warn_user
 from pipesched.partition import ModelCut, Partition, TracedStage, check_balance, plan_partition
 from pipesched.partition.call import Call, call_key, describe_change
-from pipesched.partition.materialize import Unloaded, materialize_stages, on_meta
+from pipesched.partition.materialize import Swaps, Unloaded, materialize_stages, on_meta
 from pipesched.partition.sequential import sequential_layers
 from pipesched.partition.trace import TracedModel
 from pipesched.planning.plan import Plan
@@ -54,6 +54,9 @@ class Stages:
         random_ops: a traced model's random operations (places of draws too).
         unloaded: what ``init_weights="skip"`` left for a load and no load
             has written yet (checked before every call), or None.
+        swaps: a model on the meta device: which of its tensors this
+            process's stages replaced, for the Pipeline to apply to itself
+            (:meth:`~pipesched.partition.materialize.Swaps.apply`); else None.
     """
 
     key: tuple[Any, ...] | None
@@ -66,6 +69,7 @@ class Stages:
     replaced: dict[str, nn.Module] = field(default_factory=dict)
     random_ops: list[nn.Module] = field(default_factory=list)
     unloaded: Unloaded | None = None
+    swaps: Swaps | None = None
 
     @property
     def partition(self) -> Partition:
@@ -117,7 +121,6 @@ def build_stages(
     example: Call | tuple[Any, ...] | None,
     *,
     key: tuple[Any, ...] | None,
-    holder: nn.Module,
     traced: TracedModel | None = None,
 ) -> Stages:
     """Cuts ``model`` into stages as ``plan`` says, builds them and places them.
@@ -127,8 +130,6 @@ def build_stages(
         plan: the pipeline's plan.
         example: one micro-batch's call (a traced model), or None.
         key: the call key the cut is for.
-        holder: what else holds the model's tensors (the Pipeline): a model
-            on the meta device has its tensors replaced there too.
         traced: the model's trace for ``example`` if one was made already
             (the planner's), or None.
     """
@@ -169,13 +170,12 @@ def build_stages(
         DeferredBatchNorm.convert(model)  # after tracing: the stages call the new layers
         replaced = {n: c for n, c in model.named_children() if before.get(n) is not c}
     modules = cut.build(model, stage_devices)
-    unloaded = None
+    unloaded = swaps = None
     if on_meta(model):  # built on meta: this process allocates its own stages, nothing else
         mine = [s for s, w in enumerate(plan.placement) if mesh is None or w == mesh.pp_rank]
         seed = torch.initial_seed() if mesh is None else rank0_value(torch.initial_seed())
-        unloaded = materialize_stages(
-            modules, mine, stage_devices, model, [holder], plan.init_weights, seed
-        )
+        done = materialize_stages(modules, mine, stage_devices, model, plan.init_weights, seed)
+        unloaded, swaps = done.unloaded, done.swaps
     tied: dict[int, tuple[int, ...]] = {}
     if mesh is None:
         own = list(range(plan.num_stages))
@@ -198,6 +198,7 @@ def build_stages(
         replaced,
         [r for r in random_ops if r is not None],
         unloaded,
+        swaps,
     )
 
 

@@ -25,20 +25,10 @@ from pipesched.errors import (
     check_positive_int,
 )
 from pipesched.runtime import batch_size, deferred_interrupts, replaced_parameters, replacement
-from pipesched.train.checkpoint_check import (
-    FIX,
-    LoadSnapshot,
-    check_fits,
-    describe,
-    optimizer_type,
-)
+from pipesched.train import checkpointing
 from pipesched.train.gradients import all_finite, clip_to_, scaled
-from pipesched.train.integrity import CHECKSUM, digest, verified
 from pipesched.train.loss_scale import LossScale
 from pipesched.train.result import StepResult, log_line
-from pipesched.train.sharded import load_sharded, save_sharded
-from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
-from pipesched.train.store import is_sharded
 from pipesched.train.window import GradientsAside, WindowSnapshot
 
 if TYPE_CHECKING:
@@ -408,27 +398,7 @@ class GradientAccumulator:
         counters, and the window so far: its position, item and sample
         counts, loss, scale and accumulated gradients.
         """
-        return {
-            "model": self.pipe.state_dict(),
-            "optimizers": [o.state_dict() for o in self.optimizers],
-            "optimizer_types": [optimizer_type(o) for o in self.optimizers],
-            "schedulers": [s.state_dict() for s in self.schedulers],
-            "loss_scale": self.loss_scale.state_dict(),
-            "rng": rng_state(),
-            "counters": {"steps": self.steps, "windows": self.windows},
-            "window": {
-                "position": self.position,
-                "items": self._items,
-                "samples": self._samples,
-                "loss_sum": self._loss_sum,
-                "scale": self._scale,
-                "grads": {
-                    n: p.grad.detach().clone()
-                    for n, p in self.pipe.named_parameters()
-                    if p.grad is not None
-                },
-            },
-        }
+        return checkpointing.accumulator_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restores :meth:`state_dict` into this accumulator, its pipeline and optimizers.
@@ -443,7 +413,7 @@ class GradientAccumulator:
             CheckpointError: ``state`` does not fit; the message lists every
                 misfit and the fix. Nothing was changed.
         """
-        self._load(state, None)
+        checkpointing.load_state(self, state, None)
 
     def save(self, path: str, *, sharded: bool | None = None) -> None:
         """Writes the checkpoint atomically: a crash mid-save leaves the previous one loadable.
@@ -467,12 +437,8 @@ class GradientAccumulator:
         """
         self._check_committed("save")
         self._follow_freed_parameters()
-        if self.pipe.mesh is not None if sharded is None else sharded:
-            save_sharded(self, path)
-        else:
-            state = self.state_dict()
-            check_fits(self, state, path)  # never replace a good file with one load refuses
-            save_checkpoint({**state, CHECKSUM: digest(state)}, path)
+        sharded = self.pipe.mesh is not None if sharded is None else sharded
+        checkpointing.save_file(self, path, sharded=sharded)
 
     def _check_committed(self, call: str) -> None:
         """Refuses to save the state a failed window end left (a full window, not stepped)."""
@@ -500,26 +466,7 @@ class GradientAccumulator:
                 fit (on a mesh: on any rank). The message names ``path``.
                 Nothing was changed.
         """
-        if is_sharded(path):
-            load_sharded(self, path)
-        else:
-            self._load(load_checkpoint(path), path)
-
-    def _load(self, state: Any, source: str | None) -> None:
-        state = verified(state, describe(source))
-        check_fits(self, state, source)
-        snapshot = LoadSnapshot(self)
-        try:
-            self.apply_state(state)
-        except BaseException as err:
-            snapshot.restore()
-            if not isinstance(err, Exception):
-                raise
-            raise CheckpointError(
-                f"{describe(source)} passed the checks but could not be applied "
-                f"({type(err).__name__}: {err}); everything it changed was put back. Fix: "
-                f"{FIX}"
-            ) from err
+        checkpointing.load_file(self, path)
 
     def apply_state(self, state: dict[str, Any]) -> None:
         """Writes a checkpoint's state, already checked to fit (:func:`check_fits`).
@@ -527,21 +474,22 @@ class GradientAccumulator:
         No check and no undo: :meth:`load_state_dict` and :meth:`load` (and the
         sharded loader) check first and put everything back should this fail.
         """
-        self.pipe.load_state_dict(state["model"])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
-        for scheduler, saved in zip(self.schedulers, state["schedulers"], strict=True):
-            scheduler.load_state_dict(saved)
-        self.loss_scale.load_state_dict(state["loss_scale"])
-        set_rng_state(state["rng"])
-        self.steps, self.windows = state["counters"]["steps"], state["counters"]["windows"]
-        window = state["window"]
-        self.position, self._items = window["position"], window["items"]
-        self._samples, self._loss_sum = window["samples"], window["loss_sum"]
-        self._scale = window["scale"]
-        for name, p in self.pipe.named_parameters():
-            grad = window["grads"].get(name)
-            p.grad = None if grad is None else grad.to(p.device).clone()
+        checkpointing.apply_state(self, state)
+
+    def _restore_window(
+        self,
+        steps: int,
+        windows: int,
+        position: int,
+        items: float,
+        samples: int,
+        loss_sum: float,
+        scale: float,
+    ) -> None:
+        """Sets the counters and the window so far, as a checkpoint holds them."""
+        self.steps, self.windows = steps, windows
+        self.position, self._items, self._samples = position, items, samples
+        self._loss_sum, self._scale = loss_sum, scale
 
 
 @dataclass(frozen=True)
