@@ -22,7 +22,7 @@ from torch import nn
 from pipesched import Pipeline
 from pipesched.runtime.mesh import init_mesh
 
-HUNG_TIMEOUT, HUNG_SLEEP = 4, 14  # seconds: the mesh's timeout, and how long stage 1 sleeps
+HUNG_TIMEOUT, HUNG_SLEEP = 6, 18  # seconds: the mesh's timeout, and how long stage 1 sleeps
 
 
 class Boom(nn.Module):
