@@ -8,6 +8,11 @@
 # `pip install torch==$(TORCH_VERSION)` takes it in seconds; on a GPU machine
 # the same line takes PyPI's CUDA build. Override with e.g.
 #   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+# Python writes the bytecode of what it imports, even where the environment sets
+# PYTHONDONTWRITEBYTECODE (as CI's does): so pip need not compile every installed file of
+# torch and transformers up front (--no-compile), most of which are never imported.
+unexport PYTHONDONTWRITEBYTECODE
+
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
