@@ -1,13 +1,11 @@
 # Two commands on a fresh machine with Python 3.11: `make demo` and `make test`.
 #
-#: Python compiles a module when it is first imported; compiling every file of
-# torch and transformers at install time is work most of them never need.
-#
 # torch is installed first, pinned, so that pip never resolves a bare "torch"
 # by itself: on a CPU-only machine that carries a local CPU wheel (this one),
 # `pip install torch==$(TORCH_VERSION)` takes it in seconds; on a GPU machine
 # the same line takes PyPI's CUDA build. Override with e.g.
 #   make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu"
+#
 # Python writes the bytecode of what it imports, even where the environment sets
 # PYTHONDONTWRITEBYTECODE (as CI's does): so pip need not compile every installed file of
 # torch and transformers up front (--no-compile), most of which are never imported.
