@@ -476,7 +476,7 @@ class GradientAccumulator:
         """
         checkpointing.apply_state(self, state)
 
-    def _restore_window(
+    def restore_window(
         self,
         steps: int,
         windows: int,
@@ -486,7 +486,7 @@ class GradientAccumulator:
         loss_sum: float,
         scale: float,
     ) -> None:
-        """Sets the counters and the window so far, as a checkpoint holds them."""
+        """Sets the counters and the window so far, as a checkpoint holds them (its load)."""
         self.steps, self.windows = steps, windows
         self.position, self._items, self._samples = position, items, samples
         self._loss_sum, self._scale = loss_sum, scale

@@ -2,7 +2,7 @@
 
 The accumulator's checkpoint methods delegate here; what they read and
 write of it goes through its public names, and its window is written back
-only by the accumulator itself (``_restore_window``).
+only by the accumulator itself (``restore_window``).
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def apply_state(acc: GradientAccumulator, state: dict[str, Any]) -> None:
     acc.loss_scale.load_state_dict(state["loss_scale"])
     set_rng_state(state["rng"])
     window = state["window"]
-    acc._restore_window(
+    acc.restore_window(
         state["counters"]["steps"],
         state["counters"]["windows"],
         window["position"],
