@@ -1,0 +1,261 @@
+"""Zero bubble on Transformer blocks: pipesched's schedules beside torch's, local and on 2 processes.
+
+Run: .venv/bin/python benchmarks/transformer.py [--rounds 7] [--only distributed|local]
+
+Model: 8 x ``nn.TransformerEncoderLayer(256, 4, 1024, batch_first=True)``, batch
+64 sequences of 64 tokens, 8 micro-batches, 2 stages of 4 layers (zero-bubble V:
+4 stages of 2 layers, 2 per worker), one intra-op thread per worker. For each
+dropout (0, 0.1) and checkpoint mode ("never", "always") the contenders run
+alternated round by round in the same processes, medians of the rounds; a
+step's time is the slower worker's:
+
+- distributed (2 gloo processes under torchrun): pipesched 1f1b / zb-h1 / zb-v
+  on ``init_mesh(2)``; torch ``Schedule1F1B`` (2 stages) and
+  ``ScheduleZBVZeroBubble`` (4 stages, V placement) on the same layers, each
+  layer wrapped in ``torch.utils.checkpoint`` under checkpoint="always".
+- local (2 stage threads in one process): pipesched 1f1b / zb-h1 / zb-v.
+
+Targets (issue 28): on each runtime the best zero-bubble schedule >= 1.05x our
+1f1b; on the distributed runtime also >= 1.10x torch's 1F1B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from _torchrun import under_torchrun
+from torch import nn
+
+from pipesched import Pipeline
+
+LAYERS, WIDTH, HEADS, FFN = 8, 256, 4, 1024
+BATCH, TOKENS, CHUNKS = 64, 64, 8
+OURS = ("1f1b", "zb-h1", "zb-v")
+CONFIGS = [(dropout, ckpt) for ckpt in ("never", "always") for dropout in (0.0, 0.1)]
+
+
+def transformer(dropout: float) -> nn.Sequential:
+    """The 8 encoder layers, the same weights on every call and rank."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        *[
+            nn.TransformerEncoderLayer(WIDTH, HEADS, FFN, dropout=dropout, batch_first=True)
+            for _ in range(LAYERS)
+        ]
+    )
+
+
+def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(out, target)
+
+
+def data() -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(1)
+    return torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
+
+
+def ours(
+    schedule: str, dropout: float, checkpoint: str, placement: dict[str, object]
+) -> Pipeline:
+    stages = 4 if schedule == "zb-v" else 2
+    return Pipeline(
+        transformer(dropout),
+        CHUNKS,
+        balance=[LAYERS // stages] * stages,
+        schedule=schedule,
+        checkpoint=checkpoint,
+        **placement,  # type: ignore[arg-type]
+    )
+
+
+class _Checkpointed(nn.Module):
+    """A layer recomputed in backward: torch's stages under checkpoint="always"."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.layer, x, use_reentrant=False)  # type: ignore[no-any-return]
+
+
+def torch_stages(
+    rank: int, indices: list[int], dropout: float, checkpoint: str, x: torch.Tensor
+) -> list[object]:
+    from torch.distributed.pipelining import PipelineStage
+
+    layers = list(transformer(dropout))
+    per = LAYERS // (2 * len(indices))
+    stages = []
+    for index in indices:
+        part = layers[index * per : (index + 1) * per]
+        if checkpoint == "always":
+            part = [_Checkpointed(layer) for layer in part]
+        module = nn.Sequential(*part)
+        stages.append(
+            PipelineStage(
+                module,
+                index,
+                2 * len(indices),
+                torch.device("cpu"),
+                input_args=(x.chunk(CHUNKS)[0],),
+            )
+        )
+    return stages
+
+
+def distributed_contenders(
+    rank: int, dropout: float, checkpoint: str, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, Callable[[], None]]:
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleZBVZeroBubble
+
+    from pipesched import init_mesh
+
+    mesh = init_mesh(pp=2)
+    runs: dict[str, Callable[[], None]] = {}
+    for schedule in OURS:
+        pipe = ours(schedule, dropout, checkpoint, {"mesh": mesh})
+        runs[f"pipesched {schedule}"] = lambda pipe=pipe: pipe.step(x, y, loss_fn=loss_fn) and None
+    (stage,) = torch_stages(rank, [rank], dropout, checkpoint, x)
+    one_f_one_b = Schedule1F1B(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)  # type: ignore[arg-type]
+
+    def torch_1f1b() -> None:
+        if rank == 0:
+            one_f_one_b.step(x)
+        else:
+            one_f_one_b.step(target=y, losses=[])
+
+    runs["torch 1F1B"] = torch_1f1b
+    v_stages = torch_stages(rank, [rank, 3 - rank], dropout, checkpoint, x)
+    zbv = ScheduleZBVZeroBubble(v_stages, n_microbatches=CHUNKS, loss_fn=loss_fn)  # type: ignore[arg-type]
+
+    def torch_zbv() -> None:
+        if rank == 0:  # the V's first and last stage
+            zbv.step(x, target=y, losses=[])
+        else:
+            zbv.step()
+
+    runs["torch ZBV"] = torch_zbv
+    return runs
+
+
+def local_contenders(
+    dropout: float, checkpoint: str, x: torch.Tensor, y: torch.Tensor
+) -> dict[str, Callable[[], None]]:
+    runs: dict[str, Callable[[], None]] = {}
+    for schedule in OURS:
+        pipe = ours(schedule, dropout, checkpoint, {"devices": ["cpu", "cpu"]})
+        runs[f"pipesched {schedule}"] = lambda pipe=pipe: pipe.step(x, y, loss_fn=loss_fn) and None
+    return runs
+
+
+def alternate(
+    runs: dict[str, Callable[[], None]], rounds: int, slowest: Callable[[float], float]
+) -> dict[str, float]:
+    """Median seconds per contender over ``rounds`` rounds, the order rotating each round."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for fn in runs.values():  # warm-up: shapes exchanged, caches built
+        fn()
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            runs[name]()
+            times[name].append(slowest(time.perf_counter() - start))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def report(title: str, median: dict[str, float], *, versus_torch: bool) -> bool:
+    """Prints one configuration's table and its targets; whether every target held."""
+    print(title)
+    base = median["pipesched 1f1b"]
+    print(f"  {'contender':<18}{'step ms':>9}{'vs our 1f1b':>13}")
+    for name, t in median.items():
+        print(f"  {name:<18}{1000 * t:>9.1f}{base / t:>12.2f}x")
+    best = min(("zb-h1", "zb-v"), key=lambda s: median[f"pipesched {s}"])
+    zb = median[f"pipesched {best}"]
+    held = base / zb >= 1.05
+    line = f"  best zero bubble ({best}) vs our 1f1b: {base / zb:.2f}x (target 1.05) "
+    line += "ok" if held else "MISSED"
+    if versus_torch:
+        theirs = median["torch 1F1B"] / zb
+        line += f"; vs torch 1F1B: {theirs:.2f}x (target 1.10) {'ok' if theirs >= 1.10 else 'MISSED'}"
+        held = held and theirs >= 1.10
+    print(line)
+    return held
+
+
+def worker(rounds: int) -> None:
+    """One rank of the distributed half (under torchrun)."""
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    x, y = data()
+
+    def slowest(seconds: float) -> float:
+        elapsed = torch.tensor([seconds])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        return float(elapsed)
+
+    for dropout, checkpoint in CONFIGS:
+        runs = distributed_contenders(rank, dropout, checkpoint, x, y)
+        barrier = {name: _after_barrier(fn) for name, fn in runs.items()}
+        median = alternate(barrier, rounds, slowest)
+        if rank == 0:
+            title = f"distributed, 2 gloo processes: dropout {dropout}, checkpoint={checkpoint}"
+            report(title, median, versus_torch=True)
+            sys.stdout.flush()
+    dist.destroy_process_group()
+
+
+def _after_barrier(fn: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        dist.barrier()
+        fn()
+
+    return run
+
+
+def local(rounds: int) -> None:
+    cores = torch.get_num_threads()
+    torch.set_num_threads(1)
+    x, y = data()
+    for dropout, checkpoint in CONFIGS:
+        median = alternate(local_contenders(dropout, checkpoint, x, y), rounds, lambda s: s)
+        report(
+            f"local, 2 stage threads: dropout {dropout}, checkpoint={checkpoint}",
+            median,
+            versus_torch=False,
+        )
+    torch.set_num_threads(cores)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--only", choices=("distributed", "local"))
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args.rounds)
+        return
+    print(
+        f"{LAYERS} x TransformerEncoderLayer({WIDTH}, {HEADS}, {FFN}), batch {BATCH} x {TOKENS} "
+        f"tokens, {CHUNKS} micro-batches, 1 thread per worker; medians of {args.rounds} "
+        "alternating rounds"
+    )
+    code = 0
+    if args.only != "local":
+        code = under_torchrun(__file__, ["--rounds", str(args.rounds)])
+    if args.only != "distributed":
+        local(args.rounds)
+    sys.exit(code)
+
+
+if __name__ == "__main__":
+    main()
