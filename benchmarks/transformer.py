@@ -1,4 +1,4 @@
-"""Zero bubble on Transformer blocks: pipesched's schedules beside torch's, local and on 2 processes.
+"""Zero bubble on Transformer blocks: pipesched's schedules beside torch's, local and distributed.
 
 Run: .venv/bin/python benchmarks/transformer.py [--rounds 7] [--only distributed|local]
 
@@ -61,9 +61,7 @@ def data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(BATCH, TOKENS, WIDTH), torch.randn(BATCH, TOKENS, WIDTH)
 
 
-def ours(
-    schedule: str, dropout: float, checkpoint: str, placement: dict[str, object]
-) -> Pipeline:
+def ours(schedule: str, dropout: float, checkpoint: str, placement: dict[str, object]) -> Pipeline:
     stages = 4 if schedule == "zb-v" else 2
     return Pipeline(
         transformer(dropout),
@@ -186,7 +184,8 @@ def report(title: str, median: dict[str, float], *, versus_torch: bool) -> bool:
     line += "ok" if held else "MISSED"
     if versus_torch:
         theirs = median["torch 1F1B"] / zb
-        line += f"; vs torch 1F1B: {theirs:.2f}x (target 1.10) {'ok' if theirs >= 1.10 else 'MISSED'}"
+        verdict = "ok" if theirs >= 1.10 else "MISSED"
+        line += f"; vs torch 1F1B: {theirs:.2f}x (target 1.10) {verdict}"
         held = held and theirs >= 1.10
     print(line)
     return held
