@@ -84,15 +84,17 @@ def batch(step: int, dp_rank: int, rows: int = ROWS) -> tuple[torch.Tensor, torc
     return ids, labels, int((labels != -100).sum())
 
 
-def kill_if_asked(window: int, step: int) -> None:
+def kill_if_asked(window: int, step: int, resumed: bool) -> None:
     """Test hook: SIGKILLs this rank before step ``step`` of window ``window`` (0-based).
 
     Only where ``PIPESCHED_EXAMPLE_KILL_AT`` is "WINDOW,STEP,RANK" and RANK is
-    this global rank, and only in torchrun's first attempt
-    (``TORCHELASTIC_RESTART_COUNT`` 0): a restarted job runs through.
+    this global rank, and only in the first attempt: torchrun's
+    ``TORCHELASTIC_RESTART_COUNT`` is 0 and the run did not resume. (The count
+    alone is per agent: an agent that restarts its workers because another
+    node rejoins keeps 0.)
     """
     wanted = os.environ.get(KILL_AT)
-    if not wanted or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+    if not wanted or resumed or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
     if tuple(int(v) for v in wanted.split(",")) == (window, step, dist.get_rank()):
         print(f"rank {dist.get_rank()}: killed in window {window}, step {step}", flush=True)
@@ -150,12 +152,13 @@ def main() -> None:
             f"pp={info.pp_size} x dp={info.dp_size}: stages {pipe.balance} (layers) on "
             f"{info.pp_size} ranks, schedule {args.schedule}"
         )
-    if args.resume == "auto" and committed(args.checkpoint):
+    resumed = args.resume == "auto" and committed(args.checkpoint)
+    if resumed:
         accumulator.load(args.checkpoint)  # every rank; each reads only its stages' shards
         if dist.get_rank() == 0:
             print(f"resumed from {args.checkpoint} at step {accumulator.steps}", flush=True)
     for step in range(accumulator.steps, args.windows * STEPS_PER_WINDOW):
-        kill_if_asked(*divmod(step, STEPS_PER_WINDOW))
+        kill_if_asked(*divmod(step, STEPS_PER_WINDOW), resumed)
         ids, labels, count = batch(step, info.dp_rank)  # replicas see different data
         result = accumulator.step(ids, labels, loss_fn=token_sum, num_items=count)
         if result.stepped and dist.get_rank() == 0:
