@@ -10,8 +10,8 @@ Saved at pp=2, resumed at pp=4 (one checkpoint directory, any layout):
         --windows 8 --checkpoint ckpt
 Two nodes, restarted once if a rank dies; the restart resumes from the last
 committed window by itself (run on each node; HEAD is one of them):
-    torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
-        --rdzv-endpoint HEAD:29500 --rdzv-id job1 --max-restarts 1 \
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc_per_node 2 \
+        --rdzv-backend c10d --rdzv-endpoint HEAD:29500 --rdzv-id job1 --max-restarts 1 \
         examples/torchrun_train.py --dp 2 --checkpoint ckpt --resume auto
 Multi-node and SLURM launches: docs/distributed.md ("On a cluster").
 

@@ -13,6 +13,7 @@ and so amplifies those differences where a gradient is tiny, which float32
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
@@ -85,7 +86,10 @@ def _children() -> dict[int, list[int]]:
 
 
 def _kill_all(agents: list[subprocess.Popen[bytes]]) -> None:
-    """SIGKILLs every agent and its workers (each in its own session), workers first."""
+    """SIGKILLs every agent and all its workers (each worker in a session of its own)."""
+    for agent in agents:  # stopped, an agent starts no worker while its tree is read
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(agent.pid, signal.SIGSTOP)
     children = _children()
     doomed: list[int] = []
     pending = [a.pid for a in agents]
@@ -93,11 +97,9 @@ def _kill_all(agents: list[subprocess.Popen[bytes]]) -> None:
         pid = pending.pop()
         doomed.append(pid)
         pending.extend(children.get(pid, []))
-    for pid in reversed(doomed):  # descendants before their parents: none is orphaned unseen
-        try:
+    for pid in reversed(doomed):  # descendants first: none is orphaned before it is killed
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
     for agent in agents:
         agent.wait()
 
