@@ -8,19 +8,27 @@ Saved at pp=2, resumed at pp=4 (one checkpoint directory, any layout):
         --windows 4 --checkpoint ckpt
     .venv/bin/torchrun --standalone --nproc_per_node 4 examples/torchrun_train.py \
         --windows 8 --checkpoint ckpt
-Multi-node and SLURM launches: docs/distributed.md.
+Two nodes, restarted once if a rank dies; the restart resumes from the last
+committed window by itself (run on each node; HEAD is one of them):
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes 2 --nproc_per_node 2 \
+        --rdzv-backend c10d --rdzv-endpoint HEAD:29500 --rdzv-id job1 --max-restarts 1 \
+        examples/torchrun_train.py --dp 2 --checkpoint ckpt --resume auto
+Multi-node and SLURM launches: docs/distributed.md ("On a cluster").
 
 Every rank builds the same model; Pipeline(..., mesh=...) keeps only this
 rank's stages. Replicas draw different synthetic batches (sequences from a
 fixed rule, random lengths, padding labelled -100); GradientAccumulator sums
 token losses over each window, all-reduces gradients over "dp" once per
-window and divides by the window's token count over all replicas.
+window and divides by the window's token count over all replicas. The batch
+of each step is a pure function of (step, dp rank), so a resumed run sees
+exactly the batches an uninterrupted one sees.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 
 import torch
 import torch.distributed as dist
@@ -29,6 +37,8 @@ from torch import nn
 from pipesched import GradientAccumulator, Pipeline, init_mesh
 
 VOCAB, WIDTH, HEADS, LAYERS, LENGTH = 64, 64, 4, 4, 32
+ROWS, CHUNKS, STEPS_PER_WINDOW = 8, 4, 2  # per replica and step; micro-batches; steps a window
+KILL_AT = "PIPESCHED_EXAMPLE_KILL_AT"  # test hook only: "WINDOW,STEP,RANK" (see kill_if_asked)
 
 
 class Embed(nn.Module):
@@ -51,18 +61,20 @@ class Block(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
         return self.layer(x, src_mask=mask, is_causal=True)
 
 
-def model() -> nn.Sequential:
+def model(dtype: torch.dtype = torch.float32) -> nn.Sequential:
     torch.manual_seed(0)  # every rank builds the same weights
     return nn.Sequential(
         Embed(), *(Block() for _ in range(LAYERS)), nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
-    )
+    ).to(dtype)
 
 
-def batch(generator: torch.Generator, rows: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+def batch(step: int, dp_rank: int, rows: int = ROWS) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Step ``step``'s batch on replica ``dp_rank``: a pure function of the two (and ``rows``)."""
+    generator = torch.Generator().manual_seed(1_000_003 * step + dp_rank)
     start = torch.randint(0, VOCAB, (rows, 1), generator=generator)
     steps = torch.arange(LENGTH + 1)
     sequences = (start + 7 * steps) % VOCAB  # next token = this one + 7
@@ -70,6 +82,32 @@ def batch(generator: torch.Generator, rows: int) -> tuple[torch.Tensor, torch.Te
     ids, labels = sequences[:, :-1].clone(), sequences[:, 1:].clone()
     labels[steps[:-1] >= lengths[:, None]] = -100
     return ids, labels, int((labels != -100).sum())
+
+
+def kill_if_asked(window: int, step: int, resumed: bool) -> None:
+    """Test hook: SIGKILLs this rank before step ``step`` of window ``window`` (0-based).
+
+    Only where ``PIPESCHED_EXAMPLE_KILL_AT`` is "WINDOW,STEP,RANK" and RANK is
+    this global rank, and only in the first attempt: torchrun's
+    ``TORCHELASTIC_RESTART_COUNT`` is 0 and the run did not resume. (The count
+    alone is per agent: an agent that restarts its workers because another
+    node rejoins keeps 0.)
+    """
+    wanted = os.environ.get(KILL_AT)
+    if not wanted or resumed or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if tuple(int(v) for v in wanted.split(",")) == (window, step, dist.get_rank()):
+        print(f"rank {dist.get_rank()}: killed in window {window}, step {step}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def committed(path: str | None) -> bool:
+    """Whether ``path`` holds a committed checkpoint (a first save killed midway leaves none).
+
+    ``acc.save`` writes each version beside the last and commits it by
+    replacing ``path/latest`` once every rank has written.
+    """
+    return path is not None and os.path.isfile(os.path.join(path, "latest"))
 
 
 def token_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -86,34 +124,47 @@ def main() -> None:
     parser.add_argument(
         "--checkpoint",
         metavar="DIR",
-        help="resume from DIR if it holds a checkpoint (saved at any pp and dp); save every window",
+        help="save a checkpoint (any pp and dp can load it) to DIR after every window",
+    )
+    parser.add_argument(
+        "--resume",
+        choices=["auto", "never"],
+        default="auto",
+        help="auto (default): resume from --checkpoint DIR if it holds a committed checkpoint, "
+        "as after an elastic restart; never: start from scratch",
+    )
+    parser.add_argument(
+        "--dtype", choices=["float32", "float64"], default="float32", help="the model's dtype"
     )
     args = parser.parse_args()
     torch.set_num_threads(1)
     mesh = init_mesh(pp=int(os.environ["WORLD_SIZE"]) // args.dp, dp=args.dp)
-    pipe = Pipeline(model(), chunks=4, mesh=mesh, schedule=args.schedule)
+    pipe = Pipeline(
+        model(getattr(torch, args.dtype)), chunks=CHUNKS, mesh=mesh, schedule=args.schedule
+    )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
-    accumulator = GradientAccumulator(pipe, optimizer, accumulation_steps=2, max_grad_norm=1.0)
+    accumulator = GradientAccumulator(
+        pipe, optimizer, accumulation_steps=STEPS_PER_WINDOW, max_grad_norm=1.0
+    )
     info = pipe.mesh
-    generator = torch.Generator().manual_seed(100 + info.dp_rank)  # replicas see different data
     if dist.get_rank() == 0:
         print(
             f"pp={info.pp_size} x dp={info.dp_size}: stages {pipe.balance} (layers) on "
             f"{info.pp_size} ranks, schedule {args.schedule}"
         )
-    if args.checkpoint and os.path.isdir(args.checkpoint):
+    resumed = args.resume == "auto" and committed(args.checkpoint)
+    if resumed:
         accumulator.load(args.checkpoint)  # every rank; each reads only its stages' shards
-        for _ in range(accumulator.steps):  # the data stream continues where it was
-            batch(generator, rows=8)
         if dist.get_rank() == 0:
-            print(f"resumed from {args.checkpoint} at step {accumulator.steps}")
-    for _ in range(accumulator.steps, args.windows * 2):
-        ids, labels, count = batch(generator, rows=8)
+            print(f"resumed from {args.checkpoint} at step {accumulator.steps}", flush=True)
+    for step in range(accumulator.steps, args.windows * STEPS_PER_WINDOW):
+        kill_if_asked(*divmod(step, STEPS_PER_WINDOW), resumed)
+        ids, labels, count = batch(step, info.dp_rank)  # replicas see different data
         result = accumulator.step(ids, labels, loss_fn=token_sum, num_items=count)
         if result.stepped and dist.get_rank() == 0:
             print(accumulator.log_line(result), flush=True)
         if result.stepped and args.checkpoint:
-            accumulator.save(args.checkpoint)  # one checkpoint, every rank its shards
+            accumulator.save(args.checkpoint)  # committed atomically; every rank its shards
     dist.barrier()
     dist.destroy_process_group()
 
