@@ -1,0 +1,487 @@
+"""Deferred weight gradients: B stashes each weight's operands, W runs its product directly.
+
+Why not autograd for W: a second traversal per weight group costs a graph walk and
+an engine call each, a fifth of a Transformer's backward. Inside
+:class:`DeferredWeightsMode` the ops whose weight gradient is one product (linear,
+GPT-2's addmm, layer_norm, embedding) run as Functions that, in a split B, compute
+the input gradient, keep ``(input, gradient)`` in the micro-batch's
+:class:`WeightStore`, and return no weight gradient; W computes them with
+autograd's own formulas and accumulates as ``AccumulateGrad`` does. A weight some
+other op also uses (or with gradient hooks, or not a leaf) gets its whole gradient
+from autograd in B instead: exact, only not deferred.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from pipesched.runtime.backward_kind import Declaration, declaration
+from pipesched.runtime.compat.internals import has_gradient_hooks, top_saved_tensors_hooks
+from pipesched.runtime.fused_linear import accumulate_mm, weight_factors
+
+__all__ = ["DeferredWeightsMode", "WeightStore"]
+
+_aten = torch.ops.aten
+_LINEARS = (F.linear, _aten.linear.default)
+_ADDMMS = (torch.addmm, _aten.addmm.default)
+_LAYER_NORMS = (F.layer_norm, _aten.layer_norm.default)
+_EMBEDDINGS = (F.embedding, _aten.embedding.default)
+
+# A stashed product: what W computes, from what, for which parameters.
+_Entry = tuple[Callable[..., tuple[Tensor | None, ...]], tuple[Tensor | None, ...], tuple[Any, ...]]
+
+
+class WeightStore:
+    """One stage and micro-batch's deferred weight gradients, filled by B and emptied by W.
+
+    Args:
+        fused: ids of the parameters whose gradient W adds into ``.grad`` inside
+            the GEMM (:mod:`pipesched.runtime.fused_linear`); others get
+            autograd's sum, bitwise.
+    """
+
+    __slots__ = ("entries", "flagged", "fused")
+
+    def __init__(self, fused: frozenset[int] = frozenset()) -> None:
+        self.fused = fused
+        self.flagged: set[int] = set()
+        """Ids of parameters an op other than the deferred ones used (autograd's, in B)."""
+        self.entries: list[_Entry] = []
+        """What B stashed, in the order the backward ran the ops."""
+
+    def __len__(self) -> int:
+        return len(self.entries)
+
+    def run(self) -> None:
+        """W: each stashed weight gradient computed and accumulated into ``.grad``; frees them.
+
+        A parameter reached several times gets the sum of its parts in the
+        order B reached them, then one accumulation, as autograd's engine does.
+        """
+        entries, self.entries = self.entries, []
+        left: dict[int, int] = {}
+        for _, params, _ in entries:
+            for p in params:
+                if p is not None:
+                    left[id(p)] = left.get(id(p), 0) + 1
+        sums: dict[int, Tensor] = {}
+        entries.reverse()
+        with torch.no_grad():
+            while entries:
+                compute, params, payload = entries.pop()
+                w = params[0]
+                if compute is _linear_weight_grads and w is not None and self._fuses(w, left):
+                    left.pop(id(w))  # its only use: added into .grad inside the GEMM
+                    x, grad, transposed = payload
+                    grad_2d = grad.reshape(-1, grad.shape[-1])
+                    accumulate_mm(w, *weight_factors(x, grad_2d, transposed))
+                    params = (None, params[1])
+                grads = compute(params, *payload)
+                del payload
+                for p, g in zip(params, grads, strict=True):
+                    if p is None or g is None:
+                        continue
+                    key = id(p)
+                    held = sums.pop(key, None)
+                    total = g if held is None else held + g
+                    left[key] -= 1
+                    if left[key]:
+                        sums[key] = total
+                    else:
+                        _accumulate(p, total)
+
+    def _fuses(self, p: Tensor, left: dict[int, int]) -> bool:
+        return id(p) in self.fused and left[id(p)] == 1
+
+
+class DeferredWeightsMode(TorchFunctionMode):
+    """Runs a stage's forward with its deferrable ops as Functions writing to ``store``.
+
+    Entered around every forward (and checkpoint recomputation) of a stage whose
+    backward is split; which ops are deferred depends on nothing that changes
+    between a forward and its recomputation.
+    """
+
+    def __init__(self, store: WeightStore) -> None:
+        super().__init__()
+        self.store = store
+        self._hooks: Any = None
+
+    def __enter__(self) -> DeferredWeightsMode:
+        # A checkpoint inside the stage recomputes without this mode: its region runs torch's ops.
+        self._hooks = _saved_tensor_hooks()
+        return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in _HANDLERS and torch.is_grad_enabled() and _saved_tensor_hooks() == self._hooks:
+            out = _HANDLERS[func](self.store, args, kwargs)
+            if out is not None:
+                return out
+        out = func(*args, **kwargs)
+        if torch.is_grad_enabled() and _requires_grad(out):
+            _flag(self.store.flagged, args)
+            if kwargs:
+                _flag(self.store.flagged, tuple(kwargs.values()))
+        return out
+
+
+def _saved_tensor_hooks() -> Any:
+    return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks()
+
+
+def _requires_grad(out: Any) -> bool:
+    if isinstance(out, Tensor):
+        return out.requires_grad
+    if isinstance(out, (tuple, list)):
+        return any(isinstance(t, Tensor) and t.requires_grad for t in out)
+    return False
+
+
+def _flag(flagged: set[int], args: tuple[Any, ...]) -> None:
+    for a in args:
+        if isinstance(a, nn.Parameter):
+            flagged.add(id(a))
+        elif isinstance(a, (tuple, list)):
+            for b in a:
+                if isinstance(b, nn.Parameter):
+                    flagged.add(id(b))
+
+
+def _plain(x: Any, *params: Any) -> bool:
+    """Whether the op's operands are ones the Functions reproduce autograd's formulas for."""
+    if type(x) is not Tensor or x.is_complex() or torch.is_autocast_enabled(x.device.type):
+        return False
+    for p in params:
+        if p is not None and not (
+            isinstance(p, Tensor)
+            and p.layout == torch.strided
+            and p.is_contiguous()
+            and p.dtype == x.dtype
+            and p.device == x.device
+        ):
+            return False
+    return True
+
+
+def _deferrable(p: Tensor | None, store: WeightStore) -> bool:
+    """Whether B may leave ``p``'s gradient to W (read in backward, when the forward is done)."""
+    return (
+        p is not None
+        and type(p) is nn.Parameter
+        and p.requires_grad
+        and id(p) not in store.flagged
+        and not has_gradient_hooks(p)
+    )
+
+
+def _deferring(ctx: Any) -> bool:
+    kind = ctx.declaration.kind
+    return kind is not None and kind.deferred
+
+
+# ------------------------------------------------------------------ linear and addmm
+
+
+def _linear_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, weight, bias = _linear_args(*args, **kwargs)
+    if not (_plain(x, weight, bias) and _dim(weight) == 2 and x.dim() >= 1):
+        return None
+    if bias is not None and bias.shape != (weight.shape[0],):
+        return None
+    return _Linear.apply(x, weight, bias, False, store, declaration())  # type: ignore[no-untyped-call]
+
+
+def _addmm_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    bias, x, weight, plain = _addmm_args(*args, **kwargs)
+    if not (plain and _plain(x, weight, bias) and _dim(x) == 2 and _dim(weight) == 2):
+        return None
+    if bias is None or bias.shape != (weight.shape[1],):
+        return None
+    return _Linear.apply(x, weight, bias, True, store, declaration())  # type: ignore[no-untyped-call]
+
+
+def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
+    return input, weight, bias
+
+
+def _addmm_args(
+    input: Any, mat1: Any, mat2: Any, *, beta: Any = 1, alpha: Any = 1, out: Any = None
+) -> tuple[Any, Any, Any, bool]:
+    return input, mat1, mat2, beta == 1 and alpha == 1 and out is None
+
+
+def _dim(t: Any) -> int:
+    return t.dim() if isinstance(t, Tensor) else -1
+
+
+class _Linear(torch.autograd.Function):
+    """``F.linear`` (``addmm`` where ``transposed``: weight ``(in, out)``), weight deferrable."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        transposed: bool,
+        store: WeightStore,
+        declared: Declaration,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight if x.requires_grad else None)
+        ctx.parameters = (weight, bias)  # the tensors themselves (checkpoint gives aliases)
+        ctx.transposed, ctx.store, ctx.declaration = transposed, store, declared
+        if transposed:
+            return torch.addmm(bias, x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, saved_weight = ctx.saved_tensors
+        weight, bias = ctx.parameters
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = None
+        if need_x:
+            grad_x = _linear_input_grad(grad, x, saved_weight, ctx.transposed)
+        store: WeightStore = ctx.store
+        if _deferring(ctx):
+            defer_w = need_w and _deferrable(weight, store)
+            defer_b = need_b and _deferrable(bias, store)
+            if defer_w or defer_b:
+                params = (weight if defer_w else None, bias if defer_b else None)
+                store.entries.append((_linear_weight_grads, params, (x, grad, ctx.transposed)))
+                need_w, need_b = need_w and not defer_w, need_b and not defer_b
+        grad_w, grad_b = _linear_weight_grads(
+            (weight if need_w else None, bias if need_b else None), x, grad, ctx.transposed
+        )
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _linear_input_grad(grad: Tensor, x: Tensor, weight: Tensor, transposed: bool) -> Tensor:
+    """The input's gradient as autograd's ``mm_mat1_backward`` computes it."""
+    mat2 = weight if transposed else weight.t()
+    if x.dim() == 2 and x.stride(0) == 1 and x.stride(1) == x.shape[0] and x.shape[1] > 1:
+        return mat2.mm(grad.t()).t()  # a column-major input gets a column-major gradient
+    if grad.dim() == 2:
+        return grad.mm(mat2.t())
+    return grad.matmul(mat2.t())
+
+
+def _linear_weight_grads(
+    params: tuple[Tensor | None, ...], x: Tensor, grad: Tensor, transposed: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """``(weight's, bias's)`` gradients as autograd computes them, for those in ``params``."""
+    weight, bias = params
+    if weight is None and bias is None:
+        return None, None
+    grad_2d = grad.reshape(-1, grad.shape[-1])
+    grad_w = grad_b = None
+    if weight is not None:
+        x_2d = x.reshape(-1, x.shape[-1])
+        # mm_mat2_backward: (in, out) row-major mat2 for addmm, weight.t() (column-major) for linear.
+        grad_w = x_2d.t().mm(grad_2d) if transposed else grad_2d.t().mm(x_2d)
+    if bias is not None:
+        grad_b = grad_2d.sum(0)
+    return grad_w, grad_b
+
+
+# ------------------------------------------------------------------ layer norm
+
+
+def _layer_norm_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    x, shape, weight, bias, eps = _layer_norm_args(*args, **kwargs)
+    if weight is None and bias is None:
+        return None
+    if not _plain(x, weight, bias):
+        return None
+    return _LayerNorm.apply(x, tuple(shape), weight, bias, float(eps), store, declaration())  # type: ignore[no-untyped-call]
+
+
+def _layer_norm_args(
+    input: Any,
+    normalized_shape: Any,
+    weight: Any = None,
+    bias: Any = None,
+    eps: Any = 1e-5,
+    cudnn_enable: Any = True,
+) -> tuple[Any, Any, Any, Any, Any]:
+    return input, normalized_shape, weight, bias, eps
+
+
+class _LayerNorm(torch.autograd.Function):
+    """``F.layer_norm`` with its affine parameters' gradients deferrable."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        shape: tuple[int, ...],
+        weight: Tensor | None,
+        bias: Tensor | None,
+        eps: float,
+        store: WeightStore,
+        declared: Declaration,
+    ) -> Tensor:
+        out, mean, rstd = _aten.native_layer_norm(x, shape, weight, bias, eps)
+        ctx.save_for_backward(x, mean, rstd)
+        ctx.parameters = (weight, bias)
+        ctx.shape, ctx.store, ctx.declaration = shape, store, declared
+        return out  # type: ignore[no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, mean, rstd = ctx.saved_tensors
+        weight, bias = ctx.parameters
+        need_x, need_w, need_b = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
+        store: WeightStore = ctx.store
+        if _deferring(ctx):
+            defer_w = need_w and _deferrable(weight, store)
+            defer_b = need_b and _deferrable(bias, store)
+            if defer_w or defer_b:
+                params = (weight if defer_w else None, bias if defer_b else None)
+                payload = (grad, x, ctx.shape, mean, rstd, weight, bias)
+                store.entries.append((_layer_norm_weight_grads, params, payload))
+                need_w, need_b = need_w and not defer_w, need_b and not defer_b
+        grad_x = grad_w = grad_b = None
+        if need_x or need_w or need_b:
+            grad_x, grad_w, grad_b = _aten.native_layer_norm_backward(
+                grad, x, ctx.shape, mean, rstd, weight, bias, [need_x, need_w, need_b]
+            )
+        return grad_x, None, grad_w, grad_b, None, None, None
+
+
+def _layer_norm_weight_grads(
+    params: tuple[Tensor | None, ...],
+    grad: Tensor,
+    x: Tensor,
+    shape: tuple[int, ...],
+    mean: Tensor,
+    rstd: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None]:
+    want_w, want_b = params[0] is not None, params[1] is not None
+    _, grad_w, grad_b = _aten.native_layer_norm_backward(
+        grad, x, shape, mean, rstd, weight, bias, [False, want_w, want_b]
+    )
+    return grad_w, grad_b
+
+
+# ------------------------------------------------------------------ embedding
+
+
+def _embedding_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    if args and isinstance(args[0], Tensor) and args[0].is_floating_point():  # aten: weight first
+        weight, indices, padding_idx, scale, unsupported = _aten_embedding_args(*args, **kwargs)
+    else:
+        indices, weight, padding_idx, scale, unsupported = _embedding_args(*args, **kwargs)
+    if unsupported or _dim(weight) != 2 or type(indices) is not Tensor:
+        return None
+    if weight.layout != torch.strided or not weight.is_floating_point():
+        return None
+    if indices.is_floating_point() or torch.is_autocast_enabled(weight.device.type):
+        return None
+    if padding_idx is None:  # as F.embedding normalizes it
+        padding_idx = -1
+    elif padding_idx < 0:
+        padding_idx += weight.shape[0]
+    return _Embedding.apply(weight, indices, int(padding_idx), bool(scale), store, declaration())  # type: ignore[no-untyped-call]
+
+
+def _embedding_args(
+    input: Any,
+    weight: Any,
+    padding_idx: Any = None,
+    max_norm: Any = None,
+    norm_type: Any = 2.0,
+    scale_grad_by_freq: Any = False,
+    sparse: Any = False,
+) -> tuple[Any, Any, Any, Any, bool]:
+    """``(indices, weight, padding_idx, scale, unsupported)``: a sparse gradient, or
+    ``max_norm`` (it renormalizes the weight in place), is left to torch."""
+    return input, weight, padding_idx, scale_grad_by_freq, bool(sparse) or max_norm is not None
+
+
+def _aten_embedding_args(
+    weight: Any,
+    indices: Any,
+    padding_idx: Any = -1,
+    scale_grad_by_freq: Any = False,
+    sparse: Any = False,
+) -> tuple[Any, Any, Any, Any, bool]:
+    return weight, indices, padding_idx, scale_grad_by_freq, bool(sparse)
+
+
+class _Embedding(torch.autograd.Function):
+    """``F.embedding`` (dense, no ``max_norm``) with its weight's gradient deferrable."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        weight: Tensor,
+        indices: Tensor,
+        padding_idx: int,
+        scale: bool,
+        store: WeightStore,
+        declared: Declaration,
+    ) -> Tensor:
+        ctx.save_for_backward(indices)
+        ctx.weight = weight
+        ctx.options = (weight.shape[0], padding_idx, scale)
+        ctx.store, ctx.declaration = store, declared
+        return _aten.embedding(weight, indices, padding_idx, scale, False)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        (indices,) = ctx.saved_tensors
+        weight = ctx.weight
+        grad_w = None
+        if ctx.needs_input_grad[0]:
+            if _deferring(ctx) and _deferrable(weight, ctx.store):
+                ctx.store.entries.append(
+                    (_embedding_weight_grad, (weight,), (grad, indices, ctx.options))
+                )
+            else:
+                (grad_w,) = _embedding_weight_grad((weight,), grad, indices, ctx.options)
+        return grad_w, None, None, None, None, None
+
+
+def _embedding_weight_grad(
+    params: tuple[Tensor | None, ...], grad: Tensor, indices: Tensor, options: tuple[int, int, bool]
+) -> tuple[Tensor]:
+    num, padding_idx, scale = options
+    return (_aten.embedding_backward(grad, indices, num, padding_idx, scale, False),)
+
+
+_HANDLERS: dict[Any, Callable[[WeightStore, tuple[Any, ...], dict[str, Any]], Any]] = {
+    **dict.fromkeys(_LINEARS, _linear_handler),
+    **dict.fromkeys(_ADDMMS, _addmm_handler),
+    **dict.fromkeys(_LAYER_NORMS, _layer_norm_handler),
+    **dict.fromkeys(_EMBEDDINGS, _embedding_handler),
+}
+"""The ops the mode defers; each handler returns None where the call is not one it reproduces."""
+
+
+def _accumulate(p: Tensor, g: Tensor) -> None:
+    """``AccumulateGrad``'s rule: ``.grad = g`` (in ``p``'s layout) or ``.grad += g``."""
+    grad = p.grad
+    if grad is None:
+        if g.stride() != p.stride() and p.is_contiguous():
+            g = g.contiguous()
+        p.grad = g
+    elif grad.layout == torch.strided and g.layout == torch.strided:
+        grad += g
+    else:
+        p.grad = grad + g
