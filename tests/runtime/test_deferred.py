@@ -79,6 +79,17 @@ class Scale(nn.Module):
         return w * 2
 
 
+class Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        mask = torch.ones(4, 4, dtype=torch.bool).triu(1)
+        return self.fc(self.attn(x, x, x, attn_mask=mask, need_weights=False)[0])
+
+
 def _parametrized() -> nn.Module:
     layer = nn.Linear(6, 6)
     parametrize.register_parametrization(layer, "weight", Scale())
@@ -99,6 +110,7 @@ def _run(
         with DeferredWeightsMode(store):
             return model(inp)  # type: ignore[no-any-return]
 
+    torch.manual_seed(2)  # the same dropout masks in both runs (and, preserved, recomputed)
     y = checkpoint(forward, leaf, use_reentrant=False) if ckpt else forward(leaf)
     g = torch.randn(y.shape, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
     stashed = 0
@@ -135,9 +147,14 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         (TwiceAndShared, X, 3),  # a twice, b's bias; b's weight is shared: autograd's, in B
         (TiedLM, IDS, 3),  # the tied weight deferred twice (embedding, head), the norm
         (_parametrized, X, 2),  # the parametrized weight is not a leaf: autograd's, in B
-        (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0, batch_first=True), X, 4),
+        (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0, batch_first=True), X, 6),
+        (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.5, batch_first=True), X, 6),
+        (lambda: Masked(), X, 1),  # a masked attention is torch's: its projections in B
     ],
-    ids=["block", "twice-and-shared", "tied-lm", "parametrized", "encoder-layer"],
+    ids=[
+        "block", "twice-and-shared", "tied-lm", "parametrized", "encoder-layer",
+        "encoder-layer-dropout", "masked-attention",
+    ],  # fmt: skip
 )
 def test_b_then_w_equals_the_whole_backward_bitwise(build, x, deferred, ckpt) -> None:
     assert _assert_bitwise(build, x, ckpt) == deferred

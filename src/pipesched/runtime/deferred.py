@@ -465,11 +465,102 @@ def _embedding_weight_grad(
     return (_aten.embedding_backward(grad, indices, num, padding_idx, scale, False),)
 
 
+# ------------------------------------------------------------------ multi-head attention
+
+
+def _mha_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``F.multi_head_attention_forward``'s self-attention without masks, its projections
+    deferrable: torch's own ops in torch's order (the function cannot be entered with the
+    mode on, so its linears would otherwise stay autograd's)."""
+    call = _mha_args(*args, **kwargs)
+    if call is None:
+        return None
+    query, heads, w_in, b_in, dropout_p, w_out, b_out, training = call
+    if not (_plain(query, w_in, b_in, w_out, b_out) and query.dim() == 3 and _dim(w_in) == 2):
+        return None
+    tgt_len, bsz, embed_dim = query.shape
+    head_dim = embed_dim // heads
+    if head_dim * heads != embed_dim or w_in.shape != (3 * embed_dim, embed_dim):
+        return None
+    proj = _Linear.apply(query, w_in, b_in, False, store, declaration())  # type: ignore[no-untyped-call]
+    # _in_projection_packed: (3, E), not (E, 3), as torch packs it
+    proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
+    proj = proj.contiguous()
+    q, k, v = proj[0], proj[1], proj[2]
+    q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
+    k = k.view(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
+    v = v.view(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
+    src_len = k.size(1)
+    q = q.view(bsz, heads, tgt_len, head_dim)
+    k = k.view(bsz, heads, src_len, head_dim)
+    v = v.view(bsz, heads, src_len, head_dim)
+    out = F.scaled_dot_product_attention(q, k, v, None, dropout_p if training else 0.0, False)
+    del q, k, v
+    out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
+    out = _Linear.apply(out, w_out, b_out, False, store, declaration())  # type: ignore[no-untyped-call]
+    return out.view(tgt_len, bsz, out.size(1)), None
+
+
+def _mha_args(
+    query: Any,
+    key: Any,
+    value: Any,
+    embed_dim_to_check: Any,
+    num_heads: Any,
+    in_proj_weight: Any,
+    in_proj_bias: Any,
+    bias_k: Any,
+    bias_v: Any,
+    add_zero_attn: Any,
+    dropout_p: Any,
+    out_proj_weight: Any,
+    out_proj_bias: Any,
+    training: Any = True,
+    key_padding_mask: Any = None,
+    need_weights: Any = True,
+    attn_mask: Any = None,
+    use_separate_proj_weight: Any = False,
+    q_proj_weight: Any = None,
+    k_proj_weight: Any = None,
+    v_proj_weight: Any = None,
+    static_k: Any = None,
+    static_v: Any = None,
+    average_attn_weights: Any = True,
+    is_causal: Any = False,
+) -> tuple[Any, ...] | None:
+    """The arguments of the one case handled (self-attention, packed, no mask, no weights
+    returned), or None."""
+    plain = (
+        query is key is value
+        and not need_weights
+        and key_padding_mask is None
+        and attn_mask is None
+        and not is_causal
+        and not use_separate_proj_weight
+        and bias_k is None
+        and bias_v is None
+        and not add_zero_attn
+        and static_k is None
+        and static_v is None
+        and in_proj_weight is not None
+        and isinstance(query, Tensor)
+        and query.dim() == 3
+        and embed_dim_to_check == query.shape[-1]
+    )
+    if not plain:
+        return None
+    return (
+        query, int(num_heads), in_proj_weight, in_proj_bias, float(dropout_p), out_proj_weight,
+        out_proj_bias, bool(training),
+    )  # fmt: skip
+
+
 _HANDLERS: dict[Any, Callable[[WeightStore, tuple[Any, ...], dict[str, Any]], Any]] = {
     **dict.fromkeys(_LINEARS, _linear_handler),
     **dict.fromkeys(_ADDMMS, _addmm_handler),
     **dict.fromkeys(_LAYER_NORMS, _layer_norm_handler),
     **dict.fromkeys(_EMBEDDINGS, _embedding_handler),
+    F.multi_head_attention_forward: _mha_handler,
 }
 """The ops the mode defers; each handler returns None where the call is not one it reproduces."""
 
