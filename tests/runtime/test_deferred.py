@@ -80,14 +80,16 @@ class Scale(nn.Module):
 
 
 class Masked(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, *, causal: bool = False) -> None:
         super().__init__()
         self.attn = nn.MultiheadAttention(6, 2, batch_first=True)
         self.fc = nn.Linear(6, 6)
+        self.causal = causal
 
     def forward(self, x: Tensor) -> Tensor:
         mask = torch.ones(4, 4, dtype=torch.bool).triu(1)
-        return self.fc(self.attn(x, x, x, attn_mask=mask, need_weights=False)[0])
+        out = self.attn(x, x, x, attn_mask=mask, need_weights=False, is_causal=self.causal)
+        return self.fc(out[0])
 
 
 def _parametrized() -> nn.Module:
@@ -150,10 +152,11 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0, batch_first=True), X, 6),
         (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.5, batch_first=True), X, 6),
         (lambda: Masked(), X, 1),  # a masked attention is torch's: its projections in B
+        (lambda: Masked(causal=True), X, 3),  # a causal mask with the hint: SDPA's is_causal
     ],
     ids=[
         "block", "twice-and-shared", "tied-lm", "parametrized", "encoder-layer",
-        "encoder-layer-dropout", "masked-attention",
+        "encoder-layer-dropout", "masked-attention", "causal-attention",
     ],  # fmt: skip
 )
 def test_b_then_w_equals_the_whole_backward_bitwise(build, x, deferred, ckpt) -> None:

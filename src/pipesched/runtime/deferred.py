@@ -78,7 +78,7 @@ class WeightStore:
                 w = params[0]
                 if compute is _linear_weight_grads and w is not None and self._fuses(w, left):
                     left.pop(id(w))  # its only use: added into .grad inside the GEMM
-                    x, grad, transposed = payload
+                    x, grad, transposed, _ = payload
                     grad_2d = grad.reshape(-1, grad.shape[-1])
                     accumulate_mm(w, *weight_factors(x, grad_2d, transposed))
                     params = (None, params[1])
@@ -255,17 +255,22 @@ class _Linear(torch.autograd.Function):
         grad_x = None
         if need_x:
             grad_x = _linear_input_grad(grad, x, saved_weight, ctx.transposed)
+        grad_w = grad_b = None
+        if need_b:  # a reduction over the gradient B holds (in cache): made here, added in W
+            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
         store: WeightStore = ctx.store
         if _deferring(ctx):
             defer_w = need_w and _deferrable(weight, store)
             defer_b = need_b and _deferrable(bias, store)
             if defer_w or defer_b:
                 params = (weight if defer_w else None, bias if defer_b else None)
-                store.entries.append((_linear_weight_grads, params, (x, grad, ctx.transposed)))
-                need_w, need_b = need_w and not defer_w, need_b and not defer_b
-        grad_w, grad_b = _linear_weight_grads(
-            (weight if need_w else None, bias if need_b else None), x, grad, ctx.transposed
-        )
+                payload = (x if defer_w else None, grad if defer_w else None, ctx.transposed)
+                store.entries.append((_linear_weight_grads, params, (*payload, grad_b)))
+                need_w = need_w and not defer_w
+                if defer_b:
+                    grad_b = None
+        if need_w:
+            grad_w, _ = _linear_weight_grads((weight, None), x, grad, ctx.transposed, None)
         return grad_x, grad_w, grad_b, None, None, None
 
 
@@ -280,21 +285,22 @@ def _linear_input_grad(grad: Tensor, x: Tensor, weight: Tensor, transposed: bool
 
 
 def _linear_weight_grads(
-    params: tuple[Tensor | None, ...], x: Tensor, grad: Tensor, transposed: bool
+    params: tuple[Tensor | None, ...],
+    x: Tensor | None,
+    grad: Tensor | None,
+    transposed: bool,
+    grad_b: Tensor | None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``(weight's, bias's)`` gradients as autograd computes them, for those in ``params``."""
+    """``(weight's, bias's)`` gradients as autograd computes them, for those in ``params``;
+    the bias's was made in B (``grad_2d.sum(0)``, as autograd's ``sum_to``)."""
     weight, bias = params
-    if weight is None and bias is None:
-        return None, None
-    grad_2d = grad.reshape(-1, grad.shape[-1])
-    grad_w = grad_b = None
-    if weight is not None:
+    grad_w = None
+    if weight is not None and x is not None and grad is not None:
+        grad_2d = grad.reshape(-1, grad.shape[-1])
         x_2d = x.reshape(-1, x.shape[-1])
         # mm_mat2_backward: (in, out) row-major mat2 for addmm, weight.t() (column-major) for linear.
         grad_w = x_2d.t().mm(grad_2d) if transposed else grad_2d.t().mm(x_2d)
-    if bias is not None:
-        grad_b = grad_2d.sum(0)
-    return grad_w, grad_b
+    return grad_w, grad_b if bias is not None else None
 
 
 # ------------------------------------------------------------------ layer norm
@@ -345,38 +351,29 @@ class _LayerNorm(torch.autograd.Function):
         x, mean, rstd = ctx.saved_tensors
         weight, bias = ctx.parameters
         need_x, need_w, need_b = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
+        grad_x = grad_w = grad_b = None
+        if need_x or need_w or need_b:  # one pass, as autograd's: the affine part is a reduction
+            grad_x, grad_w, grad_b = _aten.native_layer_norm_backward(
+                grad, x, ctx.shape, mean, rstd, weight, bias, [need_x, need_w, need_b]
+            )
         store: WeightStore = ctx.store
-        if _deferring(ctx):
+        if _deferring(ctx):  # made here, added into .grad in W
             defer_w = need_w and _deferrable(weight, store)
             defer_b = need_b and _deferrable(bias, store)
             if defer_w or defer_b:
                 params = (weight if defer_w else None, bias if defer_b else None)
-                payload = (grad, x, ctx.shape, mean, rstd, weight, bias)
-                store.entries.append((_layer_norm_weight_grads, params, payload))
-                need_w, need_b = need_w and not defer_w, need_b and not defer_b
-        grad_x = grad_w = grad_b = None
-        if need_x or need_w or need_b:
-            grad_x, grad_w, grad_b = _aten.native_layer_norm_backward(
-                grad, x, ctx.shape, mean, rstd, weight, bias, [need_x, need_w, need_b]
-            )
+                made = (grad_w if defer_w else None, grad_b if defer_b else None)
+                store.entries.append((_made, params, made))
+                grad_w = None if defer_w else grad_w
+                grad_b = None if defer_b else grad_b
         return grad_x, None, grad_w, grad_b, None, None, None
 
 
-def _layer_norm_weight_grads(
-    params: tuple[Tensor | None, ...],
-    grad: Tensor,
-    x: Tensor,
-    shape: tuple[int, ...],
-    mean: Tensor,
-    rstd: Tensor,
-    weight: Tensor | None,
-    bias: Tensor | None,
-) -> tuple[Tensor | None, Tensor | None]:
-    want_w, want_b = params[0] is not None, params[1] is not None
-    _, grad_w, grad_b = _aten.native_layer_norm_backward(
-        grad, x, shape, mean, rstd, weight, bias, [False, want_w, want_b]
-    )
-    return grad_w, grad_b
+def _made(
+    params: tuple[Tensor | None, ...], *grads: Tensor | None
+) -> tuple[Tensor | None, ...]:
+    """Gradients B already made (a layer norm's affine ones): W only accumulates them."""
+    return grads
 
 
 # ------------------------------------------------------------------ embedding
@@ -475,7 +472,7 @@ def _mha_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, An
     call = _mha_args(*args, **kwargs)
     if call is None:
         return None
-    query, heads, w_in, b_in, dropout_p, w_out, b_out, training = call
+    query, heads, w_in, b_in, dropout_p, w_out, b_out, training, causal = call
     if not (_plain(query, w_in, b_in, w_out, b_out) and query.dim() == 3 and _dim(w_in) == 2):
         return None
     tgt_len, bsz, embed_dim = query.shape
@@ -494,7 +491,7 @@ def _mha_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, An
     q = q.view(bsz, heads, tgt_len, head_dim)
     k = k.view(bsz, heads, src_len, head_dim)
     v = v.view(bsz, heads, src_len, head_dim)
-    out = F.scaled_dot_product_attention(q, k, v, None, dropout_p if training else 0.0, False)
+    out = F.scaled_dot_product_attention(q, k, v, None, dropout_p if training else 0.0, causal)
     del q, k, v
     out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
     out = _Linear.apply(out, w_out, b_out, False, store, declaration())  # type: ignore[no-untyped-call]
@@ -528,14 +525,13 @@ def _mha_args(
     average_attn_weights: Any = True,
     is_causal: Any = False,
 ) -> tuple[Any, ...] | None:
-    """The arguments of the one case handled (self-attention, packed, no mask, no weights
-    returned), or None."""
+    """The arguments of the one case handled (self-attention, packed, no mask but a causal
+    one, no weights returned), or None. A causal mask with the hint is SDPA's is_causal."""
     plain = (
         query is key is value
         and not need_weights
         and key_padding_mask is None
-        and attn_mask is None
-        and not is_causal
+        and (attn_mask is None) != bool(is_causal)
         and not use_separate_proj_weight
         and bias_k is None
         and bias_v is None
@@ -551,7 +547,7 @@ def _mha_args(
         return None
     return (
         query, int(num_heads), in_proj_weight, in_proj_bias, float(dropout_p), out_proj_weight,
-        out_proj_bias, bool(training),
+        out_proj_bias, bool(training), bool(is_causal),
     )  # fmt: skip
 
 
