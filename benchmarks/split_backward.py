@@ -14,9 +14,11 @@ runs it:
   checkpoint (not timed: both rows run it).
 - forward: the plain forward against the forward under the mode (its cost per op).
 
-Contenders alternate within each round; medians over the rounds (and the median
-of the per-round ratios). Target: B + W <= 1.05 x whole, and with checkpointing
-B + W <= 1.05 x (forward + whole); PASS/FAIL per row.
+Contenders alternate within each round (in reverse order every other round);
+medians over the rounds, the ratios as medians of the per-round ratios, and the
+ratios of the bests (the least disturbed rounds on a shared machine). Target:
+B + W <= 1.05 x whole, and with checkpointing B + W <= 1.05 x (forward + whole);
+PASS/FAIL per row (on the median ratios).
 
 Models (width 256, micro-batch 8 x 64 tokens; the MLP: 512 rows of 1024):
 4 x nn.TransformerEncoderLayer(256, 4, 1024, dropout=0, batch_first=True);
@@ -127,7 +129,10 @@ def models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
     return {
         "TransformerEncoderLayer(256) x4": (encoder, (8, 64, 256)),
         "GPT-2 block (256) x4": (lambda: Gpt2Blocks(4, 256), (8, 64, 256)),
-        "ViT block (256) x4": (lambda: nn.Sequential(*(VitBlock(256, 4) for _ in range(4))), (8, 64, 256)),
+        "ViT block (256) x4": (
+            lambda: nn.Sequential(*(VitBlock(256, 4) for _ in range(4))),
+            (8, 64, 256),
+        ),
         "Linear(1024)+ReLU x4": (mlp, (512, 1024)),
     }
 
@@ -150,15 +155,13 @@ def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - start, out
 
 
-def one_round(model: nn.Module, x: Tensor, g: Tensor) -> dict[str, float]:
-    t: dict[str, float] = {}
-    leaf = x.detach().requires_grad_()
-
+def _whole(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
     model.zero_grad(set_to_none=True)
     t["forward"], y = _clock(lambda: model(leaf))
-    t["whole"], _ = _clock(lambda: backward_full([y], [g], [leaf]))
-    del y
+    t["whole"], _ = _clock(lambda y=y: backward_full([y], [g], [leaf]))
 
+
+def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
     model.zero_grad(set_to_none=True)
     store = WeightStore()
 
@@ -167,16 +170,27 @@ def one_round(model: nn.Module, x: Tensor, g: Tensor) -> dict[str, float]:
             return model(leaf)  # type: ignore[no-any-return]
 
     t["forward_mode"], y = _clock(deferred_forward)
-    t["B"], (_, w) = _clock(lambda: backward_input([y], [g], [leaf], store))
+    t["B"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
     del y
     t["W"], _ = _clock(w.run)
 
+
+def _split_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
     model.zero_grad(set_to_none=True)
     store = WeightStore()
     y = checkpoint(_Deferred(model, store), leaf, preserve_rng_state=True)
-    t["B_ckpt"], (_, w) = _clock(lambda: backward_input([y], [g], [leaf], store))
+    t["B_ckpt"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
     del y
     t["W_ckpt"], _ = _clock(w.run)
+
+
+def one_round(model: nn.Module, x: Tensor, g: Tensor, k: int) -> dict[str, float]:
+    """Every contender once, in turn (reversed every other round)."""
+    t: dict[str, float] = {}
+    leaf = x.detach().requires_grad_()
+    contenders = [_whole, _split, _split_checkpointed]
+    for run in contenders if k % 2 == 0 else contenders[::-1]:
+        run(model, leaf, g, t)
     return t
 
 
@@ -200,12 +214,12 @@ def main() -> None:
             continue
         model = build().train()
         x, g = torch.randn(*shape), torch.randn(*shape)
-        for _ in range(2):  # warm up
-            one_round(model, x, g)
+        for k in range(2):  # warm up
+            one_round(model, x, g, k)
         gc.collect()
         gc.disable()  # no collection inside a timed pass
         try:
-            rounds = [one_round(model, x, g) for _ in range(args.rounds)]
+            rounds = [one_round(model, x, g, k) for k in range(args.rounds)]
         finally:
             gc.enable()
         med = {k: statistics.median(r[k] for r in rounds) * 1e3 for k in rounds[0]}

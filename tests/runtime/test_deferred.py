@@ -155,9 +155,15 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         (lambda: Masked(causal=True), X, 3),  # a causal mask with the hint: SDPA's is_causal
     ],
     ids=[
-        "block", "twice-and-shared", "tied-lm", "parametrized", "encoder-layer",
-        "encoder-layer-dropout", "masked-attention", "causal-attention",
-    ],  # fmt: skip
+        "block",
+        "twice-and-shared",
+        "tied-lm",
+        "parametrized",
+        "encoder-layer",
+        "encoder-layer-dropout",
+        "masked-attention",
+        "causal-attention",
+    ],
 )
 def test_b_then_w_equals_the_whole_backward_bitwise(build, x, deferred, ckpt) -> None:
     assert _assert_bitwise(build, x, ckpt) == deferred

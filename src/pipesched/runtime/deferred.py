@@ -125,13 +125,15 @@ class DeferredWeightsMode(TorchFunctionMode):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        if func in _HANDLERS and torch.is_grad_enabled() and _saved_tensor_hooks() == self._hooks:
-            out = _HANDLERS[func](self.store, args, kwargs)
+        if kwargs is None:
+            kwargs = {}
+        handler = _HANDLERS.get(func)
+        if handler is not None and torch.is_grad_enabled() and _saved_tensor_hooks() == self._hooks:
+            out = handler(self.store, args, kwargs)
             if out is not None:
                 return out
         out = func(*args, **kwargs)
-        if torch.is_grad_enabled() and _requires_grad(out):
+        if _requires_grad(out):  # a weight some other op uses: autograd's in B
             _flag(self.store.flagged, args)
             if kwargs:
                 _flag(self.store.flagged, tuple(kwargs.values()))
@@ -145,19 +147,20 @@ def _saved_tensor_hooks() -> Any:
 def _requires_grad(out: Any) -> bool:
     if isinstance(out, Tensor):
         return out.requires_grad
-    if isinstance(out, (tuple, list)):
+    if type(out) is tuple or type(out) is list:
         return any(isinstance(t, Tensor) and t.requires_grad for t in out)
     return False
 
 
 def _flag(flagged: set[int], args: tuple[Any, ...]) -> None:
     for a in args:
-        if isinstance(a, nn.Parameter):
+        kind = type(a)
+        if kind is Tensor:  # the common case first: Parameter's isinstance is a Python call
+            continue
+        if kind is nn.Parameter or (issubclass(kind, Tensor) and isinstance(a, nn.Parameter)):
             flagged.add(id(a))
-        elif isinstance(a, (tuple, list)):
-            for b in a:
-                if isinstance(b, nn.Parameter):
-                    flagged.add(id(b))
+        elif kind is tuple or kind is list:
+            _flag(flagged, a)
 
 
 def _plain(x: Any, *params: Any) -> bool:
@@ -243,7 +246,7 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight if x.requires_grad else None)
         ctx.parameters = (weight, bias)  # the tensors themselves (checkpoint gives aliases)
         ctx.transposed, ctx.store, ctx.declaration = transposed, store, declared
-        if transposed:
+        if transposed and bias is not None:
             return torch.addmm(bias, x, weight)
         return F.linear(x, weight, bias)
 
@@ -298,7 +301,7 @@ def _linear_weight_grads(
     if weight is not None and x is not None and grad is not None:
         grad_2d = grad.reshape(-1, grad.shape[-1])
         x_2d = x.reshape(-1, x.shape[-1])
-        # mm_mat2_backward: (in, out) row-major mat2 for addmm, weight.t() (column-major) for linear.
+        # mm_mat2_backward: addmm's (in, out) mat2 is row-major, linear's weight.t() column-major.
         grad_w = x_2d.t().mm(grad_2d) if transposed else grad_2d.t().mm(x_2d)
     return grad_w, grad_b if bias is not None else None
 
@@ -350,7 +353,8 @@ class _LayerNorm(torch.autograd.Function):
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
         x, mean, rstd = ctx.saved_tensors
         weight, bias = ctx.parameters
-        need_x, need_w, need_b = ctx.needs_input_grad[0], *ctx.needs_input_grad[2:4]
+        needs: tuple[bool, ...] = ctx.needs_input_grad
+        need_x, need_w, need_b = needs[0], needs[2], needs[3]
         grad_x = grad_w = grad_b = None
         if need_x or need_w or need_b:  # one pass, as autograd's: the affine part is a reduction
             grad_x, grad_w, grad_b = _aten.native_layer_norm_backward(
@@ -369,9 +373,7 @@ class _LayerNorm(torch.autograd.Function):
         return grad_x, None, grad_w, grad_b, None, None, None
 
 
-def _made(
-    params: tuple[Tensor | None, ...], *grads: Tensor | None
-) -> tuple[Tensor | None, ...]:
+def _made(params: tuple[Tensor | None, ...], *grads: Tensor | None) -> tuple[Tensor | None, ...]:
     """Gradients B already made (a layer norm's affine ones): W only accumulates them."""
     return grads
 

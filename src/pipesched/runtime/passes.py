@@ -162,9 +162,9 @@ class StagePasses:
         # Fused weight-gradient accumulation only where pipesched runs the backward.
         fused = self.fused[s] if self.fused is not None and state.detach else None
         store = None
-        if state.split_backward and state.detach and step.loss_fn is not None:
-            if torch.is_grad_enabled():  # B leaves the weights' products to W: no second pass
-                store = state.weight_stores[s, i] = WeightStore(fused or frozenset())
+        # A split backward: B leaves the weights' products to W, with no second pass.
+        if state.split_backward and state.detach and step.loss_fn and torch.is_grad_enabled():
+            store = state.weight_stores[s, i] = WeightStore(fused or frozenset())
         if self.forward_context is None:
             y = self._run(s, i, x, state, fused, store)
         else:
