@@ -13,6 +13,9 @@ runs it:
   recomputes the forward once) plus W, the forward run under pipesched's
   checkpoint (not timed: both rows run it).
 - forward: the plain forward against the forward under the mode (its cost per op).
+- graph: B + W as pipesched split the backward before the mode (a graph analysis
+  per B, one autograd call per weight group in W; ``backward_input`` without a
+  store), over the whole backward.
 
 Contenders alternate within each round (in reverse order every other round);
 medians over the rounds, the ratios as medians of the per-round ratios, and the
@@ -175,6 +178,15 @@ def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> No
     t["W"], _ = _clock(w.run)
 
 
+def _graph_split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    """The split without the mode: a graph analysis per B, an autograd call per W group."""
+    model.zero_grad(set_to_none=True)
+    y = model(leaf)
+    t["graph"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf]))
+    del y
+    t["graph"] += _clock(w.run)[0]
+
+
 def _split_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
     model.zero_grad(set_to_none=True)
     store = WeightStore()
@@ -188,7 +200,7 @@ def one_round(model: nn.Module, x: Tensor, g: Tensor, k: int) -> dict[str, float
     """Every contender once, in turn (reversed every other round)."""
     t: dict[str, float] = {}
     leaf = x.detach().requires_grad_()
-    contenders = [_whole, _split, _split_checkpointed]
+    contenders = [_whole, _split, _split_checkpointed, _graph_split]
     for run in contenders if k % 2 == 0 else contenders[::-1]:
         run(model, leaf, g, t)
     return t
@@ -204,7 +216,7 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, medians (ms)")
     header = (
         f"{'model':34} {'whole':>7} {'B':>7} {'W':>7} {'B+W':>7} {'ratio':>6}  "
-        f"{'F+whole':>8} {'B+W ckpt':>8} {'ratio':>6}  {'F':>6} {'F mode':>7}"
+        f"{'F+whole':>8} {'B+W ckpt':>8} {'ratio':>6}  {'F':>6} {'F mode':>7} {'graph':>6}"
     )
     print(header)
     verdicts = []
@@ -227,6 +239,7 @@ def main() -> None:
         ratio_ckpt = statistics.median(
             (r["B_ckpt"] + r["W_ckpt"]) / (r["forward"] + r["whole"]) for r in rounds
         )
+        graph = statistics.median(r["graph"] / r["whole"] for r in rounds)
         best = {k: min(r[k] for r in rounds) for k in rounds[0]}
         bests.append(
             (
@@ -242,7 +255,8 @@ def main() -> None:
             f"{name:34} {med['whole']:7.2f} {med['B']:7.2f} {med['W']:7.2f} "
             f"{med['B'] + med['W']:7.2f} {ratio:6.3f}  {med['forward'] + med['whole']:8.2f} "
             f"{med['B_ckpt'] + med['W_ckpt']:8.2f} {ratio_ckpt:6.3f}  "
-            f"{med['forward']:6.2f} {med['forward_mode']:7.2f}  {'PASS' if ok else 'FAIL'}"
+            f"{med['forward']:6.2f} {med['forward_mode']:7.2f} {graph:6.3f}  "
+            f"{'PASS' if ok else 'FAIL'}"
         )
     print("ratios: medians of the per-round ratios; target <=", LIMIT)
     print("on the bests (min over rounds): B+W / whole, B+W ckpt / (F + whole), F mode / F")
