@@ -253,3 +253,23 @@ def test_whole_model_copy_is_unchanged_by_the_mode() -> None:
     with DeferredWeightsMode(WeightStore()):
         out = model(X)
     assert torch.equal(out, plain(X))
+
+
+class ConvNet(nn.Module):
+    """Convolutions: strided, grouped, bias-free, 1-d; one with padding="same" stays torch's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Conv2d(3, 4, 3, padding=1)
+        self.b = nn.Conv2d(4, 4, 3, stride=2, groups=2, bias=False)
+        self.c = nn.Conv1d(4, 2, 2)
+        self.same = nn.Conv2d(4, 4, 3, padding="same")
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.b(self.same(torch.relu(self.a(x))))
+        return self.c(h.flatten(2))
+
+
+@pytest.mark.parametrize("ckpt", [False, True])
+def test_convolutions_b_then_w_equal_the_whole_backward_bitwise(ckpt) -> None:
+    assert _assert_bitwise(ConvNet, torch.randn(2, 3, 8, 8, dtype=DTYPE), ckpt) == 3

@@ -1,14 +1,13 @@
-"""Deferred weight gradients: B stashes each weight's operands, W runs its product directly.
+"""Deferred weight gradients: B keeps each weight's operands, W runs its product directly.
 
-Why not autograd for W: a second traversal per weight group costs a graph walk and
-an engine call each, a fifth of a Transformer's backward. Inside
-:class:`DeferredWeightsMode` the ops whose weight gradient is one product (linear,
-GPT-2's addmm, layer_norm, embedding) run as Functions that, in a split B, compute
-the input gradient, keep ``(input, gradient)`` in the micro-batch's
-:class:`WeightStore`, and return no weight gradient; W computes them with
-autograd's own formulas and accumulates as ``AccumulateGrad`` does. A weight some
-other op also uses (or with gradient hooks, or not a leaf) gets its whole gradient
-from autograd in B instead: exact, only not deferred.
+Why not autograd for W: a second traversal per weight group costs a graph walk and an
+engine call each, a fifth of a Transformer's backward. Under :class:`DeferredWeightsMode`
+the ops whose weight gradient is one product (linear, GPT-2's addmm, convolution,
+embedding, self-attention's projections; layer_norm's affine part) run as Functions
+that in a split B compute the input gradient and keep ``(input, gradient)`` in the
+micro-batch's :class:`WeightStore`; W computes them with autograd's formulas and
+accumulates as ``AccumulateGrad`` does. A weight another op also uses (or hooked, or
+not a leaf) gets its whole gradient from autograd in B: exact, only not deferred.
 """
 
 from __future__ import annotations
@@ -464,6 +463,136 @@ def _embedding_weight_grad(
     return (_aten.embedding_backward(grad, indices, num, padding_idx, scale, False),)
 
 
+# ------------------------------------------------------------------ convolution
+
+
+def _conv_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    call = _conv_args(*args, **kwargs)
+    if call is None:
+        return None
+    x, weight, bias, stride, padding, dilation, groups = call
+    if not (_plain(x, weight, bias) and _dim(weight) >= 3 and x.dim() == weight.dim()):
+        return None
+    n = weight.dim() - 2
+    options = []
+    for value in (stride, padding, dilation):
+        value = [value] * n if isinstance(value, int) else list(value)
+        if len(value) != n or not all(isinstance(v, int) for v in value):
+            return None  # padding="same" and the like: torch's own path
+        options.append(value)
+    if not isinstance(groups, int) or (bias is not None and bias.shape != (weight.shape[0],)):
+        return None
+    conv = (*options, int(groups))
+    return _Convolution.apply(x, weight, bias, conv, store, declaration())  # type: ignore[no-untyped-call]
+
+
+def _conv_args(
+    input: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: Any = 1,
+) -> tuple[Any, ...] | None:
+    return input, weight, bias, stride, padding, dilation, groups
+
+
+def _aten_conv_args(
+    input: Any,
+    weight: Any,
+    bias: Any,
+    stride: Any,
+    padding: Any,
+    dilation: Any,
+    transposed: Any,
+    output_padding: Any,
+    groups: Any,
+) -> tuple[Any, ...] | None:
+    if transposed:
+        return None
+    return input, weight, bias, stride, padding, dilation, groups
+
+
+def _aten_conv_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    call = _aten_conv_args(*args, **kwargs)
+    return None if call is None else _conv_handler(store, call, {})
+
+
+class _Convolution(torch.autograd.Function):
+    """``F.conv1d/2d/3d`` (numeric padding), its weight's gradient deferrable."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        x: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        conv: tuple[Any, ...],
+        store: WeightStore,
+        declared: Declaration,
+    ) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.parameters = (weight, bias)
+        ctx.conv, ctx.store, ctx.declaration = conv, store, declared
+        stride, padding, dilation, groups = conv
+        zeros = [0] * len(stride)
+        return _aten.convolution(x, weight, bias, stride, padding, dilation, False, zeros, groups)  # type: ignore[no-any-return]
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x, saved_weight = ctx.saved_tensors
+        weight, bias = ctx.parameters
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        store: WeightStore = ctx.store
+        defer_w = need_w and _deferring(ctx) and _deferrable(weight, store)
+        grad_x, grad_w, grad_b = _conv_backward(
+            grad, x, saved_weight, bias, ctx.conv, [need_x, need_w and not defer_w, need_b]
+        )
+        defer_b = grad_b is not None and _deferring(ctx) and _deferrable(bias, store)
+        if defer_w or defer_b:
+            params = (weight if defer_w else None, bias if defer_b else None)
+            payload = (x if defer_w else None, grad if defer_w else None, saved_weight)
+            made_b = grad_b if defer_b else None
+            store.entries.append((_conv_weight_grads, params, (*payload, ctx.conv, made_b)))
+            grad_b = None if defer_b else grad_b
+        return grad_x, grad_w, grad_b, None, None, None
+
+
+def _conv_backward(
+    grad: Tensor,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    conv: tuple[Any, ...],
+    mask: list[bool],
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """autograd's ``convolution_backward`` for the outputs ``mask`` asks for."""
+    if not any(mask):
+        return None, None, None
+    stride, padding, dilation, groups = conv
+    bias_sizes = None if bias is None else list(bias.shape)
+    zeros = [0] * len(stride)
+    grads = _aten.convolution_backward(
+        grad, x, weight, bias_sizes, stride, padding, dilation, False, zeros, groups, mask
+    )
+    return tuple(g if m else None for g, m in zip(grads, mask, strict=True))  # type: ignore[return-value]
+
+
+def _conv_weight_grads(
+    params: tuple[Tensor | None, ...],
+    x: Tensor | None,
+    grad: Tensor | None,
+    weight: Tensor,
+    conv: tuple[Any, ...],
+    grad_b: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None]:
+    grad_w = None
+    if params[0] is not None and x is not None and grad is not None:
+        _, grad_w, _ = _conv_backward(grad, x, weight, None, conv, [False, True, False])
+    return grad_w, grad_b if params[1] is not None else None
+
+
 # ------------------------------------------------------------------ multi-head attention
 
 
@@ -559,6 +688,8 @@ _HANDLERS: dict[Any, Callable[[WeightStore, tuple[Any, ...], dict[str, Any]], An
     **dict.fromkeys(_LAYER_NORMS, _layer_norm_handler),
     **dict.fromkeys(_EMBEDDINGS, _embedding_handler),
     F.multi_head_attention_forward: _mha_handler,
+    **dict.fromkeys((F.conv1d, F.conv2d, F.conv3d), _conv_handler),
+    _aten.convolution.default: _aten_conv_handler,
 }
 """The ops the mode defers; each handler returns None where the call is not one it reproduces."""
 
