@@ -60,43 +60,47 @@ class WeightStore:
     def run(self) -> None:
         """W: each stashed weight gradient computed and accumulated into ``.grad``; frees them.
 
-        A parameter reached several times gets the sum of its parts in the
-        order B reached them, then one accumulation, as autograd's engine does.
+        The products run last-stashed first (what B touched last is likeliest in
+        cache). A parameter reached several times gets the sum of its parts in
+        the order B reached them, then one accumulation, as autograd's engine does.
         """
         entries, self.entries = self.entries, []
-        left: dict[int, int] = {}
+        uses: dict[int, int] = {}
         for _, params, _ in entries:
             for p in params:
                 if p is not None:
-                    left[id(p)] = left.get(id(p), 0) + 1
-        sums: dict[int, Tensor] = {}
-        entries.reverse()
+                    uses[id(p)] = uses.get(id(p), 0) + 1
+        parts: dict[int, list[tuple[int, Tensor]]] = {}
         with torch.no_grad():
-            while entries:
+            for index in range(len(entries) - 1, -1, -1):
                 compute, params, payload = entries.pop()
                 w = params[0]
-                if compute is _linear_weight_grads and w is not None and self._fuses(w, left):
-                    left.pop(id(w))  # its only use: added into .grad inside the GEMM
-                    x, grad, transposed, _ = payload
-                    grad_2d = grad.reshape(-1, grad.shape[-1])
-                    accumulate_mm(w, *weight_factors(x, grad_2d, transposed))
+                if compute is _linear_weight_grads and w is not None and self._fuses(w, uses):
+                    x, grad, transposed, _ = payload  # its only use: added inside the GEMM
+                    accumulate_mm(
+                        w, *weight_factors(x, grad.reshape(-1, grad.shape[-1]), transposed)
+                    )
                     params = (None, params[1])
                 grads = compute(params, *payload)
                 del payload
                 for p, g in zip(params, grads, strict=True):
                     if p is None or g is None:
                         continue
-                    key = id(p)
-                    held = sums.pop(key, None)
-                    total = g if held is None else held + g
-                    left[key] -= 1
-                    if left[key]:
-                        sums[key] = total
-                    else:
+                    if uses[id(p)] == 1:
+                        _accumulate(p, g)
+                        continue
+                    held = parts.setdefault(id(p), [])
+                    held.append((index, g))
+                    if len(held) == uses[id(p)]:
+                        del parts[id(p)]
+                        held.sort(key=lambda part: part[0])
+                        total = held[0][1]
+                        for _, part in held[1:]:
+                            total = total + part
                         _accumulate(p, total)
 
-    def _fuses(self, p: Tensor, left: dict[int, int]) -> bool:
-        return id(p) in self.fused and left[id(p)] == 1
+    def _fuses(self, p: Tensor, uses: dict[int, int]) -> bool:
+        return id(p) in self.fused and uses[id(p)] == 1
 
 
 class DeferredWeightsMode(TorchFunctionMode):
