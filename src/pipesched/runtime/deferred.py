@@ -172,7 +172,7 @@ def _plain(x: Any, *params: Any) -> bool:
         return False
     for p in params:
         if p is not None and not (
-            isinstance(p, Tensor)
+            (type(p) is nn.Parameter or type(p) is Tensor)  # no subclass (DTensor, ...)
             and p.layout == torch.strided
             and p.is_contiguous()
             and p.dtype == x.dtype
