@@ -245,7 +245,7 @@ def test_zero_bubble_step_equals_1f1b_bitwise(checkpoint_mode) -> None:
         assert torch.equal(a, b)
 
 
-def test_whole_model_copy_is_unchanged_by_the_mode() -> None:
+def test_the_mode_changes_no_forward_value() -> None:
     """The mode changes no forward value: outputs equal the plain forward's bitwise."""
     torch.manual_seed(0)
     model = Block().to(DTYPE)
