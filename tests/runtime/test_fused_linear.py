@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from pipesched import Pipeline
 from pipesched.runtime import fused_linear
 from pipesched.runtime.backward import backward_full, backward_input
+from pipesched.runtime.deferred import _Linear as _DeferredLinear
 from pipesched.runtime.fused_linear import (
     MIN_FUSED_BYTES,
     FusedLinearMode,
@@ -146,20 +147,30 @@ def test_checkpointed_fused_linear_accumulates_into_the_parameters() -> None:
 
 
 def _linear_calls(run: Callable[[], Any]) -> int:
-    """How many fused linears ``run`` builds."""
+    """How many fused linears ``run`` builds (in a split backward: deferred linears whose
+    weight W accumulates inside the GEMM)."""
     count = 0
     original = _FusedLinear.forward
+    original_deferred = _DeferredLinear.forward
 
     def counting(ctx: Any, *args: Any) -> Tensor:
         nonlocal count
         count += 1
         return original(ctx, *args)
 
+    def counting_deferred(ctx: Any, *args: Any) -> Tensor:
+        nonlocal count
+        weight, store = args[1], args[4]
+        count += id(weight) in store.fused
+        return original_deferred(ctx, *args)
+
     _FusedLinear.forward = staticmethod(counting)  # type: ignore[method-assign]
+    _DeferredLinear.forward = staticmethod(counting_deferred)  # type: ignore[method-assign]
     try:
         run()
     finally:
         _FusedLinear.forward = staticmethod(original)  # type: ignore[method-assign]
+        _DeferredLinear.forward = staticmethod(original_deferred)  # type: ignore[method-assign]
     return count
 
 
@@ -451,16 +462,24 @@ def test_pipeline_fuses_the_big_layers_only_and_equals_the_plain_model(fp64, sch
     )
     fused: list[Tensor] = []
     original = _FusedLinear.forward
+    original_deferred = _DeferredLinear.forward
 
     def recording(ctx: Any, x: Tensor, weight: Tensor, *args: Any) -> Tensor:
         fused.append(weight)
         return original(ctx, x, weight, *args)
 
+    def recording_deferred(ctx: Any, x: Tensor, weight: Tensor, *args: Any) -> Tensor:
+        if id(weight) in args[2].fused:  # zb-h1: W accumulates it inside the GEMM
+            fused.append(weight)
+        return original_deferred(ctx, x, weight, *args)
+
     _FusedLinear.forward = staticmethod(recording)  # type: ignore[method-assign]
+    _DeferredLinear.forward = staticmethod(recording_deferred)  # type: ignore[method-assign]
     try:
         pipe.step(x, y, loss_fn=nn.functional.mse_loss)
     finally:
         _FusedLinear.forward = staticmethod(original)  # type: ignore[method-assign]
+        _DeferredLinear.forward = staticmethod(original_deferred)  # type: ignore[method-assign]
     assert [w is model[2].weight for w in fused] == [True] * 4  # once per micro-batch
     _assert_same(_grads(model), _grads(reference))
 

@@ -1,10 +1,12 @@
 """One stage's backward pass, whole or split into input gradients (B) and weight gradients (W).
 
-B runs autograd from outputs to inputs with the graph retained, capturing the
-gradient entering each intermediate that also leads to a weight; W runs from those
-to the weights, so B and W together cost one backward. Why not torch's private
-``_backward``: untyped, and its W needs inputs that require grad. Each backward
-declares its kind (:mod:`pipesched.runtime.backward_kind`) for the fused linears.
+With a forward run under :class:`~pipesched.runtime.deferred.DeferredWeightsMode`, B is
+one backward that leaves the deferrable weights' products in the micro-batch's store
+and W runs them: no retained graph, no second traversal, one recomputation. Without
+it, B runs autograd from outputs to inputs with the graph retained, capturing the
+gradient entering each intermediate that also leads to a weight, and W runs from
+those to the weights. Each backward declares its kind
+(:mod:`pipesched.runtime.backward_kind`) for the fused and deferred linears.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from pipesched.errors import ConfigError, ScheduleError
-from pipesched.runtime.backward_kind import FULL, BackwardKind, running
+from pipesched.runtime.backward_kind import DEFERRED, FULL, BackwardKind, running
 from pipesched.runtime.compat.internals import one_recomputation, run_backward
+from pipesched.runtime.deferred import WeightStore
 from pipesched.runtime.fused_linear import weight_pass
 from pipesched.runtime.weight_split import Grads, WeightSplit
 
@@ -51,6 +54,16 @@ def backward_full(
         ConfigError: ``grad_outputs`` does not match ``outputs``, or an input is
             not a leaf.
     """
+    return _whole(outputs, grad_outputs, inputs, FULL)
+
+
+def _whole(
+    outputs: Sequence[Tensor],
+    grad_outputs: Sequence[Tensor | None] | None,
+    inputs: Sequence[Any],
+    kind: BackwardKind,
+) -> Grads:
+    """One backward over the whole graph, declared as ``kind``; the inputs' gradients."""
     roots, root_grads = _roots(outputs, grad_outputs)
     wanted = _inputs_wanting_grad(inputs)
     result: list[Tensor | None] = [None] * len(inputs)
@@ -60,7 +73,7 @@ def backward_full(
     for _, x in wanted:
         x.grad = None
     try:
-        with running(FULL):
+        with running(kind):
             run_backward(roots, root_grads)  # each root's gradient is of its shape (_roots)
         for i, x in wanted:
             result[i] = x.grad
@@ -74,16 +87,26 @@ def backward_input(
     outputs: Sequence[Tensor],
     grad_outputs: Sequence[Tensor | None] | None,
     inputs: Sequence[Any],
+    store: WeightStore | None = None,
 ) -> tuple[Grads, WeightGradients]:
     """Runs B: the input gradients only, keeping what the weight gradients will need.
 
-    Args and input gradients as in :func:`backward_full`; no ``.grad`` changes.
-    Calling the returned handle's :meth:`WeightGradients.run` later (W) then
-    accumulates into ``.grad`` exactly what :func:`backward_full` would have.
+    Args and input gradients as in :func:`backward_full`. Calling the returned
+    handle's :meth:`WeightGradients.run` later (W) then accumulates into
+    ``.grad`` exactly what :func:`backward_full` would have.
+
+    Args:
+        store: the store of the forward's
+            :class:`~pipesched.runtime.deferred.DeferredWeightsMode`, or None
+            (a forward run without it). With a store, B is one backward that
+            leaves the deferrable weights' gradients to W and accumulates the
+            others' (weights some other op also uses) itself, as
+            :func:`backward_full` would. Without one, no ``.grad`` changes.
 
     Returns:
-        ``(input gradients, W handle)``. Where no input requires grad (a first
-        stage fed token ids) B computes nothing and W runs the whole backward.
+        ``(input gradients, W handle)``. Without a store, where no input
+        requires grad (a first stage fed token ids) B computes nothing and W
+        runs the whole backward.
 
     Raises:
         ConfigError: as :func:`backward_full`.
@@ -99,6 +122,8 @@ def backward_input(
         >>> layer.weight.grad.shape
         torch.Size([2, 3])
     """
+    if store is not None:
+        return _whole(outputs, grad_outputs, inputs, DEFERRED), WeightGradients(store=store)
     roots, root_grads = _roots(outputs, grad_outputs)
     wanted = _inputs_wanting_grad(inputs)
     result: list[Tensor | None] = [None] * len(inputs)
@@ -135,15 +160,22 @@ def backward_input(
 class WeightGradients:
     """W of one stage and micro-batch: the weight gradients :func:`backward_input` left pending.
 
-    Holds the captured gradients and the graph nodes they enter, nothing else;
-    :meth:`run` drops them.
+    Holds the stashed operands (``store``), or the captured gradients and the graph
+    nodes they enter (``passes``), nothing else; :meth:`run` drops them.
     """
 
-    __slots__ = ("_done", "_overlapping", "_passes")
+    __slots__ = ("_done", "_overlapping", "_passes", "_store")
 
-    def __init__(self, passes: tuple[_WeightPass, ...], *, overlapping: bool) -> None:
+    def __init__(
+        self,
+        passes: tuple[_WeightPass, ...] = (),
+        *,
+        overlapping: bool = False,
+        store: WeightStore | None = None,
+    ) -> None:
         self._passes = passes
         self._overlapping = overlapping
+        self._store = store
         self._done = False
 
     @property
@@ -166,6 +198,10 @@ class WeightGradients:
                 "accumulated; each W runs once: look for a duplicated W action"
             )
         self._done = True
+        store, self._store = self._store, None
+        if store is not None:
+            store.run()
+            return
         passes, self._passes = self._passes, ()
         # Passes that share no node can share one recomputation of a checkpointed region.
         with contextlib.nullcontext() if self._overlapping else one_recomputation():

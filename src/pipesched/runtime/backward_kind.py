@@ -14,7 +14,16 @@ from dataclasses import dataclass, field
 
 from torch.autograd.graph import Node
 
-__all__ = ["ACCUMULATE", "FULL", "RETURN", "SKIP", "BackwardKind", "Declaration", "running"]
+__all__ = [
+    "ACCUMULATE",
+    "DEFERRED",
+    "FULL",
+    "RETURN",
+    "SKIP",
+    "BackwardKind",
+    "Declaration",
+    "running",
+]
 
 SKIP, ACCUMULATE, RETURN = 0, 1, 2
 """What a backward wants of a leaf: nothing, its ``.grad`` accumulated, its gradient returned."""
@@ -28,11 +37,14 @@ class BackwardKind:
         full: every leaf accumulates (``torch.autograd.backward`` without ``inputs=``).
         captured: leaves whose gradient is returned (``torch.autograd.grad``'s inputs).
         accumulated: the only leaves that accumulate (``backward``'s ``inputs=``).
+        deferred: a split B whose deferrable weight gradients go to their
+            micro-batch's store (:mod:`pipesched.runtime.deferred`) for W.
     """
 
     full: bool = False
     captured: frozenset[Node] = field(default_factory=frozenset)
     accumulated: frozenset[Node] = field(default_factory=frozenset)
+    deferred: bool = False
 
     def leaf(self, node: Node) -> int:
         """:data:`SKIP`, :data:`ACCUMULATE` or :data:`RETURN` for the leaf ``node``."""
@@ -43,6 +55,9 @@ class BackwardKind:
 
 FULL = BackwardKind(full=True)
 """``torch.autograd.backward`` without ``inputs=``."""
+
+DEFERRED = BackwardKind(full=True, deferred=True)
+"""A split B: a whole backward, less the weight gradients it defers to W."""
 
 
 class Declaration:

@@ -29,7 +29,9 @@ from pipesched.runtime.placement import stage_parameters
 __all__ = [
     "MIN_FUSED_BYTES",
     "FusedLinearMode",
+    "accumulate_mm",
     "unshared_parameters",
+    "weight_factors",
     "weight_pass",
     "worth_fusing",
 ]
@@ -219,11 +221,11 @@ class _FusedLinear(torch.autograd.Function):
         if want_w == SKIP and want_b == SKIP:
             return grad_x, None, None, None
         grad_2d = grad.reshape(-1, grad.shape[-1])
-        a, b = _weight_factors(x, grad_2d, ctx.transposed)
+        a, b = weight_factors(x, grad_2d, ctx.transposed)
         grad_w = grad_b = None
         with torch.no_grad():
             if want_w == ACCUMULATE:
-                _accumulate_mm(weight, a, b)
+                accumulate_mm(weight, a, b)
             elif want_w == RETURN:  # autograd.grad() asks for it: no .grad is touched
                 grad_w = torch.mm(a, b)
             if want_b == ACCUMULATE:
@@ -254,13 +256,13 @@ def weight_pass(node: Any, grad: Tensor, weights: Sequence[Tensor]) -> bool:
     x, _ = ctx.saved_tensors
     grad_2d = grad.reshape(-1, grad.shape[-1])
     with torch.no_grad():
-        _accumulate_mm(weight, *_weight_factors(x, grad_2d, ctx.transposed))
+        accumulate_mm(weight, *weight_factors(x, grad_2d, ctx.transposed))
         if bias is not None:
             _accumulate(bias, grad_2d.sum(0))
     return True
 
 
-def _weight_factors(x: Tensor, grad_2d: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+def weight_factors(x: Tensor, grad_2d: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
     """``(a, b)`` with the weight's gradient ``a @ b``."""
     x_2d = x.reshape(-1, x.shape[-1])
     return (x_2d.t(), grad_2d) if transposed else (grad_2d.t(), x_2d)
@@ -292,7 +294,7 @@ def _input_wanted(kind: BackwardKind | None, node: Any) -> bool:
     return engine_will_execute(node)  # never asked of a leaf: torch raises for a captured one
 
 
-def _accumulate_mm(p: Tensor, a: Tensor, b: Tensor) -> None:
+def accumulate_mm(p: Tensor, a: Tensor, b: Tensor) -> None:
     """``p.grad += a @ b`` in one GEMM (or ``p.grad = a @ b``)."""
     if p.grad is None:
         p.grad = torch.mm(a, b)

@@ -21,6 +21,7 @@ from torch import nn
 
 from pipesched.errors import ConfigError
 from pipesched.runtime.backward import backward_full, backward_input
+from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
 from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
 from pipesched.runtime.stage.recompute import checkpoint
 from pipesched.runtime.stage.rng import StepSeed
@@ -82,6 +83,7 @@ class StepState:
     origin_wall: float = 0.0
     saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     pending_weights: dict[tuple[int, int], Any] = field(default_factory=dict)
+    weight_stores: dict[tuple[int, int], WeightStore] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     plain_loss: bool | None = None  # whether the loss_fn draws nothing, once known
 
@@ -159,11 +161,15 @@ class StagePasses:
             x = map_tensors(x, arrive)
         # Fused weight-gradient accumulation only where pipesched runs the backward.
         fused = self.fused[s] if self.fused is not None and state.detach else None
+        store = None
+        # A split backward: B leaves the weights' products to W, with no second pass.
+        if state.split_backward and state.detach and step.loss_fn and torch.is_grad_enabled():
+            store = state.weight_stores[s, i] = WeightStore(fused or frozenset())
         if self.forward_context is None:
-            y = self._run(s, i, x, state, fused)
+            y = self._run(s, i, x, state, fused, store)
         else:
             with self.forward_context(s):
-                y = self._run(s, i, x, state, fused)
+                y = self._run(s, i, x, state, fused, store)
         if not state.detach and self.seeding[s].checkpoints and torch.is_grad_enabled():
             raise ConfigError(
                 f"stage {s} checkpoints itself (torch.utils.checkpoint) around random "
@@ -199,20 +205,32 @@ class StagePasses:
         state.saved[s, i] = (x, weighted)
         return None
 
-    def _run(self, s: int, i: int, x: Any, state: StepState, fused: frozenset[int] | None) -> Any:
-        """Stage ``s`` on ``x``: checkpointed or not, seeded as its seeding says, maybe fused."""
+    def _run(
+        self,
+        s: int,
+        i: int,
+        x: Any,
+        state: StepState,
+        fused: frozenset[int] | None,
+        store: WeightStore | None,
+    ) -> Any:
+        """Stage ``s`` on ``x``: checkpointed or not, seeded as its seeding says, maybe fused
+        (where ``store`` is given: with its weight gradients deferred into it)."""
         stage, seeding = self.stages[s], self.seeding[s]
         stop = state.step.checkpoint_stop
         if i < (stop if isinstance(stop, int) else stop[s]) and torch.is_grad_enabled():
             # No RNG replay: _Seeded reseeds random operations itself, and torch's
             # replay sets the process-wide generator unlocked (racing other stages).
-            seeded = _Seeded(stage, seeding, state.seed, i, fused, own=state.detach)  # type: ignore[arg-type]
+            seeded = _Seeded(stage, seeding, state.seed, i, fused, store, own=state.detach)  # type: ignore[arg-type]
             return checkpoint(seeded, x, preserve_rng_state=False)
         handed: list[tuple[torch.Tensor, torch.Tensor]] = []
         if state.detach:  # the stage may modify its input in place, as in the plain model
             x = _hand_over(x, handed)
         # What _Seeded.forward does, without building a module per micro-batch.
-        if fused:
+        if store is not None:
+            with seeding.forward(state.seed, i), DeferredWeightsMode(store):
+                y = stage(x)  # type: ignore[misc]
+        elif fused:
             with seeding.forward(state.seed, i), FusedLinearMode(fused):
                 y = stage(x)  # type: ignore[misc]
         else:
@@ -252,7 +270,8 @@ class StagePasses:
         tied = self.tied.stage(s) if self.tied.active else nullcontext()
         with tied, self.seeding[s].backward(state.seed, i):  # the model's checkpoints recompute
             if state.split_backward:
-                input_grads, pending = backward_input(outputs, given, inputs)
+                store = state.weight_stores.pop((s, i), None)
+                input_grads, pending = backward_input(outputs, given, inputs, store)
                 state.pending_weights[s, i] = pending
             else:
                 input_grads = backward_full(outputs, given, inputs)
@@ -295,6 +314,7 @@ class _Seeded(nn.Module):
         seed: StepSeed,
         microbatch: int,
         fused: frozenset[int] | None,
+        store: WeightStore | None,
         *,
         own: bool = False,
     ) -> None:
@@ -302,16 +322,20 @@ class _Seeded(nn.Module):
         self.stage = stage
         self.seeding, self.seed, self.microbatch = seeding, seed, microbatch
         self.fused = fused
+        self.store = store
         self.own = own
 
     def forward(self, x: Any) -> Any:
         if self.own:  # a copy of its own: the recomputation must see the input unmodified
             x = map_tensors(x, _own_copy)
-        with self.seeding.forward(self.seed, self.microbatch), _fusing(self.fused):
+        with self.seeding.forward(self.seed, self.microbatch), _fusing(self.fused, self.store):
             return self.stage(x)
 
 
-def _fusing(fused: frozenset[int] | None) -> AbstractContextManager[Any]:
+def _fusing(fused: frozenset[int] | None, store: WeightStore | None) -> AbstractContextManager[Any]:
+    """The forward's mode: deferred weights (a split backward), fused linears, or none."""
+    if store is not None:  # the same store for the recomputation: it defers the same ops
+        return DeferredWeightsMode(store)
     return FusedLinearMode(fused) if fused else nullcontext()
 
 

@@ -1,0 +1,300 @@
+"""What splitting a stage's backward into B and W costs, on the blocks users run.
+
+Run: .venv/bin/python benchmarks/split_backward.py [--rounds 9] [--only NAME]
+
+One intra-op thread. Each model is one middle stage (its input a fresh leaf that
+requires grad, its output given a random gradient), run as pipesched's runtime
+runs it:
+
+- whole: the forward as a 1f1b step runs it, then ``backward_full``.
+- B, W: the forward under ``DeferredWeightsMode`` (as a zero-bubble step runs
+  it), then ``backward_input`` (B) and, after it, ``WeightGradients.run`` (W).
+- checkpoint="always": one forward plus the whole backward, against B (which
+  recomputes the forward once) plus W, the forward run under pipesched's
+  checkpoint (not timed: both rows run it).
+- /ckpt: B + W with checkpointing over the checkpointed whole backward (what
+  1F1B pays for a checkpointed micro-batch: torch's checkpoint costs more than
+  one forward by itself).
+- forward: the plain forward against the forward under the mode (its cost per op).
+- graph: B + W as pipesched split the backward before the mode (a graph analysis
+  per B, one autograd call per weight group in W; ``backward_input`` without a
+  store), over the whole backward.
+
+Times are this thread's CPU time (``--clock wall`` for wall time): on a shared
+machine a pass descheduled for another process's turn is not charged for it
+(its page faults are). Contenders alternate within each round (in reverse order every other round);
+medians over the rounds, the ratios as medians of the per-round ratios, and the
+ratios of the bests (the least disturbed rounds on a shared machine). Target:
+B + W <= 1.05 x whole, and with checkpointing B + W <= 1.05 x (forward + whole);
+PASS/FAIL per row (on the median ratios).
+
+Models (width 256, micro-batch 8 x 64 tokens; the MLP: 512 rows of 1024):
+4 x nn.TransformerEncoderLayer(256, 4, 1024, dropout=0, batch_first=True);
+4 HF GPT-2 blocks from a GPT2Config (n_embd 256, 4 heads, dropout 0, eager attention);
+4 timm-style ViT blocks written here (LayerNorm, qkv Linear, proj, MLP, drop-path 0.1);
+4 x (Linear(1024, 1024) + ReLU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from pipesched.runtime.backward import backward_full, backward_input
+from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
+from pipesched.runtime.stage.recompute import checkpoint
+
+LIMIT = 1.05
+
+
+class DropPath(nn.Module):
+    """timm's drop_path: a whole sample's residual branch dropped with probability ``p``."""
+
+    def __init__(self, p: float) -> None:
+        super().__init__()
+        self.p = p
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.training or self.p == 0:
+            return x
+        keep = 1 - self.p
+        mask = x.new_empty((x.shape[0],) + (1,) * (x.dim() - 1)).bernoulli_(keep)
+        return x.div(keep) * mask
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, c = x.shape
+        qkv = self.qkv(x).reshape(b, n, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv.unbind(0)
+        x = nn.functional.scaled_dot_product_attention(q, k, v)
+        return self.proj(x.transpose(1, 2).reshape(b, n, c))
+
+
+class VitBlock(nn.Module):
+    """timm's ``Block``: pre-norm attention and MLP, each residual branch drop-pathed."""
+
+    def __init__(self, dim: int, heads: int, drop_path: float = 0.1) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = Attention(dim, heads)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+        self.drop_path = DropPath(drop_path)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = x + self.drop_path(self.attn(self.norm1(x)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class Gpt2Blocks(nn.Module):
+    def __init__(self, n: int, width: int) -> None:
+        super().__init__()
+        from transformers import GPT2Config
+        from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+        config = GPT2Config(
+            n_embd=width, n_head=4, n_layer=n, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        )
+        config._attn_implementation = "eager"
+        self.blocks = nn.ModuleList(GPT2Block(config, layer_idx=k) for k in range(n))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            out = block(x)
+            x = out[0] if isinstance(out, tuple) else out
+        return x
+
+
+def models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
+    def encoder() -> nn.Module:
+        return nn.Sequential(
+            *(
+                nn.TransformerEncoderLayer(256, 4, 1024, dropout=0, batch_first=True)
+                for _ in range(4)
+            )
+        )
+
+    def mlp() -> nn.Module:
+        layers: list[nn.Module] = []
+        for _ in range(4):
+            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+        return nn.Sequential(*layers)
+
+    return {
+        "TransformerEncoderLayer(256) x4": (encoder, (8, 64, 256)),
+        "GPT-2 block (256) x4": (lambda: Gpt2Blocks(4, 256), (8, 64, 256)),
+        "ViT block (256) x4": (
+            lambda: nn.Sequential(*(VitBlock(256, 4) for _ in range(4))),
+            (8, 64, 256),
+        ),
+        "Linear(1024)+ReLU x4": (mlp, (512, 1024)),
+    }
+
+
+class _Deferred(nn.Module):
+    """The stage run under the deferred-weights mode, as pipesched's checkpointed forward."""
+
+    def __init__(self, stage: nn.Module, store: WeightStore) -> None:
+        super().__init__()
+        self.stage, self.store = stage, store
+
+    def forward(self, x: Tensor) -> Tensor:
+        with DeferredWeightsMode(self.store):
+            return self.stage(x)  # type: ignore[no-any-return]
+
+
+CLOCK = time.thread_time
+"""This thread's CPU time (``--clock wall``: ``time.perf_counter``)."""
+
+
+def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = CLOCK()
+    out = fn()
+    return CLOCK() - start, out
+
+
+def _whole(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    model.zero_grad(set_to_none=True)
+    t["forward"], y = _clock(lambda: model(leaf))
+    t["whole"], _ = _clock(lambda y=y: backward_full([y], [g], [leaf]))
+
+
+def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    model.zero_grad(set_to_none=True)
+    store = WeightStore()
+
+    def deferred_forward() -> Tensor:
+        with DeferredWeightsMode(store):
+            return model(leaf)  # type: ignore[no-any-return]
+
+    t["forward_mode"], y = _clock(deferred_forward)
+    t["B"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
+    del y
+    t["W"], _ = _clock(w.run)
+
+
+def _graph_split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    """The split without the mode: a graph analysis per B, an autograd call per W group."""
+    model.zero_grad(set_to_none=True)
+    y = model(leaf)
+    t["graph"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf]))
+    del y
+    t["graph"] += _clock(w.run)[0]
+
+
+class _Plain(nn.Module):
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.stage(x)  # type: ignore[no-any-return]
+
+
+def _whole_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    """What 1F1B pays for a checkpointed micro-batch: the recomputing whole backward."""
+    model.zero_grad(set_to_none=True)
+    y = checkpoint(_Plain(model), leaf, preserve_rng_state=True)
+    t["whole_ckpt"], _ = _clock(lambda y=y: backward_full([y], [g], [leaf]))
+
+
+def _split_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    model.zero_grad(set_to_none=True)
+    store = WeightStore()
+    y = checkpoint(_Deferred(model, store), leaf, preserve_rng_state=True)
+    t["B_ckpt"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
+    del y
+    t["W_ckpt"], _ = _clock(w.run)
+
+
+def one_round(model: nn.Module, x: Tensor, g: Tensor, k: int) -> dict[str, float]:
+    """Every contender once, in turn (reversed every other round)."""
+    t: dict[str, float] = {}
+    leaf = x.detach().requires_grad_()
+    contenders = [_whole, _split, _whole_checkpointed, _split_checkpointed, _graph_split]
+    for run in contenders if k % 2 == 0 else contenders[::-1]:
+        run(model, leaf, g, t)
+    return t
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--only", default=None, help="run the models whose name contains this")
+    parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    args = parser.parse_args()
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    clock = "thread CPU time" if args.clock == "cpu" else "wall time"
+    print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, medians (ms, {clock})")
+    header = (
+        f"{'model':34} {'whole':>7} {'B':>7} {'W':>7} {'B+W':>7} {'ratio':>6}  "
+        f"{'F+whole':>8} {'B+W ckpt':>8} {'ratio':>6} {'/ckpt':>6}  {'F':>6} {'F mode':>7} "
+        f"{'graph':>6}"
+    )
+    print(header)
+    verdicts = []
+    bests: list[tuple[str, float, float, float]] = []
+    for name, (build, shape) in models().items():
+        if args.only and args.only not in name:
+            continue
+        model = build().train()
+        x, g = torch.randn(*shape), torch.randn(*shape)
+        for k in range(2):  # warm up
+            one_round(model, x, g, k)
+        gc.collect()
+        gc.disable()  # no collection inside a timed pass
+        try:
+            rounds = [one_round(model, x, g, k) for k in range(args.rounds)]
+        finally:
+            gc.enable()
+        med = {k: statistics.median(r[k] for r in rounds) * 1e3 for k in rounds[0]}
+        ratio = statistics.median((r["B"] + r["W"]) / r["whole"] for r in rounds)
+        ratio_ckpt = statistics.median(
+            (r["B_ckpt"] + r["W_ckpt"]) / (r["forward"] + r["whole"]) for r in rounds
+        )
+        graph = statistics.median(r["graph"] / r["whole"] for r in rounds)
+        to_ckpt = statistics.median((r["B_ckpt"] + r["W_ckpt"]) / r["whole_ckpt"] for r in rounds)
+        best = {k: min(r[k] for r in rounds) for k in rounds[0]}
+        bests.append(
+            (
+                name,
+                (best["B"] + best["W"]) / best["whole"],
+                (best["B_ckpt"] + best["W_ckpt"]) / (best["forward"] + best["whole"]),
+                best["forward_mode"] / best["forward"],
+            )
+        )
+        ok = ratio <= LIMIT and ratio_ckpt <= LIMIT
+        verdicts.append(ok)
+        print(
+            f"{name:34} {med['whole']:7.2f} {med['B']:7.2f} {med['W']:7.2f} "
+            f"{med['B'] + med['W']:7.2f} {ratio:6.3f}  {med['forward'] + med['whole']:8.2f} "
+            f"{med['B_ckpt'] + med['W_ckpt']:8.2f} {ratio_ckpt:6.3f} {to_ckpt:6.3f}  "
+            f"{med['forward']:6.2f} {med['forward_mode']:7.2f} {graph:6.3f}  "
+            f"{'PASS' if ok else 'FAIL'}"
+        )
+    print("ratios: medians of the per-round ratios; target <=", LIMIT)
+    print("on the bests (min over rounds): B+W / whole, B+W ckpt / (F + whole), F mode / F")
+    for name, split, ckpt, forward in bests:
+        print(f"  {name:34} {split:6.3f} {ckpt:6.3f} {forward:6.3f}")
+    print("PASS" if all(verdicts) else "FAIL")
+
+
+if __name__ == "__main__":
+    main()
