@@ -88,6 +88,13 @@ def test_only_checkpointed_micro_batches_take_the_forward_as_recomputation():
     assert (model.passes["B"], model.recompute["B"]) == ((2.0,), (1.0,))
 
 
+def test_a_split_backward_recomputes_in_b_only() -> None:
+    # B's recomputation stashes what W needs (runtime/deferred.py): W adds no forward.
+    for split in (False, True):
+        again = StepModel.recomputation([1.0, 2.0, 3.0], split_backward=split)
+        assert again == {"F": (0.0,) * 3, "B": (1.0, 2.0, 3.0), "W": (0.0,) * 3}
+
+
 def _schedule(name: str, m: int) -> Schedule:
     """4 stages: on 2 workers for the schedules with 2 stages per worker, else on 4."""
     return get_schedule(name, 4, m)

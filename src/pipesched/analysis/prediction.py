@@ -157,13 +157,13 @@ class StepModel:
     ) -> dict[str, tuple[float, ...]]:
         """What a checkpointed micro-batch adds per pass kind and stage, from forward times.
 
-        B runs the forward again; where backward is split, W does too (B and W
-        cannot share a recomputation), except on stage 0, whose B computes no
-        input gradient and leaves nothing to recompute for W.
+        B runs the forward again; a split backward's W reuses what B's
+        recomputation stashed (``runtime/deferred.py``), so W adds nothing, and
+        ``split_backward`` does not change the answer (kept for callers).
         """
+        del split_backward
         zero = (0.0,) * len(forward)
-        again = tuple(f if split_backward and s else 0.0 for s, f in enumerate(forward))
-        return {FORWARD: zero, BACKWARD: tuple(forward), WEIGHT: again}
+        return {FORWARD: zero, BACKWARD: tuple(forward), WEIGHT: zero}
 
 
 def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int | Sequence[int]) -> Timeline:
