@@ -13,16 +13,21 @@ import hashlib
 import inspect
 import sys
 import threading
-from collections.abc import Sequence
-from contextlib import nullcontext
-from types import FrameType
+from collections.abc import Callable, Sequence
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from pipesched.runtime.compat.internals import OpOverload, TorchDispatchMode, op_schema
+from pipesched.runtime.compat.internals import (
+    OpOverload,
+    TorchDispatchMode,
+    op_schema,
+    route_random_ops,
+    route_random_ops_here,
+)
 
 __all__ = [
     "LOCK",
@@ -34,6 +39,7 @@ __all__ = [
     "generator_key",
     "generator_of",
     "module_names",
+    "prepare",
     "same_state",
 ]
 
@@ -177,6 +183,13 @@ def module_names(
     return [names | {i: f"{names[i]}@stage{s}" for i in shared} for s in range(len(stages))]
 
 
+_METHODS: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, first argument is self)
+
+
+def _is_method(code: CodeType) -> bool:
+    return bool(code.co_argcount) and code.co_varnames[0] == "self"
+
+
 class DrawContext:
     """One stage's forward (or recomputation) of one micro-batch: what its draws are keyed by.
 
@@ -196,6 +209,10 @@ class DrawContext:
         checkpointed: a draw ran inside ``torch.utils.checkpoint`` (the model
             checkpoints itself): its backward recomputes, and must be seeded.
         users: the user's own generators drawn from (``generator=``), by :func:`generator_key`.
+        only: seed only the draws made inside these modules (ids of modules seen
+            drawing); None: every draw.
+        learns: whether :attr:`drawn` is read after the pass; False: it may list
+            a module whose operation drew nothing (telling costs two generator states).
     """
 
     def __init__(
@@ -215,10 +232,12 @@ class DrawContext:
         self.drawn: dict[int, nn.Module | None] = {}
         self.checkpointed = False
         self.users: dict[int, torch.Generator] = {}
+        self.only: frozenset[int] | None = None
+        self.learns = True
 
     def seed_for(
         self, frame: FrameType | None, user: StepSeed | None = None
-    ) -> tuple[int, nn.Module | None]:
+    ) -> tuple[int, nn.Module | None] | None:
         """The seed of the next draw made from ``frame``: (step, micro-batch, place, count).
 
         The place is the innermost of the model's named modules running a
@@ -235,19 +254,35 @@ class DrawContext:
                 (:meth:`StepSeed.of`); None: a draw from a default generator.
                 Its draws are counted apart.
 
-        Returns the seed and that module (None: none).
+        Returns the seed and that module (None: none); None where :attr:`only`
+        leaves the draw unseeded (no module of it on the call stack).
         """
-        name, innermost = "", None
-        while frame is not None and frame is not self.entry:
+        names, only, entry = self.names, self.only, self.entry
+        name, innermost, covered = "", None, only is None
+        while frame is not None and frame is not entry:
             code = frame.f_code
-            if innermost is None and code.co_argcount and code.co_varnames[0] == "self":
-                module = frame.f_locals.get("self")  # a method of one of the model's modules?
-                if id(module) in self.names:
-                    name, innermost = self.names[id(module)], module
             if code is _CHECKPOINT:
                 self.checkpointed = True
                 break
+            method = _METHODS.get(id(code))
+            if method is None or method[0] is not code:
+                method = _METHODS[id(code)] = (code, _is_method(code))
+            if method[1]:
+                module = frame.f_locals.get("self")  # a method of one of the model's modules?
+                if id(module) in names:
+                    if innermost is None:
+                        name, innermost = names[id(module)], module
+                    covered = covered or id(module) in only  # type: ignore[operator]
+                    if covered:
+                        break
             frame = frame.f_back
+        while frame is not None and frame is not entry:  # the rest: only for a checkpoint
+            if frame.f_code is _CHECKPOINT:
+                self.checkpointed = True
+                break
+            frame = frame.f_back
+        if not covered:
+            return None
         key = (self.place, name) if user is None else (self.place, name + "#generator")
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
@@ -258,8 +293,9 @@ class DrawContext:
         return int.from_bytes(digest, "little") >> 1, innermost
 
 
-class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """While active, every random operation draws with the seed :class:`DrawContext` gives it.
+class SeededRandomness:
+    """While active in a thread, every random operation it runs draws with the seed
+    :class:`DrawContext` gives it.
 
     Operations tagged ``nondeterministic_seeded`` draw from this thread's
     own generator, seeded (or, lacking a ``generator=`` argument, from their
@@ -267,14 +303,109 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
     restored afterwards). Operations given an explicit ``generator=`` draw
     from this thread's own generator too, seeded from the step's seed of
     that generator (see the module), which is left otherwise alone.
+    After :func:`prepare`, only the random operations reach Python (see the
+    module); before it, or where torch lacks the dispatch key, a
+    ``TorchDispatchMode`` sees every operation: the same draws, slower.
 
     Args:
         context: the stage forward the draws belong to.
     """
 
     def __init__(self, context: DrawContext) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
         self.context = context
+        self._exit: list[Any] = []  # how to undo each __enter__ (a mode, or routing's state)
+
+    def __enter__(self) -> SeededRandomness:
+        if _routing["on"]:
+            self._exit.append((_active.seeder, route_random_ops_here(True)))
+            _active.seeder = self
+        else:
+            mode = _Mode(self)
+            mode.__enter__()  # type: ignore[no-untyped-call]
+            self._exit.append(mode)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        undo = self._exit.pop()
+        if isinstance(undo, _Mode):
+            undo.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        else:
+            _active.seeder, was = undo
+            route_random_ops_here(was)
+
+    def draw(
+        self,
+        func: OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run: Callable[..., Any],
+    ) -> Any:
+        """One random operation ``func``, run by ``run(*args, **kwargs)``, seeded.
+
+        ``kwargs`` is the operation's own dict (a fresh one): ``generator=`` is set in it.
+        """
+        context = self.context
+        given: torch.Generator | None = kwargs.get("generator")
+        user = None if given is None else context.seed.of(given)
+        step_seed = context.seed if user is None else user
+        if step_seed.drawn:
+            return self._draw(func, args, kwargs, run, given, user, fresh=False)
+        with LOCK:  # a seed drawn here is given back atomically
+            return self._draw(func, args, kwargs, run, given, user, fresh=True)
+
+    def _draw(
+        self,
+        func: OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run: Callable[..., Any],
+        given: torch.Generator | None,
+        user: StepSeed | None,
+        *,
+        fresh: bool,
+    ) -> Any:
+        context = self.context
+        seeded_here = context.seed_for(sys._getframe(2), user)
+        if seeded_here is None:  # outside the modules seeded: drawn as is (a tripwire sees it)
+            return run(*args, **kwargs)
+        seed, module = seeded_here
+        if given is not None:
+            context.users[generator_key(given)] = given
+        device = _device(args, kwargs) if given is None else given.device
+        if given is not None or _takes_generator(func):  # a private generator, seeded
+            generator = _private_generator(device)
+            generator.manual_seed(seed)
+            kwargs["generator"] = generator
+            if not (fresh or context.learns):  # whether anything was drawn matters to no one
+                context.drawn[id(module)] = module
+                return run(*args, **kwargs)
+            before = generator.get_state()
+            result = run(*args, **kwargs)
+            drew = not same_state(before, generator.get_state())
+        else:  # e.g. CUDA's native_dropout: the default generator, seeded under the lock
+            generator = generator_of(device)
+            with LOCK:
+                saved = generator.get_state()
+                generator.manual_seed(seed)
+                before = generator.get_state()
+                try:
+                    result = run(*args, **kwargs)
+                finally:
+                    drew = not same_state(before, generator.get_state())
+                    generator.set_state(saved)
+        if drew:
+            context.drawn[id(module)] = module
+        elif fresh:
+            (context.seed if user is None else user).undraw()
+        return result
+
+
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Without routing: every operation reaches Python; the random ones are seeded."""
+
+    def __init__(self, seeder: SeededRandomness) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seeder = seeder
 
     def __torch_dispatch__(
         self,
@@ -283,41 +414,41 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        kwargs = dict(kwargs or {})
         if _SEEDED not in func.tags:
             return func(*args, **kwargs)
-        context = self.context
-        given: torch.Generator | None = kwargs.get("generator")
-        user = None if given is None else context.seed.of(given)
-        step_seed = context.seed if user is None else user
-        fresh = not step_seed.drawn
-        with LOCK if fresh else nullcontext():  # a seed drawn here is given back atomically
-            seed, module = context.seed_for(sys._getframe(1), user)
-            if given is not None:
-                context.users[generator_key(given)] = given
-            device = _device(args, kwargs) if given is None else given.device
-            if given is not None or _takes_generator(func):  # a private generator, seeded
-                generator = _private_generator(device)
-                generator.manual_seed(seed)
-                seeded = generator.get_state()
-                result = func(*args, **{**kwargs, "generator": generator})
-                drew = not torch.equal(seeded, generator.get_state())
-            else:  # e.g. CUDA's native_dropout: the default generator, seeded under the lock
-                generator = generator_of(device)
-                with LOCK:
-                    saved = generator.get_state()
-                    generator.manual_seed(seed)
-                    seeded = generator.get_state()
-                    try:
-                        result = func(*args, **kwargs)
-                    finally:
-                        drew = not torch.equal(seeded, generator.get_state())
-                        generator.set_state(saved)
-            if drew:
-                context.drawn[id(module)] = module
-            elif fresh:
-                step_seed.undraw()
-            return result
+        return self.seeder.draw(func, args, kwargs, func)
+
+
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.seeder: SeededRandomness | None = None  # routing's target in this thread
+
+
+_active = _Active()
+_routing = {"on": False}
+
+
+def _handle(
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], run: Callable[..., Any]
+) -> Any:
+    """A random operation routed to Python: seeded if its thread seeds (a thread that
+    routes but seeds nothing, as the autograd engine's for another device, runs it as is)."""
+    seeder = _active.seeder
+    if seeder is None:
+        return run(*args, **kwargs)
+    return seeder.draw(func, args, kwargs, run)
+
+
+def prepare(*, refresh: bool = False) -> bool:
+    """Routes random operations to :class:`SeededRandomness` from now on (main thread only).
+
+    Called where stages are built, before any runs; with ``refresh`` before a
+    rerun, so that operations registered since (a library imported later) are
+    routed too. Returns whether routing works with this torch.
+    """
+    _routing["on"] = route_random_ops(_handle, refresh=refresh)
+    return _routing["on"]
 
 
 class _Generators(threading.local):
