@@ -174,8 +174,7 @@ def test_a_traced_stage_recomputes_its_masks_and_repeats():
 
 def test_a_thread_that_does_not_seed_draws_as_torch_does():
     # Routing is per thread: another thread's draws meanwhile run unrouted, unseeded.
-    model, x = Mixed(), torch.randn(ROWS, 8)
-    seeding = _seeding(model)
+    seeding = _seeding(Mixed())
     seen: list[torch.Tensor] = []
     inside, done = threading.Event(), threading.Event()
 

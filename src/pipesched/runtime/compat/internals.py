@@ -452,8 +452,8 @@ def _rng_register() -> None:
     has_computed = torch._C._dispatch_has_computed_kernel_for_dispatch_key
     seeded = torch.Tag.nondeterministic_seeded
     if "_" not in _rng_libraries:  # operations with no kernel at the key skip it
-        fallback = _rng_libraries["_"] = Library("_", "IMPL")
-        fallback.fallback(fallthrough_kernel, dispatch_key="CustomRNGKeyId")
+        fallback = _rng_libraries["_"] = Library("_", "IMPL")  # type: ignore[no-untyped-call]
+        fallback.fallback(fallthrough_kernel, dispatch_key="CustomRNGKeyId")  # type: ignore[no-untyped-call]
     for name in torch._C._dispatch_get_all_op_names():
         if name in _rng_names:
             continue
@@ -475,7 +475,7 @@ def _rng_register() -> None:
             continue
         library = _rng_libraries.get(namespace)
         if library is None:
-            library = _rng_libraries[namespace] = Library(namespace, "IMPL")
+            library = _rng_libraries[namespace] = Library(namespace, "IMPL")  # type: ignore[no-untyped-call]
         library.impl(rest, kernel, "CustomRNGKeyId", with_keyset=kernel is not fallthrough_kernel)
 
 
@@ -500,7 +500,7 @@ def _check_random_ops() -> bool:
             again = [x.div(3.0), x.to(torch.float64), torch.linspace(x[0], x[1], 3)]
         finally:
             route_random_ops_here(was)
-        y.sum().backward()
+        y.sum().backward()  # type: ignore[no-untyped-call]
     finally:
         _rng_handler = None
     return (

@@ -1,10 +1,12 @@
 """Randomness inside stages: every random draw a pure function of (step seed, micro-batch, place).
 
 Why: stages in threads share torch's generators, so masks would depend on timing
-and a recomputation could draw other numbers. A ``TorchDispatchMode`` seeds every
-``nondeterministic_seeded`` ATen operation from (step seed, micro-batch, innermost
-named module, draw count) on the thread's own generator, so masks depend on neither
-timing, cut, schedule nor process. Draws outside the dispatcher are not covered.
+and a recomputation could draw other numbers. Every ``nondeterministic_seeded`` ATen
+operation is seeded from (step seed, micro-batch, innermost named module, draw count)
+on the thread's own generator, so masks depend on neither timing, cut, schedule nor
+process. Only those operations reach Python: each has a kernel at a dispatch key of its
+own, on only in a thread that seeds (compat's ``route_random_ops``); a dispatch mode on
+every operation stays as the fallback. Draws outside the dispatcher are not covered.
 """
 
 from __future__ import annotations

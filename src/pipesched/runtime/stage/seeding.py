@@ -452,7 +452,7 @@ def _enter(module: nn.Module, args: Any) -> None:
         _thread.entered.append(False)
         return
     _thread.mode = mode = SeededRandomness(context)
-    mode.__enter__()  # type: ignore[no-untyped-call]
+    mode.__enter__()
     _thread.entered.append(True)
 
 
@@ -461,4 +461,4 @@ def _exit(module: nn.Module, args: Any, output: Any) -> None:
     if _thread.entered.pop() if _thread.entered else False:
         _thread.mode = None
         if mode is not None:
-            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            mode.__exit__(None, None, None)
