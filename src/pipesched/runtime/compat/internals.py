@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.library
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint
 from torch import Tensor, nn
@@ -420,6 +421,13 @@ _rng_libraries: dict[str, Any] = {}  # namespace -> torch.library.Library holdin
 _rng_names: set[str] = set()  # the operations (qualified names) looked at already
 _rng_handler: RandomHandler | None = None
 _rng_state: dict[str, bool] = {}  # "supported": the probe's verdict
+_rng_seen: dict[str, tuple[int, int]] = {"fingerprint": (-1, -1)}
+
+
+def _rng_fingerprint() -> tuple[int, int]:
+    """Grows when operations are defined: from Python (``torch.library``, ``custom_op``) or
+    by a library loaded through ``torch.ops.load_library``. Cheap: read at every step."""
+    return len(getattr(torch.library, "_defs", ())), len(getattr(torch.ops, "loaded_libraries", ()))
 
 
 def _rng_kernel(op: OpOverload) -> Callable[..., Any]:
@@ -448,6 +456,7 @@ def _rng_register() -> None:
     """Routes the operations registered since the last call (a library may add some)."""
     from torch.library import Library, fallthrough_kernel
 
+    _rng_seen["fingerprint"] = _rng_fingerprint()
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     has_computed = torch._C._dispatch_has_computed_kernel_for_dispatch_key
     seeded = torch.Tag.nondeterministic_seeded
@@ -514,13 +523,15 @@ def _check_random_ops() -> bool:
 def route_random_ops(handler: RandomHandler, *, refresh: bool = False) -> bool:
     """Routes every random operation to ``handler`` where a thread turns routing on.
 
-    Installs the kernels on the first call (about 0.2 s) and probes them. Called
-    from the main thread, before stages run (the dispatcher's tables change).
+    Installs the kernels on the first call (about 0.2 s) and probes them; a later
+    call routes the operations defined since (seen by :func:`_rng_fingerprint`, or
+    all with ``refresh``). Called where no stage runs (the dispatcher's tables change).
 
     Args:
         handler: called for each random operation (:data:`RandomHandler`).
-        refresh: route the operations registered since the last call too (a
-            library imported later); a few milliseconds.
+        refresh: look for operations registered since the last call whatever the
+            fingerprint says (a C++ extension imported as a Python module); a few
+            milliseconds.
 
     Returns whether routing works here; False: it is off for good (one warning), and
     the caller seeds with a ``TorchDispatchMode`` instead.
@@ -529,7 +540,7 @@ def route_random_ops(handler: RandomHandler, *, refresh: bool = False) -> bool:
     supported = _rng_state.get("supported")
     if supported is False:
         return False
-    if supported is None or refresh:
+    if supported is None or refresh or _rng_fingerprint() != _rng_seen["fingerprint"]:
         try:
             if _RNG_KEY is None:
                 _RNG_KEY = torch._C._parse_dispatch_key("CustomRNGKeyId")

@@ -445,9 +445,9 @@ def _handle(
 def prepare(*, refresh: bool = False) -> bool:
     """Routes random operations to :class:`SeededRandomness` from now on (main thread only).
 
-    Called where stages are built, before any runs; with ``refresh`` before a
-    rerun, so that operations registered since (a library imported later) are
-    routed too. Returns whether routing works with this torch.
+    Called where stages are built and where a step starts, while no stage runs;
+    operations defined since are routed too (``refresh``: looked for whatever
+    torch's registries say, before a rerun). Returns whether routing works here.
     """
     _routing["on"] = route_random_ops(_handle, refresh=refresh)
     return _routing["on"]

@@ -217,6 +217,8 @@ class StageSeeding:
         """
         self._quiet = self.plain and draws_nothing(self.module)
         self.spoiled = False
+        if self.routed:
+            prepare()  # operations defined since the last step are routed too
         if not self._scanned:  # the modules' own generators are watched from the first step
             self._scanned = True
             self.users.update((generator_key(g), g) for g in _generators_in(self.module))
