@@ -83,6 +83,7 @@ class StepSeed:
     def __init__(self, value: int | None = None, generator: torch.Generator | None = None) -> None:
         self._value = value
         self._given = value is not None
+        self._kept = self._given  # an operation drew with it: it stays (see keep)
         self.generator = generator
         self.transition: tuple[torch.Tensor, torch.Tensor] | None = None
         self._users: dict[int, StepSeed] = {}  # user's generator (generator_key) -> its seed
@@ -94,6 +95,8 @@ class StepSeed:
 
     def get(self) -> int:
         """The seed, drawing it on the first call (thread-safe)."""
+        if self._kept:  # no one can give it back any more: no lock (every draw reads it)
+            return self._value  # type: ignore[return-value]
         with LOCK:
             if self._value is None:
                 generator = self.generator or torch.default_generator
@@ -102,12 +105,17 @@ class StepSeed:
                 self.transition = (before, generator.get_state())
             return self._value
 
+    def keep(self) -> None:
+        """An operation drew numbers with the seed: readers need no lock from now on (only a
+        failed step's :meth:`put_back` gives it back, with every stage stopped)."""
+        self._kept = self._value is not None
+
     def undraw(self) -> None:
         """Gives a drawn seed back: its generator returns to its state before the draw."""
         with LOCK:
             if not self._given and self.transition is not None:
                 (self.generator or torch.default_generator).set_state(self.transition[0])
-                self._value = None
+                self._value, self._kept = None, False
 
     def of(self, generator: torch.Generator) -> StepSeed:
         """The step's seed for draws from ``generator`` (a user's own), drawn from it lazily."""
@@ -397,6 +405,8 @@ class SeededRandomness:
                     generator.set_state(saved)
         if drew:
             context.drawn[id(module)] = module
+            if fresh:
+                (context.seed if user is None else user).keep()
         elif fresh:
             (context.seed if user is None else user).undraw()
         return result
