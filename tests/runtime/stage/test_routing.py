@@ -47,6 +47,13 @@ class Mixed(nn.Module):
 RANDOM_OPS_IN_MIXED = 5  # bernoulli_, bernoulli_ (SDPA), normal_, uniform_, native_dropout
 
 
+@pytest.fixture
+def unrouted(monkeypatch):
+    """Seeding as where torch lacks the dispatch key: the dispatch mode, and module hooks."""
+    monkeypatch.setattr(rng, "route_random_ops", lambda *args, **kwargs: False)
+    monkeypatch.setitem(rng._routing, "on", False)
+
+
 def _seeding(model: nn.Module) -> StageSeeding:
     names = module_names(model, [model])[0]
     return StageSeeding(names, model, torch.device("cpu"), adaptive=False)
@@ -86,29 +93,39 @@ def test_only_random_operations_reach_python_each_once():
     assert ops == [] and torch.equal(out, plain(x))
 
 
-def test_routed_draws_equal_the_dispatch_modes(monkeypatch):
+def test_routed_draws_equal_the_dispatch_modes(request):
     # The fallback (a TorchDispatchMode on every operation) and routing key alike.
     torch.manual_seed(0)
     model, x = Mixed(), torch.randn(ROWS, 8)
     seeding = _seeding(model)
     routed, _ = _drawn(model, x, seeding)
-    monkeypatch.setitem(rng._routing, "on", False)
+    request.getfixturevalue("unrouted")
     by_mode, ops = _drawn(model, x, seeding)
     assert len(ops) >= RANDOM_OPS_IN_MIXED  # the mode sees rand's own op, not uniform_
     assert torch.equal(routed, by_mode)
 
 
 @pytest.mark.parametrize("kind", ["F.dropout", "SDPA dropout", "TransformerEncoderLayer"])
-def test_a_pipeline_step_draws_alike_routed_or_not(kind, monkeypatch):
-    def step():
+def test_steps_draw_alike_routed_or_not(kind, request):
+    # Three steps: the first seeds throughout and learns, the next seed only the modules
+    # seen drawing (found on the call stack when routed, by module hooks when not).
+    def steps():
         pipe = Pipeline(model_of(kind), 4, balance=[2, 3], devices=["cpu"] * 2, checkpoint="always")
         torch.manual_seed(1)
-        loss = pipe.step(torch.randn(ROWS, 8), torch.randn(ROWS, 8), loss_fn=F.mse_loss)
-        return [loss, *(p.grad for p in pipe.parameters())]
+        losses = [
+            pipe.step(torch.randn(ROWS, 8), torch.randn(ROWS, 8), loss_fn=F.mse_loss)
+            for _ in range(3)
+        ]
+        return [*losses, *(p.grad for p in pipe.parameters())], pipe.engine.seedings
 
-    routed = step()
-    monkeypatch.setitem(rng._routing, "on", False)
-    for a, b in zip(routed, step(), strict=True):
+    routed, seedings = steps()
+    assert all(s.routed for s in seedings) and any(s.hooked for s in seedings)
+    assert not any(any(s.hooked.values()) for s in seedings)  # no module hooks
+    request.getfixturevalue("unrouted")
+    by_mode, seedings = steps()
+    assert not any(s.routed for s in seedings)
+    assert any(any(s.hooked.values()) for s in seedings)  # module hooks, as before routing
+    for a, b in zip(routed, by_mode, strict=True):
         assert torch.equal(a, b)
 
 
@@ -195,11 +212,11 @@ def test_a_thread_that_does_not_seed_draws_as_torch_does():
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("F.dropout", "SDPA dropout")])
-def test_every_kind_draws_alike_routed_or_not(kind, monkeypatch):
+def test_every_kind_draws_alike_routed_or_not(kind, request):
     torch.manual_seed(0)
     model, x = model_of(kind), torch.randn(ROWS, 8)
     seeding = _seeding(model)
     routed, _ = _drawn(model, x, seeding)
-    monkeypatch.setitem(rng._routing, "on", False)
+    request.getfixturevalue("unrouted")
     by_mode, _ = _drawn(model, x, seeding)
     assert torch.equal(routed, by_mode)
