@@ -267,27 +267,29 @@ class DrawContext:
         Returns the seed and that module (None: none); None where :attr:`only`
         leaves the draw unseeded (no module of it on the call stack).
         """
-        names, only, entry = self.names, self.only, self.entry
+        names, only, entry, methods = self.names, self.only, self.entry, _METHODS
         name, innermost, covered = "", None, only is None
         while frame is not None and frame is not entry:
             code = frame.f_code
             if code is _CHECKPOINT:
                 self.checkpointed = True
                 break
-            method = _METHODS.get(id(code))
+            method = methods.get(id(code))
             if method is None or method[0] is not code:
-                method = _METHODS[id(code)] = (code, _is_method(code))
+                method = methods[id(code)] = (code, _is_method(code))
             if method[1]:
                 module = frame.f_locals.get("self")  # a method of one of the model's modules?
-                if id(module) in names:
+                ident = id(module)
+                place = names.get(ident)
+                if place is not None:
                     if innermost is None:
-                        name, innermost = names[id(module)], module
-                    covered = covered or id(module) in only  # type: ignore[operator]
+                        name, innermost = place, module
+                    covered = covered or ident in only  # type: ignore[operator]
                     if covered:
                         break
             frame = frame.f_back
-        while frame is not None and frame is not entry:  # the rest: only for a checkpoint
-            if frame.f_code is _CHECKPOINT:
+        while frame is not None and frame is not entry and not self.checkpointed:
+            if frame.f_code is _CHECKPOINT:  # the rest of the stack: only for a checkpoint
                 self.checkpointed = True
                 break
             frame = frame.f_back
@@ -358,7 +360,7 @@ class SeededRandomness:
         given: torch.Generator | None = kwargs.get("generator")
         user = None if given is None else context.seed.of(given)
         step_seed = context.seed if user is None else user
-        if step_seed.drawn:
+        if step_seed._value is not None:  # drawn (the property, without its call)
             return self._draw(func, args, kwargs, run, given, user, fresh=False)
         with LOCK:  # a seed drawn here is given back atomically
             return self._draw(func, args, kwargs, run, given, user, fresh=True)
@@ -381,10 +383,16 @@ class SeededRandomness:
         seed, module = seeded_here
         if given is not None:
             context.users[generator_key(given)] = given
-        device = _device(args, kwargs) if given is None else given.device
-        if given is not None or _takes_generator(func):  # a private generator, seeded
-            generator = _private_generator(device)
-            generator.manual_seed(seed)
+        if given is not None:
+            device = given.device
+        elif args and isinstance(args[0], torch.Tensor):  # (what _device finds first)
+            device = args[0].device
+        else:
+            device = _device(args, kwargs)
+        takes = _TAKES_GENERATOR.get(func)
+        if given is not None or (takes if takes is not None else _takes_generator(func)):
+            generator = _generators.by_device.get(device) or _private_generator(device)
+            generator.manual_seed(seed)  # (a private generator, seeded)
             kwargs["generator"] = generator
             if not (fresh or context.learns):  # whether anything was drawn matters to no one
                 context.drawn[id(module)] = module
