@@ -2,16 +2,20 @@
 
 Run: .venv/bin/python benchmarks/randomness.py [--rounds 9] [--json out.json]
 
-Every stage forward (and recomputation) runs under a ``TorchDispatchMode`` that
-seeds random operations (:mod:`pipesched.runtime.stage.rng`); a stage with no random
-operations still pays one Python dispatch per ATen operation. This measures
-that cost on the local benchmark's model (8 x Linear(1024) + ReLU, batch 256,
+Random operations reach Python through a dispatch key of their own, one call
+per random operation, in the threads that seed (:mod:`pipesched.runtime.stage.rng`);
+a stage of torch's draw-free layers is not seeded at all. This measures that
+cost on the local benchmark's model (8 x Linear(1024) + ReLU, batch 256,
 chunks 8, 2 CPU stages, 1F1B, checkpoint "except_last"), the target being
-below 2% of step time, and, for the record, on a small Transformer (width 64,
-many small operations: the worst case) without dropout and with it. "off" is
-the same pipeline with the mode replaced by a no-op (not a configuration
-users can pick: unseeded draws are wrong under threads and recomputation).
-Rounds alternate on and off so machine noise hits both alike; medians.
+below 2% of step time, and on a small Transformer (4 x
+TransformerEncoderLayer(64, 4, 128), batch 64 x 16 tokens, chunks 8, 2 stages:
+many small operations, the worst case) without dropout and with dropout 0.1,
+the target being below 5%. "off" is the same pipeline with the seeding
+replaced by a no-op (not a configuration users can pick: unseeded draws are
+wrong under threads and recomputation). Rounds alternate on and off so
+machine noise hits both alike; the cost by medians of wall time per step, and
+by minima (noise only ever adds time: on a machine whose cores other jobs
+share, the minima tell the work added, the medians mostly the neighbours).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pipesched import Pipeline
 from pipesched.runtime.stage.seeding import StageSeeding
 
 TARGET = 0.02
+TARGET_DRAWING = 0.05  # the Transformer with dropout
 
 
 def transformer(dropout: float) -> nn.Sequential:
@@ -91,26 +96,39 @@ def main() -> None:
     parser.add_argument("--json", help="write the medians here")
     args = parser.parse_args()
     results = {}
-    print(f"{'model':<30}{'on ms':>9}{'off ms':>9}{'cost':>8}")
+    print(
+        f"{'model':<30}{'on ms':>9}{'off ms':>9}{'cost':>8}{'min on':>9}{'min off':>9}{'cost':>8}"
+    )
     for name, (pipe, x, y) in cases().items():
         times: dict[bool, list[float]] = {True: [], False: []}
-        for on in (True, False):  # warm-up
+        for on in (True, False):  # warm-up (the first step learns where stages draw)
             with seeding(on):
-                timed(pipe, x, y, 1)
+                timed(pipe, x, y, 2)
         for r in range(args.rounds):
             for on in (True, False) if r % 2 == 0 else (False, True):
                 with seeding(on):
                     times[on].append(timed(pipe, x, y, args.steps))
         on_ms, off_ms = (1000 * statistics.median(times[k]) for k in (True, False))
-        cost = on_ms / off_ms - 1
-        results[name] = {"on_ms": on_ms, "off_ms": off_ms, "cost": cost}
-        print(f"{name:<30}{on_ms:>9.2f}{off_ms:>9.2f}{100 * cost:>7.1f}%")
-    cost = results["mlp 8 x Linear(1024)"]["cost"]
-    verdict = "ok" if cost < TARGET else "MISSED"
-    print(
-        f"target: seeding costs < {100 * TARGET:.0f}% of the local benchmark's step: "
-        f"{100 * cost:.1f}% {verdict}"
-    )
+        on_min, off_min = (1000 * min(times[k]) for k in (True, False))
+        cost, min_cost = on_ms / off_ms - 1, on_min / off_min - 1
+        results[name] = {
+            "on_ms": on_ms, "off_ms": off_ms, "cost": cost,
+            "on_min_ms": on_min, "off_min_ms": off_min, "min_cost": min_cost,
+        }  # fmt: skip
+        print(
+            f"{name:<30}{on_ms:>9.2f}{off_ms:>9.2f}{100 * cost:>7.1f}%"
+            f"{on_min:>9.2f}{off_min:>9.2f}{100 * min_cost:>7.1f}%"
+        )
+    for name, target in (
+        ("mlp 8 x Linear(1024)", TARGET),
+        ("transformer d64 dropout 0.1", TARGET_DRAWING),
+    ):
+        cost, min_cost = results[name]["cost"], results[name]["min_cost"]
+        verdict = "ok" if cost < target else "MISSED"
+        print(
+            f"target: seeding costs < {100 * target:.0f}% on {name}: {100 * cost:.1f}% "
+            f"{verdict} (by minima {100 * min_cost:.1f}%)"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

@@ -1,10 +1,12 @@
 """Randomness inside stages: every random draw a pure function of (step seed, micro-batch, place).
 
 Why: stages in threads share torch's generators, so masks would depend on timing
-and a recomputation could draw other numbers. A ``TorchDispatchMode`` seeds every
-``nondeterministic_seeded`` ATen operation from (step seed, micro-batch, innermost
-named module, draw count) on the thread's own generator, so masks depend on neither
-timing, cut, schedule nor process. Draws outside the dispatcher are not covered.
+and a recomputation could draw other numbers. Every ``nondeterministic_seeded`` ATen
+operation is seeded from (step seed, micro-batch, innermost named module, draw count)
+on the thread's own generator, so masks depend on neither timing, cut, schedule nor
+process. Only those operations reach Python: each has a kernel at a dispatch key of its
+own, on only in a thread that seeds (compat's ``route_random_ops``); a dispatch mode on
+every operation stays as the fallback. Draws outside the dispatcher are not covered.
 """
 
 from __future__ import annotations
@@ -13,16 +15,21 @@ import hashlib
 import inspect
 import sys
 import threading
-from collections.abc import Sequence
-from contextlib import nullcontext
-from types import FrameType
+from collections.abc import Callable, Sequence
+from types import CodeType, FrameType
 from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from pipesched.runtime.compat.internals import OpOverload, TorchDispatchMode, op_schema
+from pipesched.runtime.compat.internals import (
+    OpOverload,
+    TorchDispatchMode,
+    op_schema,
+    route_random_ops,
+    route_random_ops_here,
+)
 
 __all__ = [
     "LOCK",
@@ -34,6 +41,7 @@ __all__ = [
     "generator_key",
     "generator_of",
     "module_names",
+    "prepare",
     "same_state",
 ]
 
@@ -75,6 +83,7 @@ class StepSeed:
     def __init__(self, value: int | None = None, generator: torch.Generator | None = None) -> None:
         self._value = value
         self._given = value is not None
+        self._kept = self._given  # an operation drew with it: it stays (see keep)
         self.generator = generator
         self.transition: tuple[torch.Tensor, torch.Tensor] | None = None
         self._users: dict[int, StepSeed] = {}  # user's generator (generator_key) -> its seed
@@ -86,6 +95,8 @@ class StepSeed:
 
     def get(self) -> int:
         """The seed, drawing it on the first call (thread-safe)."""
+        if self._kept:  # no one can give it back any more: no lock (every draw reads it)
+            return self._value  # type: ignore[return-value]
         with LOCK:
             if self._value is None:
                 generator = self.generator or torch.default_generator
@@ -94,12 +105,17 @@ class StepSeed:
                 self.transition = (before, generator.get_state())
             return self._value
 
+    def keep(self) -> None:
+        """An operation drew numbers with the seed: readers need no lock from now on (only a
+        failed step's :meth:`put_back` gives it back, with every stage stopped)."""
+        self._kept = self._value is not None
+
     def undraw(self) -> None:
         """Gives a drawn seed back: its generator returns to its state before the draw."""
         with LOCK:
             if not self._given and self.transition is not None:
                 (self.generator or torch.default_generator).set_state(self.transition[0])
-                self._value = None
+                self._value, self._kept = None, False
 
     def of(self, generator: torch.Generator) -> StepSeed:
         """The step's seed for draws from ``generator`` (a user's own), drawn from it lazily."""
@@ -177,6 +193,13 @@ def module_names(
     return [names | {i: f"{names[i]}@stage{s}" for i in shared} for s in range(len(stages))]
 
 
+_METHODS: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, first argument is self)
+
+
+def _is_method(code: CodeType) -> bool:
+    return bool(code.co_argcount) and code.co_varnames[0] == "self"
+
+
 class DrawContext:
     """One stage's forward (or recomputation) of one micro-batch: what its draws are keyed by.
 
@@ -196,6 +219,10 @@ class DrawContext:
         checkpointed: a draw ran inside ``torch.utils.checkpoint`` (the model
             checkpoints itself): its backward recomputes, and must be seeded.
         users: the user's own generators drawn from (``generator=``), by :func:`generator_key`.
+        only: seed only the draws made inside these modules (ids of modules seen
+            drawing); None: every draw.
+        learns: whether :attr:`drawn` is read after the pass; False: it may list
+            a module whose operation drew nothing (telling costs two generator states).
     """
 
     def __init__(
@@ -215,10 +242,12 @@ class DrawContext:
         self.drawn: dict[int, nn.Module | None] = {}
         self.checkpointed = False
         self.users: dict[int, torch.Generator] = {}
+        self.only: frozenset[int] | None = None
+        self.learns = True
 
     def seed_for(
         self, frame: FrameType | None, user: StepSeed | None = None
-    ) -> tuple[int, nn.Module | None]:
+    ) -> tuple[int, nn.Module | None] | None:
         """The seed of the next draw made from ``frame``: (step, micro-batch, place, count).
 
         The place is the innermost of the model's named modules running a
@@ -235,19 +264,37 @@ class DrawContext:
                 (:meth:`StepSeed.of`); None: a draw from a default generator.
                 Its draws are counted apart.
 
-        Returns the seed and that module (None: none).
+        Returns the seed and that module (None: none); None where :attr:`only`
+        leaves the draw unseeded (no module of it on the call stack).
         """
-        name, innermost = "", None
-        while frame is not None and frame is not self.entry:
+        names, only, entry, methods = self.names, self.only, self.entry, _METHODS
+        name, innermost, covered = "", None, only is None
+        while frame is not None and frame is not entry:
             code = frame.f_code
-            if innermost is None and code.co_argcount and code.co_varnames[0] == "self":
-                module = frame.f_locals.get("self")  # a method of one of the model's modules?
-                if id(module) in self.names:
-                    name, innermost = self.names[id(module)], module
             if code is _CHECKPOINT:
                 self.checkpointed = True
                 break
+            method = methods.get(id(code))
+            if method is None or method[0] is not code:
+                method = methods[id(code)] = (code, _is_method(code))
+            if method[1]:
+                module = frame.f_locals.get("self")  # a method of one of the model's modules?
+                ident = id(module)
+                place = names.get(ident)
+                if place is not None:
+                    if innermost is None:
+                        name, innermost = place, module
+                    covered = covered or ident in only  # type: ignore[operator]
+                    if covered:
+                        break
             frame = frame.f_back
+        while frame is not None and frame is not entry and not self.checkpointed:
+            if frame.f_code is _CHECKPOINT:  # the rest of the stack: only for a checkpoint
+                self.checkpointed = True
+                break
+            frame = frame.f_back
+        if not covered:
+            return None
         key = (self.place, name) if user is None else (self.place, name + "#generator")
         count = self.counts.get(key, 0)
         self.counts[key] = count + 1
@@ -258,8 +305,9 @@ class DrawContext:
         return int.from_bytes(digest, "little") >> 1, innermost
 
 
-class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
-    """While active, every random operation draws with the seed :class:`DrawContext` gives it.
+class SeededRandomness:
+    """While active in a thread, every random operation it runs draws with the seed
+    :class:`DrawContext` gives it.
 
     Operations tagged ``nondeterministic_seeded`` draw from this thread's
     own generator, seeded (or, lacking a ``generator=`` argument, from their
@@ -267,14 +315,117 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
     restored afterwards). Operations given an explicit ``generator=`` draw
     from this thread's own generator too, seeded from the step's seed of
     that generator (see the module), which is left otherwise alone.
+    After :func:`prepare`, only the random operations reach Python (see the
+    module); before it, or where torch lacks the dispatch key, a
+    ``TorchDispatchMode`` sees every operation: the same draws, slower.
 
     Args:
         context: the stage forward the draws belong to.
     """
 
     def __init__(self, context: DrawContext) -> None:
-        super().__init__()  # type: ignore[no-untyped-call]
         self.context = context
+        self._exit: list[Any] = []  # how to undo each __enter__ (a mode, or routing's state)
+
+    def __enter__(self) -> SeededRandomness:
+        if _routing["on"]:
+            self._exit.append((_active.seeder, route_random_ops_here(True)))
+            _active.seeder = self
+        else:
+            mode = _Mode(self)
+            mode.__enter__()  # type: ignore[no-untyped-call]
+            self._exit.append(mode)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        undo = self._exit.pop()
+        if isinstance(undo, _Mode):
+            undo.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+        else:
+            _active.seeder, was = undo
+            route_random_ops_here(was)
+
+    def draw(
+        self,
+        func: OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run: Callable[..., Any],
+    ) -> Any:
+        """One random operation ``func``, run by ``run(*args, **kwargs)``, seeded.
+
+        ``kwargs`` is the operation's own dict (a fresh one): ``generator=`` is set in it.
+        """
+        context = self.context
+        given: torch.Generator | None = kwargs.get("generator")
+        user = None if given is None else context.seed.of(given)
+        step_seed = context.seed if user is None else user
+        if step_seed._value is not None:  # drawn (the property, without its call)
+            return self._draw(func, args, kwargs, run, given, user, fresh=False)
+        with LOCK:  # a seed drawn here is given back atomically
+            return self._draw(func, args, kwargs, run, given, user, fresh=True)
+
+    def _draw(
+        self,
+        func: OpOverload,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        run: Callable[..., Any],
+        given: torch.Generator | None,
+        user: StepSeed | None,
+        *,
+        fresh: bool,
+    ) -> Any:
+        context = self.context
+        seeded_here = context.seed_for(sys._getframe(2), user)
+        if seeded_here is None:  # outside the modules seeded: drawn as is (a tripwire sees it)
+            return run(*args, **kwargs)
+        seed, module = seeded_here
+        if given is not None:
+            context.users[generator_key(given)] = given
+        if given is not None:
+            device = given.device
+        elif args and isinstance(args[0], torch.Tensor):  # (what _device finds first)
+            device = args[0].device
+        else:
+            device = _device(args, kwargs)
+        takes = _TAKES_GENERATOR.get(func)
+        if given is not None or (takes if takes is not None else _takes_generator(func)):
+            generator = _generators.by_device.get(device) or _private_generator(device)
+            generator.manual_seed(seed)  # (a private generator, seeded)
+            kwargs["generator"] = generator
+            if not (fresh or context.learns):  # whether anything was drawn matters to no one
+                context.drawn[id(module)] = module
+                return run(*args, **kwargs)
+            before = generator.get_state()
+            result = run(*args, **kwargs)
+            drew = not same_state(before, generator.get_state())
+        else:  # e.g. CUDA's native_dropout: the default generator, seeded under the lock
+            generator = generator_of(device)
+            with LOCK:
+                saved = generator.get_state()
+                generator.manual_seed(seed)
+                before = generator.get_state()
+                try:
+                    result = run(*args, **kwargs)
+                finally:
+                    drew = not same_state(before, generator.get_state())
+                    generator.set_state(saved)
+        if drew:
+            context.drawn[id(module)] = module
+            if fresh:
+                (context.seed if user is None else user).keep()
+        elif fresh:
+            (context.seed if user is None else user).undraw()
+        return result
+
+
+class _Mode(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Without routing: every operation reaches Python; the random ones are seeded."""
+
+    def __init__(self, seeder: SeededRandomness) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.seeder = seeder
 
     def __torch_dispatch__(
         self,
@@ -283,41 +434,41 @@ class SeededRandomness(TorchDispatchMode):  # type: ignore[no-untyped-call]
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
+        kwargs = dict(kwargs or {})
         if _SEEDED not in func.tags:
             return func(*args, **kwargs)
-        context = self.context
-        given: torch.Generator | None = kwargs.get("generator")
-        user = None if given is None else context.seed.of(given)
-        step_seed = context.seed if user is None else user
-        fresh = not step_seed.drawn
-        with LOCK if fresh else nullcontext():  # a seed drawn here is given back atomically
-            seed, module = context.seed_for(sys._getframe(1), user)
-            if given is not None:
-                context.users[generator_key(given)] = given
-            device = _device(args, kwargs) if given is None else given.device
-            if given is not None or _takes_generator(func):  # a private generator, seeded
-                generator = _private_generator(device)
-                generator.manual_seed(seed)
-                seeded = generator.get_state()
-                result = func(*args, **{**kwargs, "generator": generator})
-                drew = not torch.equal(seeded, generator.get_state())
-            else:  # e.g. CUDA's native_dropout: the default generator, seeded under the lock
-                generator = generator_of(device)
-                with LOCK:
-                    saved = generator.get_state()
-                    generator.manual_seed(seed)
-                    seeded = generator.get_state()
-                    try:
-                        result = func(*args, **kwargs)
-                    finally:
-                        drew = not torch.equal(seeded, generator.get_state())
-                        generator.set_state(saved)
-            if drew:
-                context.drawn[id(module)] = module
-            elif fresh:
-                step_seed.undraw()
-            return result
+        return self.seeder.draw(func, args, kwargs, func)
+
+
+class _Active(threading.local):
+    def __init__(self) -> None:
+        self.seeder: SeededRandomness | None = None  # routing's target in this thread
+
+
+_active = _Active()
+_routing = {"on": False}
+
+
+def _handle(
+    func: OpOverload, args: tuple[Any, ...], kwargs: dict[str, Any], run: Callable[..., Any]
+) -> Any:
+    """A random operation routed to Python: seeded if its thread seeds (a thread that
+    routes but seeds nothing, as the autograd engine's for another device, runs it as is)."""
+    seeder = _active.seeder
+    if seeder is None:
+        return run(*args, **kwargs)
+    return seeder.draw(func, args, kwargs, run)
+
+
+def prepare(*, refresh: bool = False) -> bool:
+    """Routes random operations to :class:`SeededRandomness` from now on (main thread only).
+
+    Called where stages are built and where a step starts, while no stage runs;
+    operations defined since are routed too (``refresh``: looked for whatever
+    torch's registries say, before a rerun). Returns whether routing works here.
+    """
+    _routing["on"] = route_random_ops(_handle, refresh=refresh)
+    return _routing["on"]
 
 
 class _Generators(threading.local):

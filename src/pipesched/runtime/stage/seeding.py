@@ -29,6 +29,7 @@ from pipesched.runtime.stage.rng import (
     StepSeed,
     generator_key,
     generator_of,
+    prepare,
     same_state,
 )
 
@@ -192,6 +193,8 @@ class StageSeeding:
         self.hooked: dict[int, list[Any]] = {}
         self._learning: set[bool] = set()  # modes seeded throughout since the last settle()
         self._quiet: bool | None = None  # during a step: nothing in it can draw (begin())
+        self.routed = prepare()  # random operations routed to Python, once per process (rng)
+        self._only: frozenset[int] = frozenset()  # routed: the modules seen drawing (hooked)
 
     @property
     def training(self) -> bool:
@@ -214,6 +217,8 @@ class StageSeeding:
         """
         self._quiet = self.plain and draws_nothing(self.module)
         self.spoiled = False
+        if self.routed:
+            prepare()  # operations defined since the last step are routed too
         if not self._scanned:  # the modules' own generators are watched from the first step
             self._scanned = True
             self.users.update((generator_key(g), g) for g in _generators_in(self.module))
@@ -232,6 +237,7 @@ class StageSeeding:
         self.full = {True: True, False: True}
         self.probing = True
         self._scanned = False
+        prepare(refresh=True)  # operations registered since the stage was built are routed too
 
     def settle(self, *, pin: bool = False) -> None:
         """After a step: from now on, seeding only in the modules seen drawing.
@@ -300,6 +306,7 @@ class StageSeeding:
                 watch = self.probing and mode is None and not self.checkpoints
                 users = list(self.users.values()) if watch else []
                 before = self._states(users) if watch else []
+                context.learns = not self.permanent or (backward and not self.recomputes)
                 with _seeded(context):
                     yield
                 if watch and not self._explained(seed, users, before, self._states(users)):
@@ -311,11 +318,13 @@ class StageSeeding:
                     self.recomputes = True
                 self._learn(context, training)
             elif backward and self.permanent:  # seeded throughout, for good: no tripwire
-                yield
+                with self._in_modules_seen(context):
+                    yield
             else:
                 users = list(self.users.values())
                 before = self._states(users)
-                yield
+                with self._in_modules_seen(context):
+                    yield
                 after = self._states(users)
                 if not self._explained(seed, users, before, after):
                     if self.spoiled:  # deferred, tripped already: the step reruns anyway
@@ -332,6 +341,14 @@ class StageSeeding:
                 mode.context = outer
             self.checkpoints = self.checkpoints or context.checkpointed
             self.recomputes = self.recomputes or context.checkpointed
+
+    def _in_modules_seen(self, context: DrawContext) -> AbstractContextManager[Any]:
+        """Routed: draws inside the modules seen drawing are seeded, the others run as they
+        are (the tripwire sees them). Not routed, the modules' hooks do it (:func:`_enter`)."""
+        if not (self.routed and self._only):
+            return _NOTHING
+        context.only, context.learns = self._only, False
+        return SeededRandomness(context)
 
     def _states(self, users: list[torch.Generator]) -> list[torch.Tensor]:
         with LOCK:
@@ -394,11 +411,16 @@ class StageSeeding:
             self.permanent = True  # a draw outside every named module: no place for a hook
             return
         for key, module in context.drawn.items():
-            if key not in self.hooked and module is not None:
-                self.hooked[key] = [  # first: the module's own pre-hooks may draw
-                    module.register_forward_pre_hook(_enter, prepend=True),
-                    module.register_forward_hook(_exit, always_call=True),
-                ]
+            if key in self.hooked or module is None:
+                continue
+            if self.routed:  # found on the call stack by each draw (see rng): no hooks
+                self.hooked[key] = []
+                self._only = frozenset(self.hooked)
+                continue
+            self.hooked[key] = [  # first: the module's own pre-hooks may draw
+                module.register_forward_pre_hook(_enter, prepend=True),
+                module.register_forward_hook(_exit, always_call=True),
+            ]
 
 
 def _generators_in(module: nn.Module) -> list[torch.Generator]:
@@ -432,7 +454,7 @@ def _enter(module: nn.Module, args: Any) -> None:
         _thread.entered.append(False)
         return
     _thread.mode = mode = SeededRandomness(context)
-    mode.__enter__()  # type: ignore[no-untyped-call]
+    mode.__enter__()
     _thread.entered.append(True)
 
 
@@ -441,4 +463,4 @@ def _exit(module: nn.Module, args: Any, output: Any) -> None:
     if _thread.entered.pop() if _thread.entered else False:
         _thread.mode = None
         if mode is not None:
-            mode.__exit__(None, None, None)  # type: ignore[no-untyped-call]
+            mode.__exit__(None, None, None)
