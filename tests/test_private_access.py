@@ -45,8 +45,8 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
     "runtime/stage/recompute.py": ({"_buffers"}, "restores a recomputed layer's own buffers"),
     "runtime/stage/seeding.py": ({"_modules"}, "walks children without Module's dedup"),
     "runtime/stage/rng.py": (
-        {"_DropoutNd", "_call_impl", "_cdata"},
-        "seeds dropout layers, wraps Module's call to seed each layer, tells generators apart",
+        {"_DropoutNd", "_cdata"},
+        "seeds dropout layers, tells generators apart",
     ),
     "runtime/stage/batchnorm.py": ({"_BatchNorm"}, "DeferredBatchNorm is a _BatchNorm"),
     "runtime/engine.py": ({"_BatchNorm"}, "a step puts back every BatchNorm's statistics"),

@@ -1,7 +1,7 @@
 """The distributed runtime under NCCL's matching rules on gloo (``PIPESCHED_P2P=ordered``).
 
 Every built-in schedule and a user's Schedule read from CSV, at pp=2 and
-pp=4, with and without dp=2, train as the single-process model does while
+pp=4, each with dp=2, train as the single-process model does while
 every message is sent under one tag and matched by posting order. And the
 mode bites: one rank posting two receives out of the agreed order fails
 the step under ordered, while the same misordering under the default tagged

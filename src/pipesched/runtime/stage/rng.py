@@ -56,7 +56,6 @@ RANDOM_MODULES: tuple[type[nn.Module], ...] = (
 _SEEDED = torch.Tag.nondeterministic_seeded
 LOCK = threading.RLock()
 """Held around every seeded draw (and by anything that reads a generator's state)."""
-_CALL_IMPL = nn.Module._call_impl.__code__
 _CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
 
 
