@@ -29,6 +29,7 @@ from pipesched.runtime.placement import stage_parameters
 __all__ = [
     "MIN_FUSED_BYTES",
     "FusedLinearMode",
+    "StageMode",
     "accumulate_mm",
     "unshared_parameters",
     "weight_factors",
@@ -92,7 +93,28 @@ def _parameters(stage: nn.Module | None) -> Iterable[nn.Parameter]:
     return () if stage is None else stage_parameters(stage)
 
 
-class FusedLinearMode(TorchFunctionMode):
+class StageMode(TorchFunctionMode):
+    """A mode around a stage's forward that knows whether an op runs in its own region.
+
+    A checkpoint inside the stage pushes saved-tensor hooks after the mode was
+    entered and recomputes its region without the mode, so that region must run
+    torch's own ops: :meth:`in_own_region` tells.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._hooks: Any = None
+
+    def __enter__(self) -> Any:
+        self._hooks = _saved_tensor_hooks()
+        return super().__enter__()  # type: ignore[no-untyped-call]
+
+    def in_own_region(self) -> bool:
+        """Whether no saved-tensor hooks were pushed since the mode was entered."""
+        return bool(_saved_tensor_hooks() == self._hooks)
+
+
+class FusedLinearMode(StageMode):
     """Routes eligible ``F.linear`` calls to the fused-accumulation linear.
 
     Args:
@@ -103,13 +125,6 @@ class FusedLinearMode(TorchFunctionMode):
     def __init__(self, allowed: frozenset[int]) -> None:
         super().__init__()
         self.allowed = allowed
-        self._hooks: Any = None
-
-    def __enter__(self) -> FusedLinearMode:
-        # Saved-tensor hooks pushed after this (a checkpoint inside the stage) recompute
-        # without this mode, so their region must run the ordinary linear.
-        self._hooks = _saved_tensor_hooks()
-        return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
 
     def __torch_function__(
         self,
@@ -142,7 +157,7 @@ class FusedLinearMode(TorchFunctionMode):
             and x.device == weight.device
             and x.dim() >= 1
             and not torch.is_autocast_enabled(x.device.type)
-            and _saved_tensor_hooks() == self._hooks
+            and self.in_own_region()
         )
 
 
