@@ -18,10 +18,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from pipesched.runtime.backward_kind import Declaration, declaration
-from pipesched.runtime.compat.internals import has_gradient_hooks
-from pipesched.runtime.fused_linear import StageMode, accumulate_mm, weight_factors
+from pipesched.runtime.compat.internals import has_gradient_hooks, top_saved_tensors_hooks
+from pipesched.runtime.fused_linear import accumulate_mm, weight_factors
 
 __all__ = ["DeferredWeightsMode", "WeightStore"]
 
@@ -102,7 +103,7 @@ class WeightStore:
         return id(p) in self.fused and uses[id(p)] == 1
 
 
-class DeferredWeightsMode(StageMode):
+class DeferredWeightsMode(TorchFunctionMode):
     """Runs a stage's forward with its deferrable ops as Functions writing to ``store``.
 
     Entered around every forward (and checkpoint recomputation) of a stage whose
@@ -113,6 +114,12 @@ class DeferredWeightsMode(StageMode):
     def __init__(self, store: WeightStore) -> None:
         super().__init__()
         self.store = store
+        self._hooks: Any = None
+
+    def __enter__(self) -> DeferredWeightsMode:
+        # A checkpoint inside the stage recomputes without this mode: its region runs torch's ops.
+        self._hooks = _saved_tensor_hooks()
+        return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
 
     def __torch_function__(
         self,
@@ -124,7 +131,7 @@ class DeferredWeightsMode(StageMode):
         if kwargs is None:
             kwargs = {}
         handler = _HANDLERS.get(func)
-        if handler is not None and torch.is_grad_enabled() and self.in_own_region():
+        if handler is not None and torch.is_grad_enabled() and _saved_tensor_hooks() == self._hooks:
             out = handler(self.store, args, kwargs)
             if out is not None:
                 return out
@@ -134,6 +141,10 @@ class DeferredWeightsMode(StageMode):
             if kwargs:
                 _flag(self.store.flagged, tuple(kwargs.values()))
         return out
+
+
+def _saved_tensor_hooks() -> Any:
+    return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks()
 
 
 def _requires_grad(out: Any) -> bool:

@@ -29,7 +29,6 @@ from pipesched.runtime.placement import stage_parameters
 __all__ = [
     "MIN_FUSED_BYTES",
     "FusedLinearMode",
-    "StageMode",
     "accumulate_mm",
     "unshared_parameters",
     "weight_factors",
@@ -93,28 +92,7 @@ def _parameters(stage: nn.Module | None) -> Iterable[nn.Parameter]:
     return () if stage is None else stage_parameters(stage)
 
 
-class StageMode(TorchFunctionMode):
-    """A mode around a stage's forward that knows whether an op runs in its own region.
-
-    A checkpoint inside the stage pushes saved-tensor hooks after the mode was
-    entered and recomputes its region without the mode, so that region must run
-    torch's own ops: :meth:`in_own_region` tells.
-    """
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._hooks: Any = None
-
-    def __enter__(self) -> Any:
-        self._hooks = _saved_tensor_hooks()
-        return super().__enter__()  # type: ignore[no-untyped-call]
-
-    def in_own_region(self) -> bool:
-        """Whether no saved-tensor hooks were pushed since the mode was entered."""
-        return bool(_saved_tensor_hooks() == self._hooks)
-
-
-class FusedLinearMode(StageMode):
+class FusedLinearMode(TorchFunctionMode):
     """Routes eligible ``F.linear`` calls to the fused-accumulation linear.
 
     Args:
@@ -125,6 +103,13 @@ class FusedLinearMode(StageMode):
     def __init__(self, allowed: frozenset[int]) -> None:
         super().__init__()
         self.allowed = allowed
+        self._hooks: Any = None
+
+    def __enter__(self) -> FusedLinearMode:
+        # Saved-tensor hooks pushed after this (a checkpoint inside the stage) recompute
+        # without this mode, so their region must run the ordinary linear.
+        self._hooks = _saved_tensor_hooks()
+        return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
 
     def __torch_function__(
         self,
@@ -157,7 +142,7 @@ class FusedLinearMode(StageMode):
             and x.device == weight.device
             and x.dim() >= 1
             and not torch.is_autocast_enabled(x.device.type)
-            and self.in_own_region()
+            and _saved_tensor_hooks() == self._hooks
         )
 
 
