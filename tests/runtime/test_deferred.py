@@ -74,6 +74,28 @@ class TiedLM(nn.Module):
         return self.head(self.norm(self.emb(ids)))
 
 
+class AtenEmbedding(nn.Module):
+    """A traced stage's embedding: ``aten.embedding``, padding_idx -1 meaning none."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 6))
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return torch.ops.aten.embedding.default(self.weight, ids).sum(-1)
+
+
+class LastRowPadding(nn.Module):
+    """``F.embedding``'s padding_idx -1: the last row, no gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 6, padding_idx=-1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.emb(ids).sum(-1)
+
+
 class Scale(nn.Module):
     def forward(self, w: Tensor) -> Tensor:
         return w * 2
@@ -153,6 +175,8 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.5, batch_first=True), X, 6),
         (lambda: Masked(), X, 1),  # a masked attention is torch's: its projections in B
         (lambda: Masked(causal=True), X, 3),  # a causal mask with the hint: SDPA's is_causal
+        (AtenEmbedding, IDS, 1),  # id 9, the last row, gets its gradient (-1 is no padding)
+        (LastRowPadding, IDS, 1),  # id 9 is the padding row here: no gradient
     ],
     ids=[
         "block",
@@ -163,6 +187,8 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         "encoder-layer-dropout",
         "masked-attention",
         "causal-attention",
+        "aten-embedding",
+        "last-row-padding",
     ],
 )
 def test_b_then_w_equals_the_whole_backward_bitwise(build, x, deferred, ckpt) -> None:

@@ -386,19 +386,20 @@ def _made(params: tuple[Tensor | None, ...], *grads: Tensor | None) -> tuple[Ten
 
 def _embedding_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if args and isinstance(args[0], Tensor) and args[0].is_floating_point():  # aten: weight first
+        # aten's padding_idx is F.embedding's normalized: any negative one means none.
         weight, indices, padding_idx, scale, unsupported = _aten_embedding_args(*args, **kwargs)
     else:
         indices, weight, padding_idx, scale, unsupported = _embedding_args(*args, **kwargs)
+        if padding_idx is None:  # normalized as F.embedding does
+            padding_idx = -1
+        elif padding_idx < 0 and _dim(weight) == 2:
+            padding_idx += weight.shape[0]
     if unsupported or _dim(weight) != 2 or type(indices) is not Tensor:
         return None
     if weight.layout != torch.strided or not weight.is_floating_point():
         return None
     if indices.is_floating_point() or torch.is_autocast_enabled(weight.device.type):
         return None
-    if padding_idx is None:  # as F.embedding normalizes it
-        padding_idx = -1
-    elif padding_idx < 0:
-        padding_idx += weight.shape[0]
     return _Embedding.apply(weight, indices, int(padding_idx), bool(scale), store, declaration())  # type: ignore[no-untyped-call]
 
 
