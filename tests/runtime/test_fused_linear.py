@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from pipesched import Pipeline
 from pipesched.runtime import fused_linear
 from pipesched.runtime.backward import backward_full, backward_input
-from pipesched.runtime.deferred import _Linear as _DeferredLinear
+from pipesched.runtime.deferred_ops import _Linear as _DeferredLinear
 from pipesched.runtime.fused_linear import (
     MIN_FUSED_BYTES,
     FusedLinearMode,
