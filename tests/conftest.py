@@ -30,6 +30,22 @@ def ctrl_c():
     signal.signal(signal.SIGINT, previous)
 
 
+@pytest.fixture(autouse=True)
+def cpu_only_unless_marked_cuda(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """A test not marked ``cuda`` runs as on a machine without a GPU, as CI's is.
+
+    Why: a Pipeline given no ``devices=`` takes the visible GPUs, and the unmarked
+    tests are written for CPU (their tensors are on CPU), as are the processes they
+    start (gloo ranks, torchrun, examples). On a GPU machine they would otherwise
+    mix devices, or fork ranks from a parent that has initialized CUDA.
+    """
+    if request.node.get_closest_marker("cuda") is not None or not torch.cuda.is_available():
+        return
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # for the processes the test starts
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``cuda`` skip, with the reason, where torch sees no CUDA device.
 
@@ -37,6 +53,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (``make gpu-check`` does).
     """
     if torch.cuda.is_available():
+        # Reads the visible devices now, before a test hides them from the processes
+        # it starts (``cpu_only_unless_marked_cuda``) by setting CUDA_VISIBLE_DEVICES.
+        # torch caches the count at its first call after that, which must not fall inside
+        # such a test (it would cache 0).
+        torch.cuda.init()  # type: ignore[no-untyped-call]
+        torch.cuda.device_count()
         return
     has = (
         "is built without CUDA"

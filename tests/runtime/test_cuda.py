@@ -113,6 +113,7 @@ def test_checkpoint_modes_are_bitwise_equal_with_dropout_on_two_streams_of_one_d
 def test_fused_linear_on_cuda_equals_the_plain_model(schedule, monkeypatch):
     # Weight gradients accumulated in the GEMM (on by default from MIN_FUSED_BYTES),
     # on CUDA streams: the big layer is fused once per micro-batch and equals autograd.
+    from pipesched.runtime.deferred_ops import _Linear as _DeferredLinear
     from pipesched.runtime.fused_linear import MIN_FUSED_BYTES, _FusedLinear
 
     wide = MIN_FUSED_BYTES // 8 // 16  # a (wide, 16) fp64 weight of MIN_FUSED_BYTES
@@ -129,12 +130,19 @@ def test_fused_linear_on_cuda_equals_the_plain_model(schedule, monkeypatch):
     nn.functional.mse_loss(plain(x), y).backward()
     fused: list[torch.Tensor] = []
     original = _FusedLinear.forward
+    original_deferred = _DeferredLinear.forward
 
     def recording(ctx, x, weight, *args):
         fused.append(weight)
         return original(ctx, x, weight, *args)
 
+    def recording_deferred(ctx, x, weight, *args):
+        if id(weight) in args[2].fused:  # zb-h1: W accumulates it inside the GEMM
+            fused.append(weight)
+        return original_deferred(ctx, x, weight, *args)
+
     monkeypatch.setattr(_FusedLinear, "forward", staticmethod(recording))
+    monkeypatch.setattr(_DeferredLinear, "forward", staticmethod(recording_deferred))
     cut = model()
     pipe = Pipeline(
         cut, 4, balance=[2, 2], devices=_devices(2), schedule=schedule, checkpoint="never"
