@@ -147,6 +147,8 @@ class Engine:
                 fused,
             )
         else:
+            # First: a sharded stage's parameters change here (FSDP2), before the runtime's read.
+            self.sync = GradientSync(mesh, model, tied, {s: stages[s] for s in own})
             kept = [stage if s in own else None for s, stage in enumerate(stages)]
             fused = unshared_parameters(kept) if fuse else None
             # A traced stage passes a dict: it crosses ranks as a tuple in the sender's key order.
@@ -161,8 +163,6 @@ class Engine:
                 keys,
                 on_stage_done=self._stage_done,
             )
-            mine = {s: stages[s] for s in own}
-            self.sync = GradientSync(mesh, list(model.parameters()), tied, mine)
         self.reruns = 0
         self._snapshot: StepSnapshot | None = None
 
@@ -243,6 +243,7 @@ class Engine:
 
     def _attempt(self, schedule: Schedule, step: StepInputs, detach: bool) -> StepState:
         """One run of the step: committed if it returns, put back if it raises."""
+        self.sync.before_step()
         # Read each time: parameters replaced since (load_state_dict(assign=True)) count too.
         parameters = list(self.model.parameters())
         batch_norms = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
@@ -271,11 +272,13 @@ class Engine:
             with deferred_interrupts():
                 snapshot.restore()
                 self.sync.drop_started()  # a step put back drops the sums it started
+                self.sync.after_step(committed=False)
             raise
         finally:
             self._snapshot = None
         with deferred_interrupts():
             snapshot.commit()
+        self.sync.after_step(committed=True)
         # Only torch's own recomputation moves the shared generator (a draw in backward is
         # seeded on the stage's private generator): only it pins every stage.
         checkpoints = any(s.checkpoints for s in self.seedings)

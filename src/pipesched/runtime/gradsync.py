@@ -10,15 +10,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from pipesched.runtime.compat.fsdp import reduce_scatter, shard
 from pipesched.runtime.mesh import MeshInfo, wait_kept
-from pipesched.runtime.placement import stage_parameters
+from pipesched.runtime.placement import stage_holders, stage_parameters
 
 __all__ = ["BUCKET_BYTES", "GradientSync", "LocalSync", "Sync"]
 
@@ -37,6 +38,13 @@ class Sync(Protocol):
 
     def gradients(self) -> None:
         """Sums gradients over replicas (and over ranks that share a parameter)."""
+
+    def before_step(self) -> None:
+        """Readies the stages for a step: sharded stages gather their parameters."""
+
+    def after_step(self, committed: bool) -> None:
+        """After a step (``committed``, or put back): sharded stages shard their parameters
+        again, reduce-scattering the window's gradients after its last step."""
 
     def window_ends(self, ending: bool = True) -> None:
         """The next step is the window's last: reductions may start as its stages finish.
@@ -78,6 +86,12 @@ class LocalSync:
     def gradients(self) -> None:
         return None
 
+    def before_step(self) -> None:
+        return None
+
+    def after_step(self, committed: bool) -> None:
+        return None
+
     def window_ends(self, ending: bool = True) -> None:
         return None
 
@@ -104,7 +118,7 @@ class GradientSync:
 
     Args:
         info: this rank's place in the mesh.
-        parameters: the pipeline's parameters, in an order every replica
+        model: the pipeline, whose parameters come in an order every replica
             shares; only those this rank's stages compute with are reduced (a
             traced model's pipeline also holds other ranks' ones, on "meta").
         tied: for each parameter shared with stages on other pp ranks, the
@@ -112,25 +126,40 @@ class GradientSync:
         stages: this rank's stages by index. A stage's own parameters (no
             other stage holds them) form its buckets, reduced as soon as the
             stage is done in a window's last step; the rest are reduced at the
-            window's end.
+            window's end. On a mesh with ``shard_mesh``, each stage is sharded
+            (FSDP2) here, before anything reads its parameters: it keeps them
+            gathered through a window and reduce-scatters once, at its end.
     """
 
     def __init__(
         self,
         info: MeshInfo,
-        parameters: Iterable[nn.Parameter],
+        model: nn.Module,
         tied: dict[int, tuple[int, ...]],
         stages: dict[int, nn.Module],
     ) -> None:
+        before = {s: stage_parameters(stage) for s, stage in stages.items()}
+        self.sharded = [
+            root
+            for stage in stages.values()
+            if info.shard_mesh is not None
+            for root in shard(stage_holders(stage), stage_parameters(stage), info.shard_mesh)
+        ]
         used = {s: stage_parameters(stage) for s, stage in stages.items()}
+        if self.sharded:  # the shards replace the parameters: where tied too, and in ``tied``
+            new = {id(o): n for s in stages for o, n in zip(before[s], used[s], strict=True)}
+            _replace(model, new)
+            tied = {id(new[k]) if k in new else k: ranks for k, ranks in tied.items()}
         mine = {id(p) for params in used.values() for p in params}
         self.info = info
-        self.parameters = [p for p in parameters if id(p) in mine]
+        self.parameters = [p for p in model.parameters() if id(p) in mine]
         self.tied = tied
         self.all_reduces = 0  # gradient all-reduces run so far (tests count them)
+        self.reduce_scatters = 0  # of sharded stages' param groups (tests count them)
         self.overlapped = 0  # of which started before the window's end (tests count them)
         self._stage_buckets, self._rest = _stage_buckets(self.parameters, used, tied)
         self._armed = False
+        self._reduce_after_step = False
         self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
         self._dropped: deque[Any] = deque(maxlen=64)  # freed by Python, not gloo's thread
         # One group per set of pp ranks sharing parameters, for each replica. Every rank
@@ -164,7 +193,7 @@ class GradientSync:
         Waits for the all-reduces started during the step, then runs the rest.
         """
         self._armed = False
-        if self.info.dp_size > 1:
+        if self.info.dp_size > 1 and not self.sharded:
             started = {id(p) for params, _, _ in self._in_flight for p in params}
             for stage_buckets in self._stage_buckets.values():
                 for bucket in stage_buckets:
@@ -179,8 +208,26 @@ class GradientSync:
                 self._start(bucket, group)
             self._finish_in_flight()
 
+    def before_step(self) -> None:
+        for stage in self.sharded:
+            stage.unshard()  # the step's parameters: what its snapshot sets aside
+
+    def after_step(self, committed: bool) -> None:
+        # Between steps a sharded stage holds its shards (the optimizer's parameters); the
+        # window's gradients so far stay on the gathered parameters, hidden, until its end.
+        reduce = committed and self._reduce_after_step
+        self._reduce_after_step = False
+        for stage in self.sharded:
+            if reduce:
+                self.reduce_scatters += reduce_scatter(stage)
+            else:
+                stage.reshard()
+
     def window_ends(self, ending: bool = True) -> None:
-        self._armed = ending and self.info.dp_size > 1
+        # A sharded stage reduce-scatters after the window's last step: outside its
+        # transaction, into the shards the window's end then reads.
+        self._reduce_after_step = ending and bool(self.sharded)
+        self._armed = ending and self.info.dp_size > 1 and not self.sharded
 
     def drop_started(self) -> None:
         # Kept, not waited for: a failed replica may never answer (a rerun's own
@@ -219,7 +266,7 @@ class GradientSync:
         """Starts one all-reduce (SUM) of these parameters' gradients and has-gradient flags."""
         device = self.info.device
         flat = [
-            (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device)
+            _local(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(device)
             for p in params
         ]
         present = torch.tensor(
@@ -239,9 +286,16 @@ class GradientSync:
     def _unpack(self, params: list[nn.Parameter], buffer: torch.Tensor) -> None:
         offset = 0
         for p, any_grad in zip(params, buffer[-len(params) :].tolist(), strict=True):
-            n = p.numel()
+            local = _local(p)
+            n = local.numel()
             if any_grad:
-                p.grad = buffer[offset : offset + n].view_as(p).to(p.device).clone()
+                summed = buffer[offset : offset + n].view_as(local).to(local.device)
+                if local is p:
+                    p.grad = summed.clone()
+                else:  # a shard: a new DTensor gradient (the old one may be put back)
+                    grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                    _local(grad).copy_(summed)
+                    p.grad = grad
             offset += n
 
     def norm(self, parameters: list[nn.Parameter]) -> float:
@@ -250,9 +304,24 @@ class GradientSync:
             ranks = self.tied.get(id(p))
             if p.grad is None or (ranks is not None and ranks[0] != self.info.pp_rank):
                 continue  # a shared parameter counts once, on the first rank holding it
-            squares += p.grad.detach().double().pow(2).sum()
+            squares += _local(p.grad.detach()).double().pow(2).sum()
         wait_kept(dist.all_reduce(squares, group=self.info.pp_group, async_op=True))
+        if self.sharded and self.info.dp_size > 1:  # each replica holds other shards
+            wait_kept(dist.all_reduce(squares, group=self.info.dp_group, async_op=True))
         return math.sqrt(float(squares))
+
+
+def _replace(model: nn.Module, new: dict[int, nn.Parameter]) -> None:
+    """Registers each of ``new`` (by the id of the parameter it replaces) wherever that was."""
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in new and new[id(p)] is not p:
+                module.register_parameter(name, new[id(p)])
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: its shard where ``t`` is a DTensor, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _stage_buckets(

@@ -20,13 +20,17 @@ __all__ = ["DEFAULT_TIMEOUT", "MeshInfo", "init_mesh", "rank0_value"]
 DEFAULT_TIMEOUT = 600.0
 """Seconds a pipeline's transfers and agreements wait when the mesh does not say."""
 
-_timeouts: weakref.WeakKeyDictionary[DeviceMesh, float] = weakref.WeakKeyDictionary()
+_options: dict[int, tuple[weakref.ref[DeviceMesh], float, bool]] = {}
+"""By ``id(mesh)``: the mesh, its timeout, whether it shards. Why not a WeakKeyDictionary:
+DeviceMesh compares by layout, and two meshes of one layout may differ here."""
 
 _waited: deque[Any] = deque(maxlen=4)
 """The works of the last few collectives :func:`wait_kept` waited for."""
 
 
-def init_mesh(pp: int, dp: int = 1, *, timeout: float = DEFAULT_TIMEOUT) -> DeviceMesh:
+def init_mesh(
+    pp: int, dp: int = 1, *, shard: int = 1, timeout: float = DEFAULT_TIMEOUT
+) -> DeviceMesh:
     """The ("dp", "pp") mesh of this job, initializing the process group if needed.
 
     Ranks are laid out ``rank = dp_index * pp + pp_index``: the ``pp`` ranks of
@@ -36,12 +40,17 @@ def init_mesh(pp: int, dp: int = 1, *, timeout: float = DEFAULT_TIMEOUT) -> Devi
     Args:
         pp: pipeline workers (ranks per pipeline).
         dp: data-parallel replicas of the pipeline.
+        shard: ranks over which each stage's parameters, gradients and optimizer
+            state are sharded (FSDP2, ``docs/distributed.md`` "Sharded data
+            parallel"): 1 replicates every stage on each of the ``dp`` replicas;
+            ``dp`` shards each stage over all of them.
         timeout: seconds a pipeline's transfers and per-step agreement may
             wait for another rank before failing with a timeout that names
             it (and the process group's timeout, when this call creates it).
 
     Raises:
-        ConfigError: ``pp * dp`` is not the job's world size.
+        ConfigError: ``pp * dp`` is not the job's world size, or ``shard`` is
+            neither 1 nor ``dp``.
 
     Example (under ``torchrun --nproc_per_node 4``)::
 
@@ -50,7 +59,7 @@ def init_mesh(pp: int, dp: int = 1, *, timeout: float = DEFAULT_TIMEOUT) -> Devi
     """
     if isinstance(timeout, bool) or not isinstance(timeout, int | float) or not timeout > 0:
         raise ConfigError(f"timeout must be a positive number of seconds, got {timeout!r}")
-    for name, value in (("pp", pp), ("dp", dp)):
+    for name, value in (("pp", pp), ("dp", dp), ("shard", shard)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}")
         if value < 1:
@@ -65,6 +74,11 @@ def init_mesh(pp: int, dp: int = 1, *, timeout: float = DEFAULT_TIMEOUT) -> Devi
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout))
+    if shard not in (1, dp):
+        raise ConfigError(
+            f"shard must be 1 (replicated stages) or dp={dp} (each stage sharded over every "
+            f"replica), got {shard}; shard groups smaller than dp (HSDP) are not supported yet"
+        )
     world = dist.get_world_size()
     if pp * dp != world:
         raise ConfigError(
@@ -74,7 +88,8 @@ def init_mesh(pp: int, dp: int = 1, *, timeout: float = DEFAULT_TIMEOUT) -> Devi
         )
     device_type = "cuda" if cuda and dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
-    _timeouts[mesh] = float(timeout)
+    key = id(mesh)
+    _options[id(mesh)] = (weakref.ref(mesh, lambda _: _options.pop(key, None)), timeout, shard > 1)
     return mesh
 
 
@@ -88,6 +103,8 @@ class MeshInfo:
         pp_group, dp_group: the process groups along each dimension.
         pp_ranks: the global ranks of this rank's pipeline, by pp index.
         device: this rank's device.
+        shard_mesh: the 1-D mesh over which this rank's stages are sharded
+            (FSDP2), or None where every replica holds them whole.
         timeout: seconds a transfer or agreement waits for another rank
             (``init_mesh``'s ``timeout``).
     """
@@ -101,6 +118,7 @@ class MeshInfo:
     pp_ranks: tuple[int, ...]
     device: torch.device
     timeout: float = DEFAULT_TIMEOUT
+    shard_mesh: DeviceMesh | None = None
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshInfo:
@@ -117,6 +135,9 @@ class MeshInfo:
                 "pipesched.runtime.mesh.init_mesh(pp, dp)"
             )
         pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        ref, timeout, sharded = _options.get(id(mesh), (None, DEFAULT_TIMEOUT, False))
+        if ref is None or ref() is not mesh:
+            timeout, sharded = DEFAULT_TIMEOUT, False
         dp_rank = mesh.get_local_rank("dp")
         pp_ranks = tuple(int(r) for r in mesh.mesh[dp_rank].tolist())
         if mesh.device_type == "cuda":
@@ -132,7 +153,8 @@ class MeshInfo:
             dp_group=dp_group,
             pp_ranks=pp_ranks,
             device=device,
-            timeout=_timeouts.get(mesh, DEFAULT_TIMEOUT),
+            timeout=float(timeout),
+            shard_mesh=mesh["dp"] if sharded else None,
         )
 
 

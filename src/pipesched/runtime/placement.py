@@ -151,6 +151,11 @@ def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
     return stage.used_parameters() if _traced(stage) else list(stage.parameters())  # type: ignore[operator]
 
 
+def stage_holders(stage: nn.Module) -> list[nn.Module]:
+    """The modules that register a stage's parameters: itself, or a traced stage's owners."""
+    return _layers(stage, recurse=False) if _traced(stage) else [stage]
+
+
 def _traced(stage: nn.Module) -> bool:
     return hasattr(stage, "used_parameters")
 

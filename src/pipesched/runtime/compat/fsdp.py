@@ -1,0 +1,70 @@
+"""FSDP2 for pipeline stages: gradients accumulated unsharded, reduce-scattered once on demand.
+
+Why private calls: FSDP2 reduce-scatters from autograd hooks at the end of a
+backward, but a pipeline stage runs many backwards per window (and, split, its
+weight gradients after them). As ``torch.distributed.pipelining`` does, each
+stage accumulates with the reduction off, and the window's end runs the param
+groups' ``post_backward`` and the root's final callback by hand.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+__all__ = ["accumulate", "reduce_scatter", "shard"]
+
+
+def shard(modules: list[nn.Module], used: list[nn.Parameter], mesh: DeviceMesh) -> list[FSDPModule]:
+    """``modules`` sharded over ``mesh`` (FSDP2), gathered through steps, summing gradients.
+
+    Args:
+        modules: the modules registering one stage's parameters (the stage, or a
+            traced stage's owners); ``used`` of their parameters become sharded
+            DTensors, the others (another rank's) stay as they are.
+        mesh: the 1-D mesh of the ranks that hold a copy of the stage (its replicas).
+
+    Returns:
+        The roots: the modules no other of ``modules`` contains, each sharded
+        with what it contains (one param group, so one reduce-scatter, each).
+    """
+    keep = {id(p) for p in used}
+    inside = {id(m): {id(c) for c in m.modules()} - {id(m)} for m in modules}
+    roots = [m for m in modules if not any(id(m) in inside[id(o)] for o in modules)]
+    for root in roots:
+        ignored = {p for p in root.parameters() if id(p) not in keep}
+        fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
+        # Now, not at the first forward: a traced stage calls its graph, not the module.
+        fully_shard.state(root)._lazy_init()  # type: ignore[attr-defined]
+        root.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # a sum
+        accumulate(root)  # type: ignore[arg-type]
+    return roots  # type: ignore[return-value]
+
+
+def accumulate(module: FSDPModule) -> None:
+    """Backwards add into the unsharded gradients and keep the parameters unsharded."""
+    module.set_is_last_backward(False)
+    module.set_reshard_after_backward(False)
+    module.set_requires_gradient_sync(False)
+
+
+def reduce_scatter(module: FSDPModule) -> int:
+    """Reduce-scatters the accumulated gradients into the sharded ``.grad``; reshards.
+
+    A param group no backward reached is a no-op. Returns the number of param
+    groups (a reduce-scatter each, where they have gradients).
+    """
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    groups = 0
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+            groups += 1
+    state._root_post_backward_final_callback()
+    module.reshard()
+    accumulate(module)
+    return groups

@@ -1,0 +1,99 @@
+"""pp=2 x dp=2 with every stage sharded over its replicas (FSDP2), against the plain model.
+
+One job of 4 gloo ranks trains each configuration (an MLP under every schedule
+family, with and without recomputation; a traced LM whose head is tied to its
+embedding across the two pipeline ranks) for 3 accumulation windows with
+AdamW, clipping and a scheduler. The reference is the plain model trained on
+the full batch in this process (fp64). Also measured: each rank's parameter +
+gradient + optimizer-state bytes against the replicated run's, and one
+reduce-scatter per stage per window.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from tests.distributed import fsdp_worker as f
+from tests.distributed import sharded_worker as w
+from tests.distributed.launch import launch
+
+MLP = [
+    f"mlp:{s}:{c}"
+    for s in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
+    for c in ("never", "always")
+]
+CONFIGS = [*MLP, "traced:1f1b:never", "traced:zb-h1:always", "mlp:1f1b:never:whole"]
+
+
+def _plain(name: str) -> dict[str, torch.Tensor]:
+    """The plain model trained on each window's whole batch: the full-batch gradient."""
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = w.tied_lm() if name == "traced" else w.mlp(0.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
+        for window in range(f.WINDOWS):
+            steps = range(window * w.STEPS, (window + 1) * w.STEPS)
+            if name == "traced":
+                batches = [w.tokens(s) for s in steps]
+                items = sum(int((y != -100).sum()) for _, y in batches)
+                loss = sum(w.token_sum(model(x), y) for x, y in batches) / items
+            else:
+                batches = [w.batch(s) for s in steps]
+                x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+                loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        return {n: p.detach() for n, p in model.named_parameters()}
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
+    out = tmp_path_factory.mktemp("fsdp")
+    exits = launch(",".join(CONFIGS), 4, out, timeout=240, worker=Path(f.__file__))
+    for e in exits:
+        assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-4000:]}"
+    return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_sharded_training_equals_the_plain_model(ranks, config):
+    plain = _plain(config.split(":")[0])
+    for rank, results in enumerate(ranks):
+        got = results[config]["params"]
+        assert got, f"rank {rank} holds no parameters"
+        for name, value in got.items():
+            torch.testing.assert_close(
+                value, plain[name], rtol=1e-10, atol=1e-12, msg=f"{config} rank {rank}: {name}"
+            )
+
+
+@pytest.mark.parametrize("config", [c for c in CONFIGS if not c.endswith("whole")])
+def test_one_reduce_scatter_per_param_group_per_window(ranks, config):
+    # A param group: a Sequential's stage, or each module owning a traced stage's parameters.
+    stages = 2 if config.split(":")[1] in ("interleaved-1f1b", "zb-v") else 1
+    for results in ranks:
+        got = results[config]
+        groups = len(got["sharded"])
+        if config.startswith("mlp"):
+            assert got["sharded"] == ["FSDPSequential"] * stages
+        assert groups >= stages
+        assert got["reduce_scatters"] == groups * f.WINDOWS
+        # No all-reduce over replicas; the tied weight: once per window over its pp ranks.
+        assert got["all_reduces"] == (f.WINDOWS if config.startswith("traced") else 0)
+
+
+def test_each_rank_holds_about_half_the_bytes_of_a_replicated_run(ranks):
+    for rank, results in enumerate(ranks):
+        sharded = results["mlp:1f1b:never"]["bytes"]
+        whole = results["mlp:1f1b:never:whole"]["bytes"]
+        assert sharded <= 0.55 * whole, f"rank {rank}: {sharded} of {whole} bytes"
