@@ -1,9 +1,12 @@
 """One rank of tests/distributed/test_fsdp.py: pp=2 x dp=2 with each stage sharded (FSDP2).
 
 ``python fsdp_worker.py CONFIGS OUT`` under torchrun's environment, 4 ranks. CONFIGS
-is ``model:schedule:checkpoint`` items joined by ``,``; each trains WINDOWS windows
-of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a sharded mesh, and
-``model:1f1b:never:whole`` on the replicated one. Each rank writes, per config, the
+is ``model:schedule:checkpoint[:whole]`` items joined by ``,``; each trains WINDOWS
+windows of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a sharded
+mesh (``whole``: on the replicated one). Models: ``mlp``, ``drop`` (the MLP with
+a dropout from step LATE on: that step draws where none was seen, and is put back
+and rerun),
+``traced`` (a tied LM), ``gpt2`` (HF's, traced). Each rank writes, per config, the
 full parameters it holds, its parameter + gradient + optimizer-state bytes after the
 last window's optimizer step (its gradients and
 the state of the window before), and the reduce-scatters and all-reduces it ran.
@@ -18,30 +21,76 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipesched import GradientAccumulator, Pipeline
+from pipesched.errors import CheckpointError
 from pipesched.runtime.mesh import init_mesh
 from tests.distributed import sharded_worker as w
 
 WINDOWS = 3
 PP, DP = 2, 2
 BALANCE = {2: [4, 4], 4: [2, 2, 2, 2]}
+LATE = 3  # the second window's last step: its rerun must still reduce-scatter after it
+
+
+def gpt2() -> nn.Module:
+    """A small HF GPT-2 (its head tied to its token embedding), no dropout."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(
+        vocab_size=32, n_positions=16, n_embd=16, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def gpt2_batch(step: int, replica: int = 0, replicas: int = 1) -> torch.Tensor:
+    ids = torch.randint(0, 32, (w.ROWS, 8), generator=torch.Generator().manual_seed(300 + step))
+    share = w.ROWS // replicas
+    return ids[replica * share : (replica + 1) * share]
+
+
+def gpt2_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy, the mean over the micro-batch's tokens."""
+    logits, labels = out.logits[:, :-1], labels[:, 1:]
+    return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
 def pipeline(name: str, schedule: str, checkpoint: str, mesh: Any) -> Pipeline:
     stages = 4 if schedule in ("interleaved-1f1b", "zb-v") else 2
+    if name == "gpt2":
+        return Pipeline(
+            gpt2(), 2, mesh=mesh, num_stages=stages, schedule=schedule, checkpoint=checkpoint,
+            example_inputs=(gpt2_batch(0)[:2],),
+        )  # fmt: skip
     if name == "traced":
         return Pipeline(
             w.tied_lm(), 2, split_points=["fc2"], mesh=mesh, num_stages=2,
             example_inputs=(w.tokens(0)[0][:2],), schedule=schedule, checkpoint=checkpoint,
         )  # fmt: skip
+    model = w.mlp(0.0)
+    if name == "drop":
+        model[6] = LateDropout()  # for a Tanh: in the last stage
     return Pipeline(
-        w.mlp(0.0), 2, balance=BALANCE[stages], mesh=mesh, schedule=schedule,
+        model, 2, balance=BALANCE[stages], mesh=mesh, schedule=schedule,
         checkpoint=checkpoint,
     )  # fmt: skip
+
+
+class LateDropout(nn.Module):
+    """Tanh, then ``F.dropout`` from step LATE on: a draw where none was seen before."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.on = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(x.tanh(), 0.2, self.training and self.on)
 
 
 def local_bytes(tensors: list[torch.Tensor]) -> int:
@@ -53,8 +102,8 @@ def local_bytes(tensors: list[torch.Tensor]) -> int:
 
 
 def held_bytes(acc: GradientAccumulator) -> int:
-    """This rank's parameter + gradient + optimizer-state bytes."""
-    params = [p for p in acc.pipe.parameters() if not p.is_meta]
+    """This rank's parameter + gradient + optimizer-state bytes (of the parameters it uses)."""
+    params = acc.pipe._cuts.current[1].sync.parameters
     grads = [p.grad for p in params if p.grad is not None]
     state = [
         v
@@ -66,26 +115,41 @@ def held_bytes(acc: GradientAccumulator) -> int:
     return local_bytes(params) + local_bytes(grads) + local_bytes(state)
 
 
-def run(config: str, rank: int) -> dict[str, Any]:
+def run(config: str, rank: int, out: Path) -> dict[str, Any]:
     name, schedule, checkpoint, *whole = config.split(":")
     mesh = init_mesh(pp=PP, dp=DP, shard=1 if whole else DP, timeout=60)
     pipe = pipeline(name, schedule, checkpoint, mesh)
     acc = w.accumulator(pipe)
     optimizer = acc.optimizers[0]
-    step, held = optimizer.step, []
+    optimizer_step, held = optimizer.step, []
 
     def measured(*args: Any, **kwargs: Any) -> Any:
         held.append(held_bytes(acc))  # the window's gradients are there, and the state
-        return step(*args, **kwargs)
+        return optimizer_step(*args, **kwargs)
 
     optimizer.step = measured  # type: ignore[method-assign]
-    w.train(acc, range(WINDOWS * w.STEPS), mesh.get_local_rank("dp"), DP)
+    for i in range(WINDOWS * w.STEPS):
+        if name == "drop" and i == LATE:
+            for m in pipe.modules():
+                if isinstance(m, LateDropout):
+                    m.on = True
+        if name == "gpt2":
+            ids = gpt2_batch(i, mesh.get_local_rank("dp"), DP)
+            acc.step(ids, ids, loss_fn=gpt2_loss)
+        else:
+            w.train(acc, range(i, i + 1), mesh.get_local_rank("dp"), DP)
+    refused = None
+    try:
+        acc.save(str(out / config.replace(":", "-")))  # sharded: refused, nothing written
+    except CheckpointError as err:
+        refused = str(err)
+    sync = pipe._cuts.current[1].sync  # the engine's GradientSync
+    mine = {id(p) for p in sync.parameters}  # (a traced model's pipeline holds others' too)
     params = {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in pipe.named_parameters()
-        if not p.is_meta
+        if id(p) in mine
     }
-    sync = pipe._cuts.current[1].sync  # the engine's GradientSync
     result = {
         "params": params,
         "bytes": held[-1],
@@ -93,8 +157,9 @@ def run(config: str, rank: int) -> dict[str, Any]:
         "all_reduces": sync.all_reduces,
         "sharded": [type(s).__name__ for s in sync.sharded],
         "optimizer_state": len(optimizer.state),
+        "reruns": pipe._cuts.current[1].reruns,
+        "refused": refused,
     }
-    del acc, pipe
     gc.collect()
     return result
 
@@ -103,7 +168,7 @@ def main(configs: str, out: Path) -> None:
     torch.set_default_dtype(torch.float64)
     init_mesh(pp=PP, dp=DP, timeout=60)  # the process group
     rank = dist.get_rank()
-    results = {config: run(config, rank) for config in configs.split(",")}
+    results = {config: run(config, rank, out) for config in configs.split(",")}
     torch.save(results, out / f"rank{rank}.pt")
     gc.collect()
     dist.barrier()

@@ -26,19 +26,26 @@ MLP = [
     for s in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
     for c in ("never", "always")
 ]
-CONFIGS = [*MLP, "traced:1f1b:never", "traced:zb-h1:always", "mlp:1f1b:never:whole"]
+CONFIGS = [
+    *MLP, "traced:1f1b:never", "traced:zb-h1:always", "gpt2:1f1b:never", "gpt2:zb-v:always",
+    "mlp:1f1b:never:whole",
+    "drop:zb-v:always", "drop:zb-v:always:whole",
+]  # fmt: skip
 
 
 def _plain(name: str) -> dict[str, torch.Tensor]:
     """The plain model trained on each window's whole batch: the full-batch gradient."""
     torch.set_default_dtype(torch.float64)
     try:
-        model = w.tied_lm() if name == "traced" else w.mlp(0.0)
+        model = {"traced": w.tied_lm, "gpt2": f.gpt2}.get(name, lambda: w.mlp(0.0))()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
         for window in range(f.WINDOWS):
             steps = range(window * w.STEPS, (window + 1) * w.STEPS)
-            if name == "traced":
+            if name == "gpt2":
+                ids = torch.cat([f.gpt2_batch(s) for s in steps])
+                loss = f.gpt2_loss(model(ids), ids)
+            elif name == "traced":
                 batches = [w.tokens(s) for s in steps]
                 items = sum(int((y != -100).sum()) for _, y in batches)
                 loss = sum(w.token_sum(model(x), y) for x, y in batches) / items
@@ -65,7 +72,7 @@ def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(4)]
 
 
-@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("config", [c for c in CONFIGS if not c.startswith("drop")])
 def test_sharded_training_equals_the_plain_model(ranks, config):
     plain = _plain(config.split(":")[0])
     for rank, results in enumerate(ranks):
@@ -74,6 +81,18 @@ def test_sharded_training_equals_the_plain_model(ranks, config):
         for name, value in got.items():
             torch.testing.assert_close(
                 value, plain[name], rtol=1e-10, atol=1e-12, msg=f"{config} rank {rank}: {name}"
+            )
+
+
+def test_a_step_put_back_and_rerun_changes_nothing_but_its_own_result(ranks):
+    # Dropout's first draw spoils step 1 on every rank: put back (the sharded stages' gathered
+    # gradients too) and rerun seeded. Equal to the replicated run, where the same happens.
+    for rank, results in enumerate(ranks):
+        sharded, whole = results["drop:zb-v:always"], results["drop:zb-v:always:whole"]
+        assert sharded["reruns"] == whole["reruns"] == 1
+        for name, value in sharded["params"].items():
+            torch.testing.assert_close(
+                value, whole["params"][name], rtol=1e-10, atol=1e-12, msg=f"rank {rank}: {name}"
             )
 
 
@@ -89,7 +108,9 @@ def test_one_reduce_scatter_per_param_group_per_window(ranks, config):
         assert groups >= stages
         assert got["reduce_scatters"] == groups * f.WINDOWS
         # No all-reduce over replicas; the tied weight: once per window over its pp ranks.
-        assert got["all_reduces"] == (f.WINDOWS if config.startswith("traced") else 0)
+        # (zb-v keeps the first and last stages, and so GPT-2's tied weight, on one rank)
+        tied = config.startswith(("traced", "gpt2")) and ":zb-v:" not in config
+        assert got["all_reduces"] == (f.WINDOWS if tied else 0)
 
 
 def test_each_rank_holds_about_half_the_bytes_of_a_replicated_run(ranks):
@@ -97,3 +118,9 @@ def test_each_rank_holds_about_half_the_bytes_of_a_replicated_run(ranks):
         sharded = results["mlp:1f1b:never"]["bytes"]
         whole = results["mlp:1f1b:never:whole"]["bytes"]
         assert sharded <= 0.55 * whole, f"rank {rank}: {sharded} of {whole} bytes"
+
+
+def test_checkpoints_of_sharded_stages_are_refused_not_written_wrong(ranks):
+    for results in ranks:
+        assert "not supported yet" in results["mlp:1f1b:never"]["refused"]
+        assert results["mlp:1f1b:never:whole"]["refused"] is None  # (it saved)

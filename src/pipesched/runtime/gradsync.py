@@ -139,12 +139,12 @@ class GradientSync:
         stages: dict[int, nn.Module],
     ) -> None:
         before = {s: stage_parameters(stage) for s, stage in stages.items()}
-        self.sharded = [
-            root
-            for stage in stages.values()
-            if info.shard_mesh is not None
-            for root in shard(stage_holders(stage), stage_parameters(stage), info.shard_mesh)
-        ]
+        self.sharded: list[Any] = []
+        whole: list[nn.Parameter] = []  # left whole on a sharded mesh: all-reduced
+        if info.shard_mesh is not None:  # this rank's stages' modules, each once
+            holders = {id(m): m for stage in stages.values() for m in stage_holders(stage)}
+            shared = [p for params in before.values() for p in params]
+            self.sharded, whole = shard(list(holders.values()), shared, info.shard_mesh)
         used = {s: stage_parameters(stage) for s, stage in stages.items()}
         if self.sharded:  # the shards replace the parameters: where tied too, and in ``tied``
             new = {id(o): n for s in stages for o, n in zip(before[s], used[s], strict=True)}
@@ -153,6 +153,7 @@ class GradientSync:
         mine = {id(p) for params in used.values() for p in params}
         self.info = info
         self.parameters = [p for p in model.parameters() if id(p) in mine]
+        self._whole = {id(p) for p in whole}
         self.tied = tied
         self.all_reduces = 0  # gradient all-reduces run so far (tests count them)
         self.reduce_scatters = 0  # of sharded stages' param groups (tests count them)
@@ -193,6 +194,11 @@ class GradientSync:
         Waits for the all-reduces started during the step, then runs the rest.
         """
         self._armed = False
+        if self.sharded and self.info.dp_size > 1:  # what the shards left whole
+            kept = [p for p in self.parameters if id(p) in self._whole]
+            for bucket in _buckets(kept, BUCKET_BYTES):
+                self._start(bucket, self.info.dp_group)
+            self._finish_in_flight()
         if self.info.dp_size > 1 and not self.sharded:
             started = {id(p) for params, _, _ in self._in_flight for p in params}
             for stage_buckets in self._stage_buckets.values():
@@ -216,7 +222,8 @@ class GradientSync:
         # Between steps a sharded stage holds its shards (the optimizer's parameters); the
         # window's gradients so far stay on the gathered parameters, hidden, until its end.
         reduce = committed and self._reduce_after_step
-        self._reduce_after_step = False
+        if committed:  # a step put back is run again (a rerun), or the window's end is undone
+            self._reduce_after_step = False
         for stage in self.sharded:
             if reduce:
                 self.reduce_scatters += reduce_scatter(stage)
@@ -299,16 +306,18 @@ class GradientSync:
             offset += n
 
     def norm(self, parameters: list[nn.Parameter]) -> float:
-        squares = torch.zeros((), dtype=torch.float64, device=self.info.device)
+        # [whole, sharded]: each replica holds the same whole gradients, and its own shards.
+        squares = torch.zeros(2, dtype=torch.float64, device=self.info.device)
         for p in parameters:
             ranks = self.tied.get(id(p))
             if p.grad is None or (ranks is not None and ranks[0] != self.info.pp_rank):
                 continue  # a shared parameter counts once, on the first rank holding it
-            squares += _local(p.grad.detach()).double().pow(2).sum()
+            local = _local(p.grad.detach())
+            squares[int(local is not p.grad)] += local.double().pow(2).sum()
+        if self.sharded and self.info.dp_size > 1:
+            wait_kept(dist.all_reduce(squares[1:], group=self.info.dp_group, async_op=True))
         wait_kept(dist.all_reduce(squares, group=self.info.pp_group, async_op=True))
-        if self.sharded and self.info.dp_size > 1:  # each replica holds other shards
-            wait_kept(dist.all_reduce(squares, group=self.info.dp_group, async_op=True))
-        return math.sqrt(float(squares))
+        return math.sqrt(float(squares.sum()))
 
 
 def _replace(model: nn.Module, new: dict[int, nn.Parameter]) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from pipesched.errors import CheckpointError
 from pipesched.train.state import rng_state, set_rng_state
@@ -20,7 +21,7 @@ from pipesched.train.state import rng_state, set_rng_state
 if TYPE_CHECKING:
     from pipesched.train.accumulator import GradientAccumulator
 
-__all__ = ["LoadSnapshot", "check_fits", "describe"]
+__all__ = ["LoadSnapshot", "check_fits", "describe", "refuse_sharded"]
 
 KEYS = ("model", "optimizers", "schedulers", "loss_scale", "rng", "counters", "window")
 WINDOW_KEYS = ("position", "items", "samples", "loss_sum", "scale", "grads")
@@ -34,6 +35,23 @@ FIX = (
     "load it into an accumulator built like the one that saved it (the same model, as "
     "many optimizers and lr schedulers, a GradScaler or none), or load another checkpoint"
 )
+
+
+def refuse_sharded(pipe: nn.Module, call: str) -> None:
+    """Raises CheckpointError where ``pipe``'s stages are sharded over its replicas (FSDP2).
+
+    Why: a checkpoint holds the model under its plain names, whole; sharded stages
+    hold DTensor shards and keep a window's gradients gathered, which the layout-free
+    checkpoint does not read or write yet.
+    """
+    mesh = getattr(pipe, "mesh", None)
+    if mesh is not None and mesh.shard_mesh is not None:
+        raise CheckpointError(
+            f"{call}: this pipeline's stages are sharded over their replicas "
+            "(init_mesh(..., shard=dp)), and checkpoints of sharded stages are not "
+            "supported yet; nothing was read or written. Train with shard=1 where you need "
+            "checkpoints"
+        )
 
 
 def describe(source: str | None) -> str:

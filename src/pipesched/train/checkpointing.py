@@ -10,7 +10,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pipesched.errors import CheckpointError
-from pipesched.train.checkpoint_check import FIX, LoadSnapshot, check_fits, describe, optimizer_type
+from pipesched.train.checkpoint_check import (
+    FIX,
+    LoadSnapshot,
+    check_fits,
+    describe,
+    optimizer_type,
+    refuse_sharded,
+)
 from pipesched.train.integrity import CHECKSUM, digest, verified
 from pipesched.train.sharded import load_sharded, save_sharded
 from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -24,6 +31,7 @@ __all__ = ["accumulator_state", "apply_state", "load_file", "load_state", "save_
 
 def accumulator_state(acc: GradientAccumulator) -> dict[str, Any]:
     """``acc``'s state, as :meth:`GradientAccumulator.state_dict` gives it."""
+    refuse_sharded(acc.pipe, "GradientAccumulator.state_dict()")
     sums = acc.window_sums
     return {
         "model": acc.pipe.state_dict(),
@@ -50,6 +58,7 @@ def accumulator_state(acc: GradientAccumulator) -> dict[str, Any]:
 
 def save_file(acc: GradientAccumulator, path: str, *, sharded: bool) -> None:
     """Writes ``acc``'s checkpoint to ``path`` atomically: sharded, or one checked file."""
+    refuse_sharded(acc.pipe, "GradientAccumulator.save()")
     if sharded:
         save_sharded(acc, path)
     else:
@@ -60,6 +69,7 @@ def save_file(acc: GradientAccumulator, path: str, *, sharded: bool) -> None:
 
 def load_file(acc: GradientAccumulator, path: str) -> None:
     """Loads the checkpoint at ``path`` (a file, or a sharded directory) into ``acc``."""
+    refuse_sharded(acc.pipe, "GradientAccumulator.load()")
     if is_sharded(path):
         load_sharded(acc, path)
     else:
@@ -73,6 +83,7 @@ def load_state(acc: GradientAccumulator, state: Any, source: str | None) -> None
         CheckpointError: ``state`` is not what was saved, does not fit, or
             could not be applied; nothing was changed.
     """
+    refuse_sharded(acc.pipe, "GradientAccumulator.load_state_dict()")
     state = verified(state, describe(source))
     check_fits(acc, state, source)
     snapshot = LoadSnapshot(acc)

@@ -16,30 +16,44 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 __all__ = ["accumulate", "reduce_scatter", "shard"]
 
 
-def shard(modules: list[nn.Module], used: list[nn.Parameter], mesh: DeviceMesh) -> list[FSDPModule]:
+def shard(
+    modules: list[nn.Module], used: list[nn.Parameter], mesh: DeviceMesh
+) -> tuple[list[FSDPModule], list[nn.Parameter]]:
     """``modules`` sharded over ``mesh`` (FSDP2), gathered through steps, summing gradients.
 
     Args:
-        modules: the modules registering one stage's parameters (the stage, or a
-            traced stage's owners); ``used`` of their parameters become sharded
-            DTensors, the others (another rank's) stay as they are.
-        mesh: the 1-D mesh of the ranks that hold a copy of the stage (its replicas).
+        modules: the modules registering a rank's stages' parameters (each stage,
+            or a traced stage's owners); ``used`` of their parameters become
+            sharded DTensors, the others (another rank's) stay as they are.
+        mesh: the 1-D mesh of the ranks that hold a copy of the stages (replicas).
 
     Returns:
-        The roots: the modules no other of ``modules`` contains, each sharded
-        with what it contains (one param group, so one reduce-scatter, each).
+        The roots (the modules no other of ``modules`` contains), each sharded
+        with what it contains: one param group, so one reduce-scatter, each.
+        And the parameters of ``used`` left whole: those two roots share (a
+        weight tied between two stages of the rank), which FSDP2 would split
+        into two parameters.
     """
-    keep = {id(p) for p in used}
     inside = {id(m): {id(c) for c in m.modules()} - {id(m)} for m in modules}
     roots = [m for m in modules if not any(id(m) in inside[id(o)] for o in modules)]
+    holders: dict[int, int] = {}
+    for root in roots:
+        for p in root.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    whole = [p for p in used if holders.get(id(p), 0) > 1]
+    keep = {id(p) for p in used} - {id(p) for p in whole}
+    sharded: list[FSDPModule] = []
     for root in roots:
         ignored = {p for p in root.parameters() if id(p) not in keep}
+        if not any(id(p) in keep for p in root.parameters()):
+            continue
         fully_shard(root, mesh=mesh, reshard_after_forward=False, ignored_params=ignored or None)
         # Now, not at the first forward: a traced stage calls its graph, not the module.
         fully_shard.state(root)._lazy_init()  # type: ignore[attr-defined]
         root.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # a sum
         accumulate(root)  # type: ignore[arg-type]
-    return roots  # type: ignore[return-value]
+        sharded.append(root)  # type: ignore[arg-type]
+    return sharded, whole
 
 
 def accumulate(module: FSDPModule) -> None:
