@@ -15,6 +15,13 @@ Per rank: the resident anonymous memory (``RssAnon``) the build added
 (model construction + Pipeline), the largest it reached during the build,
 and the process's peak resident memory (``VmHWM``: torch's own ~0.3 GiB
 included) after one training step (parameters + their gradients).
+
+Then sharded data parallel (``--dp``, default 2) at pp=2: the same model at
+``--dp-layers`` x Linear(``--dp-width``) trained with AdamW for ``--steps`` steps
+(windows of 2), each stage replicated on every replica (``init_mesh(pp, dp)``) or
+sharded over them (``shard=dp``, FSDP2). Per rank: the parameter + gradient +
+AdamW-state bytes it holds at the last window's optimizer step (its own shards
+only), the median step time of the steps after the first window, and VmHWM.
 """
 
 from __future__ import annotations
@@ -105,7 +112,64 @@ def rank_main(build: str, layers: int, width: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def launch(build: str, pp: int, layers: int, width: int, timeout: float) -> list[dict]:
+def rank_dp(build: str, layers: int, width: int, steps: int) -> None:
+    """One rank of pp=2 x dp: replicated or sharded stages; bytes held and step times."""
+    import statistics
+
+    import torch
+    from torch import nn
+    from torch.distributed.tensor import DTensor
+
+    from pipesched import GradientAccumulator, Pipeline
+    from pipesched.runtime.mesh import init_mesh
+
+    dp = int(os.environ["WORLD_SIZE"]) // 2
+    mesh = init_mesh(pp=2, dp=dp, shard=dp if build == "dp-shard" else 1, timeout=600)
+    torch.manual_seed(0)
+    pipe = Pipeline(
+        nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))), 4, mesh=mesh,
+        schedule="1f1b",
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
+    acc = GradientAccumulator(pipe, optimizer, accumulation_steps=2)
+    held: list[int] = []
+    step = optimizer.step
+
+    def local(tensors: list[torch.Tensor]) -> int:
+        parts = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+        return sum(t.numel() * t.element_size() for t in parts if not t.is_meta)
+
+    def measured(*args: object, **kwargs: object) -> object:
+        params = [p for p in pipe.parameters() if not p.is_meta]
+        state = [v for s in optimizer.state.values() for v in s.values() if v.dim() > 0]
+        grads = [p.grad for p in params if p.grad is not None]
+        held.append(local(params) + local(grads) + local(state))
+        return step(*args, **kwargs)
+
+    optimizer.step = measured  # type: ignore[method-assign]
+    times = []
+    for _ in range(steps):
+        x = torch.randn(8, width)
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        acc.step(x, torch.randn(8, width), loss_fn=nn.functional.mse_loss)
+        times.append(time.perf_counter() - start)
+    report = {
+        "build": build,
+        "pp": 2,
+        "dp": dp,
+        "rank": mesh.get_rank(),
+        "held": held[-1],
+        "step_ms": 1000 * statistics.median(times[2:]),
+        "step_peak": _status("VmHWM"),
+    }
+    print("RESULT " + json.dumps(report), flush=True)
+    torch.distributed.destroy_process_group()
+
+
+def launch(
+    build: str, pp: int, layers: int, width: int, timeout: float, steps: int = 0
+) -> list[dict]:
     """Runs ``pp`` ranks of this script (torchrun's environment, gloo); their reports."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -123,7 +187,10 @@ def launch(build: str, pp: int, layers: int, width: int, timeout: float) -> list
             "OMP_NUM_THREADS": "1",
             "CUDA_VISIBLE_DEVICES": "",
         }
-        argv = [sys.executable, __file__, "--rank", build, f"--layers={layers}", f"--width={width}"]
+        argv = [
+            sys.executable, __file__, "--rank", build, f"--layers={layers}", f"--width={width}",
+            f"--steps={steps}",
+        ]  # fmt: skip
         procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True))
     deadline = time.monotonic() + timeout
     reports = []
@@ -146,10 +213,18 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4])
     parser.add_argument("--timeout", type=float, default=300.0)
-    parser.add_argument("--rank", choices=("meta", "whole"), help=argparse.SUPPRESS)
+    parser.add_argument("--dp", type=int, default=2, help="replicas of the sharded rows (0: none)")
+    parser.add_argument("--dp-layers", type=int, default=8)
+    parser.add_argument("--dp-width", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=8)
+    builds = ("meta", "whole", "dp-whole", "dp-shard")
+    parser.add_argument("--rank", choices=builds, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.rank is not None:
+    if args.rank in ("meta", "whole"):
         rank_main(args.rank, args.layers, args.width)
+        return
+    if args.rank is not None:
+        rank_dp(args.rank, args.layers, args.width, args.steps)
         return
     params = args.layers * (args.width**2 + args.width) * 4
     print(
@@ -177,7 +252,47 @@ def main() -> None:
                         _gib(r["step_peak"]),
                     )
                 )
-    widths = [max(len(row[c]) for row in rows) for c in range(len(header))]
+    _table(rows)
+    if args.dp > 0:
+        _data_parallel(args)
+
+
+def _data_parallel(args: argparse.Namespace) -> None:
+    """The sharded rows beside the replicated ones, one run."""
+    params = args.dp_layers * (args.dp_width**2 + args.dp_width) * 4
+    print(
+        f"\npp=2 x dp={args.dp}: {args.dp_layers} x Linear({args.dp_width}), "
+        f"{params / GIB:.3f} GiB of fp32 parameters, AdamW, windows of 2 steps; 'held': "
+        "parameters + gradients + AdamW state at the last window's optimizer step"
+    )
+    header = ("pp", "dp", "rank", "stages", "held", "ratio", "step ms", "step peak")
+    rows = [header]
+    runs = {
+        build: sorted(
+            launch(build, 2 * args.dp, args.dp_layers, args.dp_width, args.timeout, args.steps),
+            key=_rank,
+        )
+        for build in ("dp-whole", "dp-shard")
+    }
+    for build, reports in runs.items():
+        for r, whole in zip(reports, runs["dp-whole"], strict=True):
+            rows.append(
+                (
+                    "2",
+                    str(args.dp),
+                    str(r["rank"]),
+                    "sharded" if build == "dp-shard" else "replicated",
+                    _gib(r["held"]),
+                    f"{r['held'] / whole['held']:.2f}",
+                    f"{r['step_ms']:.0f}",
+                    _gib(r["step_peak"]),
+                )
+            )
+    _table(rows)
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     for row in rows:
         print("  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)))
 

@@ -3,13 +3,12 @@
 ``python fsdp_worker.py CONFIGS OUT`` under torchrun's environment, 4 ranks. CONFIGS
 is ``model:schedule:checkpoint[:whole]`` items joined by ``,``; each trains WINDOWS
 windows of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a sharded
-mesh (``whole``: on the replicated one). Models: ``mlp``, ``drop`` (the MLP with
-a dropout from step LATE on: that step draws where none was seen, and is put back
-and rerun),
-``traced`` (a tied LM), ``gpt2`` (HF's, traced). Each rank writes, per config, the
-full parameters it holds, its parameter + gradient + optimizer-state bytes after the
-last window's optimizer step (its gradients and
-the state of the window before), and the reduce-scatters and all-reduces it ran.
+mesh (``whole``: on the replicated one). Models: ``mlp``; ``mlp32`` (in fp32);
+``drop`` (a dropout from step LATE on: that step draws where none was seen, and
+is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced). Each rank
+writes, per config, the full parameters its stages use, its parameter + gradient +
+optimizer-state bytes at the last window's optimizer step, and the reduce-scatters
+and all-reduces it ran.
 """
 
 from __future__ import annotations
@@ -73,7 +72,7 @@ def pipeline(name: str, schedule: str, checkpoint: str, mesh: Any) -> Pipeline:
             w.tied_lm(), 2, split_points=["fc2"], mesh=mesh, num_stages=2,
             example_inputs=(w.tokens(0)[0][:2],), schedule=schedule, checkpoint=checkpoint,
         )  # fmt: skip
-    model = w.mlp(0.0)
+    model = w.mlp(0.0)  # (in the default dtype)
     if name == "drop":
         model[6] = LateDropout()  # for a Tanh: in the last stage
     return Pipeline(
@@ -116,6 +115,8 @@ def held_bytes(acc: GradientAccumulator) -> int:
 
 
 def run(config: str, rank: int, out: Path) -> dict[str, Any]:
+    # fp32 ("mlp32"): the reduce-scatter as users run it (gloo has no PreMulSum)
+    torch.set_default_dtype(torch.float32 if config.startswith("mlp32") else torch.float64)
     name, schedule, checkpoint, *whole = config.split(":")
     mesh = init_mesh(pp=PP, dp=DP, shard=1 if whole else DP, timeout=60)
     pipe = pipeline(name, schedule, checkpoint, mesh)

@@ -28,14 +28,14 @@ MLP = [
 ]
 CONFIGS = [
     *MLP, "traced:1f1b:never", "traced:zb-h1:always", "gpt2:1f1b:never", "gpt2:zb-v:always",
-    "mlp:1f1b:never:whole",
+    "mlp:1f1b:never:whole", "mlp32:zb-h1:never",
     "drop:zb-v:always", "drop:zb-v:always:whole",
 ]  # fmt: skip
 
 
 def _plain(name: str) -> dict[str, torch.Tensor]:
     """The plain model trained on each window's whole batch: the full-batch gradient."""
-    torch.set_default_dtype(torch.float64)
+    torch.set_default_dtype(torch.float32 if name == "mlp32" else torch.float64)
     try:
         model = {"traced": w.tied_lm, "gpt2": f.gpt2}.get(name, lambda: w.mlp(0.0))()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
@@ -78,10 +78,12 @@ def test_sharded_training_equals_the_plain_model(ranks, config):
     for rank, results in enumerate(ranks):
         got = results[config]["params"]
         assert got, f"rank {rank} holds no parameters"
+        fp32 = config.startswith("mlp32")
         for name, value in got.items():
             torch.testing.assert_close(
-                value, plain[name], rtol=1e-10, atol=1e-12, msg=f"{config} rank {rank}: {name}"
-            )
+                value, plain[name], rtol=1e-5 if fp32 else 1e-10, atol=1e-6 if fp32 else 1e-12,
+                msg=f"{config} rank {rank}: {name}",
+            )  # fmt: skip
 
 
 def test_a_step_put_back_and_rerun_changes_nothing_but_its_own_result(ranks):

@@ -64,6 +64,11 @@ def init_mesh(
             raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}")
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if shard not in (1, dp):
+        raise ConfigError(
+            f"shard must be 1 (replicated stages) or dp={dp} (each stage sharded over every "
+            f"replica), got {shard}; shard groups smaller than dp (HSDP) are not supported yet"
+        )
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         if "RANK" not in os.environ:
@@ -74,11 +79,6 @@ def init_mesh(
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout))
-    if shard not in (1, dp):
-        raise ConfigError(
-            f"shard must be 1 (replicated stages) or dp={dp} (each stage sharded over every "
-            f"replica), got {shard}; shard groups smaller than dp (HSDP) are not supported yet"
-        )
     world = dist.get_world_size()
     if pp * dp != world:
         raise ConfigError(

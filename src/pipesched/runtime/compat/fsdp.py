@@ -51,6 +51,8 @@ def shard(
         # Now, not at the first forward: a traced stage calls its graph, not the module.
         fully_shard.state(root)._lazy_init()  # type: ignore[attr-defined]
         root.set_gradient_divide_factor(1.0)  # type: ignore[operator]  # a sum
+        # A plain SUM, not NCCL's PreMulSum (gloo has none): the factor is 1 anyway.
+        root.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
         accumulate(root)  # type: ignore[arg-type]
         sharded.append(root)  # type: ignore[arg-type]
     return sharded, whole
