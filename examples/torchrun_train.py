@@ -3,6 +3,9 @@
 Run (CPU, gloo; one process per pipeline rank and replica):
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/torchrun_train.py         # pp=2
     .venv/bin/torchrun --standalone --nproc_per_node 4 examples/torchrun_train.py --dp 2  # x dp=2
+Each stage sharded over the 2 replicas (FSDP2: parameters, gradients and AdamW state
+1/dp per rank; no --checkpoint yet):
+    .venv/bin/torchrun --standalone --nproc_per_node 4 examples/torchrun_train.py --dp 2 --shard
 Saved at pp=2, resumed at pp=4 (one checkpoint directory, any layout):
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/torchrun_train.py \
         --windows 4 --checkpoint ckpt
@@ -136,9 +139,13 @@ def main() -> None:
     parser.add_argument(
         "--dtype", choices=["float32", "float64"], default="float32", help="the model's dtype"
     )
+    parser.add_argument(
+        "--shard", action="store_true", help="shard each stage over the dp replicas (FSDP2)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    mesh = init_mesh(pp=int(os.environ["WORLD_SIZE"]) // args.dp, dp=args.dp)
+    shard = args.dp if args.shard else 1
+    mesh = init_mesh(pp=int(os.environ["WORLD_SIZE"]) // args.dp, dp=args.dp, shard=shard)
     pipe = Pipeline(
         model(getattr(torch, args.dtype)), chunks=CHUNKS, mesh=mesh, schedule=args.schedule
     )
@@ -151,6 +158,7 @@ def main() -> None:
         print(
             f"pp={info.pp_size} x dp={info.dp_size}: stages {pipe.balance} (layers) on "
             f"{info.pp_size} ranks, schedule {args.schedule}"
+            + (f", each stage sharded over {info.dp_size} replicas" if args.shard else "")
         )
     resumed = args.resume == "auto" and committed(args.checkpoint)
     if resumed:

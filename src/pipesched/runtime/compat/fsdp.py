@@ -9,11 +9,20 @@ groups' ``post_backward`` and the root's final callback by hand.
 
 from __future__ import annotations
 
+import warnings
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 __all__ = ["accumulate", "reduce_scatter", "shard"]
+
+# A stage's parameters are gathered before each step and stay so through its backwards:
+# the pre-backward all-gather this warns that an in-place op on an output view would skip
+# has nothing to do here.
+warnings.filterwarnings(
+    "ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+)
 
 
 def shard(
