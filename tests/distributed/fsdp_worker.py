@@ -5,7 +5,10 @@ is ``model:schedule:checkpoint[:whole]`` items joined by ``,``; each trains WIND
 windows of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a sharded
 mesh (``whole``: on the replicated one). Models: ``mlp``; ``mlp32`` (in fp32);
 ``drop`` (a dropout from step LATE on: that step draws where none was seen, and
-is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced). Each rank
+is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced); ``ckpt``
+(the MLP saved after SAVE_AT steps and resumed by a new sharded pipeline, a save
+mid-window refused); ``resume`` (run on 2 ranks: that checkpoint resumed at pp=2 x
+dp=1 unsharded; results in ``resume-rank*.pt``). Each rank
 writes, per config, the full parameters its stages use, its parameter + gradient +
 optimizer-state bytes at the last window's optimizer step, and the reduce-scatters
 and all-reduces it ran.
@@ -14,6 +17,7 @@ and all-reduces it ran.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -31,9 +35,10 @@ from pipesched.runtime.mesh import init_mesh
 from tests.distributed import sharded_worker as w
 
 WINDOWS = 3
-PP, DP = 2, 2
+PP = 2
 BALANCE = {2: [4, 4], 4: [2, 2, 2, 2]}
 LATE = 3  # the second window's last step: its rerun must still reduce-scatter after it
+SAVE_AT = 4  # "ckpt": saved after two windows; its last resumed, here and elsewhere
 
 
 def gpt2() -> nn.Module:
@@ -118,7 +123,8 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
     # fp32 ("mlp32"): the reduce-scatter as users run it (gloo has no PreMulSum)
     torch.set_default_dtype(torch.float32 if config.startswith("mlp32") else torch.float64)
     name, schedule, checkpoint, *whole = config.split(":")
-    mesh = init_mesh(pp=PP, dp=DP, shard=1 if whole else DP, timeout=60)
+    dp = dist.get_world_size() // PP
+    mesh = init_mesh(pp=PP, dp=dp, shard=1 if whole or dp == 1 else dp, timeout=60)
     pipe = pipeline(name, schedule, checkpoint, mesh)
     acc = w.accumulator(pipe)
     optimizer = acc.optimizers[0]
@@ -129,19 +135,32 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
         return optimizer_step(*args, **kwargs)
 
     optimizer.step = measured  # type: ignore[method-assign]
-    for i in range(WINDOWS * w.STEPS):
+    mid_window = None
+    if name == "resume":  # another layout (pp=2 x dp=1, unsharded) resumes the checkpoint
+        acc.load(str(out / "ckpt"))
+    for i in range(acc.steps, WINDOWS * w.STEPS):
+        if name == "ckpt" and i == SAVE_AT:  # saved sharded, resumed by a new sharded pipeline
+            acc.save(str(out / "ckpt"))
+            pipe = pipeline(name, schedule, checkpoint, mesh)
+            acc = w.accumulator(pipe)
+            acc.load(str(out / "ckpt"))
+        if name == "ckpt" and i == SAVE_AT + 1:
+            try:
+                acc.save(str(out / "mid-window"))
+            except CheckpointError as err:
+                mid_window = str(err)
         if name == "drop" and i == LATE:
             for m in pipe.modules():
                 if isinstance(m, LateDropout):
                     m.on = True
         if name == "gpt2":
-            ids = gpt2_batch(i, mesh.get_local_rank("dp"), DP)
+            ids = gpt2_batch(i, mesh.get_local_rank("dp"), dp)
             acc.step(ids, ids, loss_fn=gpt2_loss)
         else:
-            w.train(acc, range(i, i + 1), mesh.get_local_rank("dp"), DP)
+            w.train(acc, range(i, i + 1), mesh.get_local_rank("dp"), dp)
     refused = None
     try:
-        acc.save(str(out / config.replace(":", "-")))  # sharded: refused, nothing written
+        acc.state_dict()  # a per-rank state dict: refused where stages are sharded
     except CheckpointError as err:
         refused = str(err)
     sync = pipe._cuts.current[1].sync  # the engine's GradientSync
@@ -160,6 +179,7 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
         "optimizer_state": len(optimizer.state),
         "reruns": pipe._cuts.current[1].reruns,
         "refused": refused,
+        "mid_window": mid_window,
     }
     gc.collect()
     return result
@@ -167,10 +187,10 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
 
 def main(configs: str, out: Path) -> None:
     torch.set_default_dtype(torch.float64)
-    init_mesh(pp=PP, dp=DP, timeout=60)  # the process group
+    init_mesh(pp=PP, dp=int(os.environ["WORLD_SIZE"]) // PP, timeout=60)  # the process group
     rank = dist.get_rank()
     results = {config: run(config, rank, out) for config in configs.split(",")}
-    torch.save(results, out / f"rank{rank}.pt")
+    torch.save(results, out / f"{'resume-' if configs.startswith('resume') else ''}rank{rank}.pt")
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()

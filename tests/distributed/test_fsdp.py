@@ -17,6 +17,7 @@ import pytest
 import torch
 from torch import nn
 
+from pipesched.train import export_model
 from tests.distributed import fsdp_worker as f
 from tests.distributed import sharded_worker as w
 from tests.distributed.launch import launch
@@ -28,19 +29,19 @@ MLP = [
 ]
 CONFIGS = [
     *MLP, "traced:1f1b:never", "traced:zb-h1:always", "gpt2:1f1b:never", "gpt2:zb-v:always",
-    "mlp:1f1b:never:whole", "mlp32:zb-h1:never",
+    "mlp:1f1b:never:whole", "mlp32:zb-h1:never", "ckpt:zb-h1:always",
     "drop:zb-v:always", "drop:zb-v:always:whole",
 ]  # fmt: skip
 
 
-def _plain(name: str) -> dict[str, torch.Tensor]:
+def _plain(name: str, windows: int = f.WINDOWS) -> dict[str, torch.Tensor]:
     """The plain model trained on each window's whole batch: the full-batch gradient."""
     torch.set_default_dtype(torch.float32 if name == "mlp32" else torch.float64)
     try:
         model = {"traced": w.tied_lm, "gpt2": f.gpt2}.get(name, lambda: w.mlp(0.0))()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
-        for window in range(f.WINDOWS):
+        for window in range(windows):
             steps = range(window * w.STEPS, (window + 1) * w.STEPS)
             if name == "gpt2":
                 ids = torch.cat([f.gpt2_batch(s) for s in steps])
@@ -64,8 +65,12 @@ def _plain(name: str) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
-    out = tmp_path_factory.mktemp("fsdp")
+def out(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fsdp")
+
+
+@pytest.fixture(scope="module")
+def ranks(out: Path) -> list[dict]:
     exits = launch(",".join(CONFIGS), 4, out, timeout=240, worker=Path(f.__file__))
     for e in exits:
         assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-4000:]}"
@@ -98,7 +103,9 @@ def test_a_step_put_back_and_rerun_changes_nothing_but_its_own_result(ranks):
             )
 
 
-@pytest.mark.parametrize("config", [c for c in CONFIGS if not c.endswith("whole")])
+@pytest.mark.parametrize(
+    "config", [c for c in CONFIGS if not c.endswith("whole") and not c.startswith("ckpt")]
+)
 def test_one_reduce_scatter_per_param_group_per_window(ranks, config):
     # A param group: a Sequential's stage, or each module owning a traced stage's parameters.
     stages = 2 if config.split(":")[1] in ("interleaved-1f1b", "zb-v") else 1
@@ -122,7 +129,53 @@ def test_each_rank_holds_about_half_the_bytes_of_a_replicated_run(ranks):
         assert sharded <= 0.55 * whole, f"rank {rank}: {sharded} of {whole} bytes"
 
 
-def test_checkpoints_of_sharded_stages_are_refused_not_written_wrong(ranks):
+def test_a_per_rank_state_dict_of_sharded_stages_is_refused_naming_the_fix(ranks):
     for results in ranks:
-        assert "not supported yet" in results["mlp:1f1b:never"]["refused"]
-        assert results["mlp:1f1b:never:whole"]["refused"] is None  # (it saved)
+        assert "acc.save(directory)" in results["mlp:1f1b:never"]["refused"]
+        assert results["mlp:1f1b:never:whole"]["refused"] is None
+
+
+def _assert_plain(got: dict[str, torch.Tensor], plain: dict[str, torch.Tensor], where: str):
+    assert got, f"{where}: no parameters"
+    for name, value in got.items():
+        torch.testing.assert_close(
+            value, plain[name], rtol=1e-10, atol=1e-12, msg=f"{where}: {name}"
+        )
+
+
+def test_a_sharded_checkpoint_resumes_sharded_and_refuses_a_mid_window_save(ranks):
+    # "ckpt" saved at a window's end, loaded by a new sharded pipeline: equal to the plain run
+    # (test_sharded_training_equals_the_plain_model); a mid-window save wrote nothing.
+    for results in ranks:
+        assert "mid-window" in results["ckpt:zb-h1:always"]["mid_window"]
+
+
+def test_a_sharded_checkpoint_resumes_in_one_process(ranks, out, fp64):
+    torch.manual_seed(1)
+    acc = w.accumulator(w.pipeline(w.mlp(0.0), 1, None))
+    acc.load(str(out / "ckpt"))
+    assert acc.steps == f.SAVE_AT
+    w.train(acc, range(f.SAVE_AT, f.WINDOWS * w.STEPS), 0, 1)
+    _assert_plain(w.own_parameters(acc.pipe), _plain("mlp"), "pp=1, one process")
+
+
+def test_a_sharded_checkpoint_resumes_unsharded_at_pp2_dp1(ranks, out):
+    exits = launch("resume:1f1b:never", 2, out, timeout=120, worker=Path(f.__file__))
+    for e in exits:
+        assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-4000:]}"
+    plain = _plain("mlp")
+    for r in range(2):
+        got = torch.load(out / f"resume-rank{r}.pt", weights_only=False)["resume:1f1b:never"]
+        assert got["sharded"] == []
+        _assert_plain(got["params"], plain, f"pp=2 x dp=1 rank {r}")
+
+
+def test_a_sharded_checkpoint_exports_to_the_plain_model(ranks, out, tmp_path):
+    export_model(str(out / "ckpt"), str(tmp_path / "plain.pt"))
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = w.mlp(0.0)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    model.load_state_dict(torch.load(tmp_path / "plain.pt"), strict=True)
+    _assert_plain(dict(model.named_parameters()), _plain("mlp", windows=2), "exported")

@@ -40,17 +40,17 @@ FIX = (
 def refuse_sharded(pipe: nn.Module, call: str) -> None:
     """Raises CheckpointError where ``pipe``'s stages are sharded over its replicas (FSDP2).
 
-    Why: a checkpoint holds the model under its plain names, whole; sharded stages
-    hold DTensor shards and keep a window's gradients gathered, which the layout-free
-    checkpoint does not read or write yet.
+    Why: a per-rank state dict holds this rank's tensors as they are; of sharded
+    stages those are shards, which only the sharded checkpoint (a directory, any
+    layout) gathers whole.
     """
     mesh = getattr(pipe, "mesh", None)
     if mesh is not None and mesh.shard_mesh is not None:
         raise CheckpointError(
             f"{call}: this pipeline's stages are sharded over their replicas "
-            "(init_mesh(..., shard=dp)), and checkpoints of sharded stages are not "
-            "supported yet; nothing was read or written. Train with shard=1 where you need "
-            "checkpoints"
+            "(init_mesh(..., shard=dp)), and a per-rank state dict of them is not supported; "
+            "nothing was read or written. Save with acc.save(directory) (the sharded "
+            "checkpoint, the default on a mesh) and load with acc.load(directory)"
         )
 
 

@@ -18,6 +18,7 @@ from pipesched.train.checkpoint_check import (
     optimizer_type,
     refuse_sharded,
 )
+from pipesched.train.dtensors import like_live, optimizer_like_live
 from pipesched.train.integrity import CHECKSUM, digest, verified
 from pipesched.train.sharded import load_sharded, save_sharded
 from pipesched.train.state import load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -58,7 +59,6 @@ def accumulator_state(acc: GradientAccumulator) -> dict[str, Any]:
 
 def save_file(acc: GradientAccumulator, path: str, *, sharded: bool) -> None:
     """Writes ``acc``'s checkpoint to ``path`` atomically: sharded, or one checked file."""
-    refuse_sharded(acc.pipe, "GradientAccumulator.save()")
     if sharded:
         save_sharded(acc, path)
     else:
@@ -69,7 +69,6 @@ def save_file(acc: GradientAccumulator, path: str, *, sharded: bool) -> None:
 
 def load_file(acc: GradientAccumulator, path: str) -> None:
     """Loads the checkpoint at ``path`` (a file, or a sharded directory) into ``acc``."""
-    refuse_sharded(acc.pipe, "GradientAccumulator.load()")
     if is_sharded(path):
         load_sharded(acc, path)
     else:
@@ -102,9 +101,10 @@ def load_state(acc: GradientAccumulator, state: Any, source: str | None) -> None
 
 def apply_state(acc: GradientAccumulator, state: dict[str, Any]) -> None:
     """Writes a checkpoint's state into ``acc``, already checked to fit; no check, no undo."""
-    acc.pipe.load_state_dict(state["model"])
+    live = acc.pipe.state_dict(keep_vars=True)  # sharded stages: their parts of each
+    acc.pipe.load_state_dict({k: like_live(v, live.get(k)) for k, v in state["model"].items()})
     for optimizer, saved in zip(acc.optimizers, state["optimizers"], strict=True):
-        optimizer.load_state_dict(saved)
+        optimizer.load_state_dict(optimizer_like_live(optimizer, saved))
     for scheduler, saved in zip(acc.schedulers, state["schedulers"], strict=True):
         scheduler.load_state_dict(saved)
     acc.loss_scale.load_state_dict(state["loss_scale"])
@@ -121,4 +121,4 @@ def apply_state(acc: GradientAccumulator, state: dict[str, Any]) -> None:
     )
     for name, p in acc.pipe.named_parameters():
         grad = window["grads"].get(name)
-        p.grad = None if grad is None else grad.to(p.device).clone()
+        p.grad = None if grad is None else like_live(grad.to(p.device).clone(), p)

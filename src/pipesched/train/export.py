@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from pipesched.errors import CheckpointError
 from pipesched.train import store
-from pipesched.train.checkpoint_check import refuse_sharded
+from pipesched.train.dtensors import like_live
 from pipesched.train.sharded import agree
 from pipesched.train.state import save_checkpoint
 
@@ -123,7 +123,6 @@ def load_model(pipe: Pipeline, source: str, *, strict: bool = True) -> None:
         FileNotFoundError: nothing is at ``source``.
         CheckpointError: what does not fit, on every rank that found it.
     """
-    refuse_sharded(pipe, "load_model()")
     mesh = pipe.mesh
     live = {k: v for k, v in pipe.state_dict(keep_vars=True).items() if not v.is_meta}
     names = set(pipe.state_dict(keep_vars=True))
@@ -148,7 +147,7 @@ def load_model(pipe: Pipeline, source: str, *, strict: bool = True) -> None:
         raise CheckpointError(problem)
     with torch.no_grad():
         for key, value in loaded.items():
-            live[key].copy_(value)
+            live[key].copy_(like_live(value, live[key]))
 
 
 def _read_own(source: str, keys: list[str]) -> tuple[dict[str, Any], set[str]]:

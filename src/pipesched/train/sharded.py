@@ -17,6 +17,7 @@ from torch import nn
 from pipesched.errors import CheckpointError
 from pipesched.train import store
 from pipesched.train.checkpoint_check import FIX, LoadSnapshot, check_fits, optimizer_type
+from pipesched.train.dtensors import gathered
 from pipesched.train.integrity import digest
 from pipesched.train.state import rng_state
 
@@ -32,9 +33,17 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
     On a mesh, a collective: every rank calls it (with the same ``path``).
     """
     pipe, mesh = acc.pipe, acc.pipe.mesh
+    if mesh is not None and mesh.shard_mesh is not None and acc.position != 0:
+        raise CheckpointError(
+            f"cannot save {path!r} mid-window ({acc.position} of {acc.accumulation_steps} "
+            "steps in): sharded stages keep the window's gradients gathered, which a "
+            "checkpoint does not hold yet. Nothing was written; save after the window's "
+            "last step (when acc.step(...).stepped)"
+        )
     names = _aliases(pipe)
+    # Sharded stages' tensors whole, gathered in one order on every replica.
     state: dict[str, Any] = {
-        f"model/{k}": v for k, v in pipe.state_dict().items() if not _is_meta(v)
+        f"model/{k}": gathered(v) for k, v in pipe.state_dict().items() if not _is_meta(v)
     }
     rank = _rank(mesh is not None)
     groups = []
@@ -45,7 +54,7 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
             groups.append(([names[id(p)][0] for p in held], options))
             for p in held:
                 for key, value in optimizer.state.get(p, {}).items():
-                    state[f"optim/{names[id(p)][0]}/{key}"] = value
+                    state[f"optim/{names[id(p)][0]}/{key}"] = gathered(value)
     state[f"optim_groups/{rank}"] = groups
     own = [p for p in pipe.parameters() if not p.is_meta]
     for pid, grad in pipe.sync.summed_gradients(own).items():
