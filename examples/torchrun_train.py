@@ -4,7 +4,7 @@ Run (CPU, gloo; one process per pipeline rank and replica):
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/torchrun_train.py         # pp=2
     .venv/bin/torchrun --standalone --nproc_per_node 4 examples/torchrun_train.py --dp 2  # x dp=2
 Each stage sharded over the 2 replicas (FSDP2: parameters, gradients and AdamW state
-1/dp per rank; no --checkpoint yet):
+1/dp per rank; its checkpoints load at any layout too):
     .venv/bin/torchrun --standalone --nproc_per_node 4 examples/torchrun_train.py --dp 2 --shard
 Saved at pp=2, resumed at pp=4 (one checkpoint directory, any layout):
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/torchrun_train.py \

@@ -7,7 +7,8 @@ mesh (``whole``: on the replicated one). Models: ``mlp``; ``mlp32`` (in fp32);
 ``drop`` (a dropout from step LATE on: that step draws where none was seen, and
 is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced); ``ckpt``
 (the MLP saved after SAVE_AT steps and resumed by a new sharded pipeline, a save
-mid-window refused); ``resume`` (run on 2 ranks: that checkpoint resumed at pp=2 x
+mid-window refused); ``meta`` (built on the meta device, sharded, then loads
+that checkpoint: run after ``ckpt``); ``resume`` (run on 2 ranks: that checkpoint resumed at pp=2 x
 dp=1 unsharded; results in ``resume-rank*.pt``). Each rank
 writes, per config, the full parameters its stages use, its parameter + gradient +
 optimizer-state bytes at the last window's optimizer step, and the reduce-scatters
@@ -77,6 +78,13 @@ def pipeline(name: str, schedule: str, checkpoint: str, mesh: Any) -> Pipeline:
             w.tied_lm(), 2, split_points=["fc2"], mesh=mesh, num_stages=2,
             example_inputs=(w.tokens(0)[0][:2],), schedule=schedule, checkpoint=checkpoint,
         )  # fmt: skip
+    if name == "meta":  # each rank allocates only its stages, then shards them
+        with torch.device("meta"):
+            model = w.mlp(0.0)
+        return Pipeline(
+            model, 2, balance=BALANCE[stages], mesh=mesh, schedule=schedule,
+            checkpoint=checkpoint, init_weights="skip",
+        )  # fmt: skip
     model = w.mlp(0.0)  # (in the default dtype)
     if name == "drop":
         model[6] = LateDropout()  # for a Tanh: in the last stage
@@ -136,7 +144,7 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
 
     optimizer.step = measured  # type: ignore[method-assign]
     mid_window = None
-    if name == "resume":  # another layout (pp=2 x dp=1, unsharded) resumes the checkpoint
+    if name in ("resume", "meta"):  # "ckpt"'s checkpoint: at pp=2 x dp=1; built on meta
         acc.load(str(out / "ckpt"))
     for i in range(acc.steps, WINDOWS * w.STEPS):
         if name == "ckpt" and i == SAVE_AT:  # saved sharded, resumed by a new sharded pipeline

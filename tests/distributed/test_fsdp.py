@@ -30,6 +30,7 @@ MLP = [
 CONFIGS = [
     *MLP, "traced:1f1b:never", "traced:zb-h1:always", "gpt2:1f1b:never", "gpt2:zb-v:always",
     "mlp:1f1b:never:whole", "mlp32:zb-h1:never", "ckpt:zb-h1:always",
+    "meta:zb-v:never",
     "drop:zb-v:always", "drop:zb-v:always:whole",
 ]  # fmt: skip
 
@@ -104,7 +105,8 @@ def test_a_step_put_back_and_rerun_changes_nothing_but_its_own_result(ranks):
 
 
 @pytest.mark.parametrize(
-    "config", [c for c in CONFIGS if not c.endswith("whole") and not c.startswith("ckpt")]
+    "config",
+    [c for c in CONFIGS if not c.endswith("whole") and not c.startswith(("ckpt", "meta"))],
 )
 def test_one_reduce_scatter_per_param_group_per_window(ranks, config):
     # A param group: a Sequential's stage, or each module owning a traced stage's parameters.
