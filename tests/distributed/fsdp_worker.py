@@ -1,18 +1,15 @@
 """One rank of tests/distributed/test_fsdp.py: pp=2 x dp=2 with each stage sharded (FSDP2).
 
-``python fsdp_worker.py CONFIGS OUT`` under torchrun's environment, 4 ranks. CONFIGS
-is ``model:schedule:checkpoint[:whole]`` items joined by ``,``; each trains WINDOWS
+``python fsdp_worker.py CONFIGS OUT`` under torchrun's environment. CONFIGS is
+``model:schedule:checkpoint[:whole]`` items joined by ``,``; each trains WINDOWS
 windows of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a sharded
-mesh (``whole``: on the replicated one). Models: ``mlp``; ``mlp32`` (in fp32);
-``drop`` (a dropout from step LATE on: that step draws where none was seen, and
-is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced); ``ckpt``
-(the MLP saved after SAVE_AT steps and resumed by a new sharded pipeline, a save
-mid-window refused); ``meta`` (built on the meta device, sharded, then loads
-that checkpoint: run after ``ckpt``); ``resume`` (run on 2 ranks: that checkpoint resumed at pp=2 x
-dp=1 unsharded; results in ``resume-rank*.pt``). Each rank
-writes, per config, the full parameters its stages use, its parameter + gradient +
-optimizer-state bytes at the last window's optimizer step, and the reduce-scatters
-and all-reduces it ran.
+mesh (``whole``: the replicated one). Models: ``mlp``; ``mlp32`` (fp32); ``drop``
+(a dropout from step LATE on: that step is put back and rerun); ``traced`` (a tied
+LM); ``gpt2`` (HF's, traced); ``ckpt`` (saved after SAVE_AT steps, resumed by a new
+sharded pipeline; a mid-window save refused); ``meta`` (built on meta, loads that
+checkpoint); ``early`` (its optimizer built before the Pipeline); ``resume`` (on 2
+ranks: the checkpoint at pp=2 x dp=1, unsharded). Each rank writes per config the
+parameters its stages use (whole), its bytes held and its reductions.
 """
 
 from __future__ import annotations
@@ -133,8 +130,17 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
     name, schedule, checkpoint, *whole = config.split(":")
     dp = dist.get_world_size() // PP
     mesh = init_mesh(pp=PP, dp=dp, shard=1 if whole or dp == 1 else dp, timeout=60)
-    pipe = pipeline(name, schedule, checkpoint, mesh)
-    acc = w.accumulator(pipe)
+    if name == "early":  # the optimizer built on the model, before the Pipeline shards it
+        model = w.mlp(0.0)
+        early = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(early, step_size=1, gamma=0.8)
+        pipe = Pipeline(model, 2, balance=BALANCE[2], mesh=mesh, schedule=schedule)
+        acc = GradientAccumulator(
+            pipe, early, accumulation_steps=w.STEPS, max_grad_norm=0.5, lr_scheduler=scheduler
+        )
+    else:
+        pipe = pipeline(name, schedule, checkpoint, mesh)
+        acc = w.accumulator(pipe)
     optimizer = acc.optimizers[0]
     optimizer_step, held = optimizer.step, []
 

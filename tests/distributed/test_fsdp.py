@@ -30,7 +30,7 @@ MLP = [
 CONFIGS = [
     *MLP, "traced:1f1b:never", "traced:zb-h1:always", "gpt2:1f1b:never", "gpt2:zb-v:always",
     "mlp:1f1b:never:whole", "mlp32:zb-h1:never", "ckpt:zb-h1:always",
-    "meta:zb-v:never",
+    "meta:zb-v:never", "early:1f1b:never",
     "drop:zb-v:always", "drop:zb-v:always:whole",
 ]  # fmt: skip
 
@@ -106,7 +106,7 @@ def test_a_step_put_back_and_rerun_changes_nothing_but_its_own_result(ranks):
 
 @pytest.mark.parametrize(
     "config",
-    [c for c in CONFIGS if not c.endswith("whole") and not c.startswith(("ckpt", "meta"))],
+    [c for c in CONFIGS if not c.endswith("whole") and not c.startswith(("ckpt", "meta", "early"))],
 )
 def test_one_reduce_scatter_per_param_group_per_window(ranks, config):
     # A param group: a Sequential's stage, or each module owning a traced stage's parameters.

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from pipesched.runtime.compat.fsdp import reduce_scatter, shard
 from pipesched.runtime.mesh import MeshInfo, wait_kept
-from pipesched.runtime.placement import stage_holders, stage_parameters
+from pipesched.runtime.placement import record_replacement, stage_holders, stage_parameters
 
 __all__ = ["BUCKET_BYTES", "GradientSync", "LocalSync", "Sync"]
 
@@ -149,6 +149,10 @@ class GradientSync:
         if self.sharded:  # the shards replace the parameters: where tied too, and in ``tied``
             new = {id(o): n for s in stages for o, n in zip(before[s], used[s], strict=True)}
             _replace(model, new)
+            for s in stages:  # (an optimizer built before the Pipeline follows them)
+                for o, n in zip(before[s], used[s], strict=True):
+                    if n is not o:
+                        record_replacement(o, n)
             tied = {id(new[k]) if k in new else k: ranks for k, ranks in tied.items()}
         mine = {id(p) for params in used.values() for p in params}
         self.info = info

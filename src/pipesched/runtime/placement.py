@@ -13,6 +13,7 @@ from pipesched.errors import ConfigError
 __all__ = [
     "check_not_freed",
     "keep_own_stages",
+    "record_replacement",
     "replaced_parameters",
     "replacement",
     "stage_parameters",
@@ -30,7 +31,11 @@ _generation = [0]  # how many times parameters were replaced
 
 
 def replacement(p: torch.Tensor) -> torch.Tensor | None:
-    """The meta Parameter that replaced ``p`` on this rank, or None."""
+    """The Parameter that replaced ``p`` on this rank, or None.
+
+    A meta one where ``p`` is another rank's; a shard where this rank's stages
+    are sharded over their replicas (:func:`record_replacement`).
+    """
     entry = _replaced.get(id(p))
     return entry[1] if entry is not None and entry[0]() is p else None
 
@@ -47,6 +52,13 @@ def replaced_parameters() -> int:
     replacement, so that a holder need only look again when it changed.
     """
     return _generation[0]
+
+
+def record_replacement(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Records that ``new`` replaced ``old`` (a sharded stage's parameter by its shard)."""
+    _forget(id(old))
+    _replaced[id(old)] = (weakref.ref(old, _forget_later(id(old))), new)
+    _generation[0] += 1
 
 
 def keep_own_stages(
@@ -91,9 +103,7 @@ def keep_own_stages(
                     for m, n, old in before:
                         new = m._parameters.get(n)
                         if new is not None and new is not old and id(old) not in own_params:
-                            _forget(id(old))
-                            _replaced[id(old)] = (weakref.ref(old, _forget_later(id(old))), new)
-                            _generation[0] += 1
+                            record_replacement(old, new)
     tied = {
         id(p): tuple(sorted(users[id(p)]))
         for s in own
