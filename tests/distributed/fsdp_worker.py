@@ -172,6 +172,12 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
             acc.step(ids, ids, loss_fn=gpt2_loss)
         else:
             w.train(acc, range(i, i + 1), mesh.get_local_rank("dp"), dp)
+    evaluated = None
+    if name == "mlp":  # a forward-only call after training: gathers and shards too
+        pipe.eval()
+        with torch.no_grad():
+            evaluated = pipe(w.batch(99)[0])
+        pipe.train()
     refused = None
     try:
         acc.state_dict()  # a per-rank state dict: refused where stages are sharded
@@ -193,6 +199,7 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
         "optimizer_state": len(optimizer.state),
         "reruns": pipe._cuts.current[1].reruns,
         "refused": refused,
+        "evaluated": evaluated,
         "mid_window": mid_window,
     }
     gc.collect()

@@ -181,3 +181,13 @@ def test_a_sharded_checkpoint_exports_to_the_plain_model(ranks, out, tmp_path):
         torch.set_default_dtype(torch.float32)
     model.load_state_dict(torch.load(tmp_path / "plain.pt"), strict=True)
     _assert_plain(dict(model.named_parameters()), _plain("mlp", windows=2), "exported")
+
+
+def test_a_forward_only_call_equals_the_replicated_pipelines(ranks):
+    outputs = [
+        (r["mlp:1f1b:never"]["evaluated"], r["mlp:1f1b:never:whole"]["evaluated"]) for r in ranks
+    ]
+    last = [(got, want) for got, want in outputs if want is not None]
+    assert len(last) == 2  # the last stage's rank of each replica
+    for got, want in last:
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
