@@ -7,7 +7,8 @@ mesh (``whole``: the replicated one). Models: ``mlp``; ``mlp32`` (fp32); ``drop`
 (a dropout from step LATE on: that step is put back and rerun); ``traced`` (a tied
 LM); ``gpt2`` (HF's, traced); ``ckpt`` (saved after SAVE_AT steps, resumed by a new
 sharded pipeline; a mid-window save refused); ``meta`` (built on meta, loads that
-checkpoint); ``early`` (its optimizer built before the Pipeline); ``resume`` (on 2
+checkpoint); ``early`` (its optimizer built before the Pipeline); ``hsdp`` (pp=1 x dp=4, shard
+groups of 2); ``resume`` (on 2
 ranks: the checkpoint at pp=2 x dp=1, unsharded). Each rank writes per config the
 parameters its stages use (whole), its bytes held and its reductions.
 """
@@ -34,7 +35,7 @@ from tests.distributed import sharded_worker as w
 
 WINDOWS = 3
 PP = 2
-BALANCE = {2: [4, 4], 4: [2, 2, 2, 2]}
+BALANCE = {1: [8], 2: [4, 4], 4: [2, 2, 2, 2]}
 LATE = 3  # the second window's last step: its rerun must still reduce-scatter after it
 SAVE_AT = 4  # "ckpt": saved after two windows; its last resumed, here and elsewhere
 
@@ -64,7 +65,7 @@ def gpt2_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
 
 
 def pipeline(name: str, schedule: str, checkpoint: str, mesh: Any) -> Pipeline:
-    stages = 4 if schedule in ("interleaved-1f1b", "zb-v") else 2
+    stages = 4 if schedule in ("interleaved-1f1b", "zb-v") else 1 if name == "hsdp" else 2
     if name == "gpt2":
         return Pipeline(
             gpt2(), 2, mesh=mesh, num_stages=stages, schedule=schedule, checkpoint=checkpoint,
@@ -128,8 +129,12 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
     # fp32 ("mlp32"): the reduce-scatter as users run it (gloo has no PreMulSum)
     torch.set_default_dtype(torch.float32 if config.startswith("mlp32") else torch.float64)
     name, schedule, checkpoint, *whole = config.split(":")
-    dp = dist.get_world_size() // PP
-    mesh = init_mesh(pp=PP, dp=dp, shard=1 if whole or dp == 1 else dp, timeout=60)
+    if name == "hsdp":  # pp=1 x dp=4, sharded within pairs of replicas
+        dp, pp, shard = dist.get_world_size(), 1, 2
+    else:
+        dp, pp = dist.get_world_size() // PP, PP
+        shard = 1 if whole or dp == 1 else dp
+    mesh = init_mesh(pp=pp, dp=dp, shard=shard, timeout=60)
     if name == "early":  # the optimizer built on the model, before the Pipeline shards it
         model = w.mlp(0.0)
         early = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)

@@ -30,7 +30,7 @@ MLP = [
 CONFIGS = [
     *MLP, "traced:1f1b:never", "traced:zb-h1:always", "gpt2:1f1b:never", "gpt2:zb-v:always",
     "mlp:1f1b:never:whole", "mlp32:zb-h1:never", "ckpt:zb-h1:always",
-    "meta:zb-v:never", "early:1f1b:never",
+    "meta:zb-v:never", "early:1f1b:never", "hsdp:1f1b:always",
     "drop:zb-v:always", "drop:zb-v:always:whole",
 ]  # fmt: skip
 

@@ -318,8 +318,10 @@ class GradientSync:
                 continue  # a shared parameter counts once, on the first rank holding it
             local = _local(p.grad.detach())
             squares[int(local is not p.grad)] += local.double().pow(2).sum()
-        if self.sharded and self.info.dp_size > 1:
-            wait_kept(dist.all_reduce(squares[1:], group=self.info.dp_group, async_op=True))
+        if self.sharded:  # over the ranks of a shard group (HSDP: its innermost dim)
+            mesh = self.info.shard_mesh
+            group = mesh.get_group(mesh.ndim - 1)  # type: ignore[union-attr]
+            wait_kept(dist.all_reduce(squares[1:], group=group, async_op=True))
         wait_kept(dist.all_reduce(squares, group=self.info.pp_group, async_op=True))
         return math.sqrt(float(squares.sum()))
 

@@ -20,8 +20,8 @@ __all__ = ["DEFAULT_TIMEOUT", "MeshInfo", "init_mesh", "rank0_value"]
 DEFAULT_TIMEOUT = 600.0
 """Seconds a pipeline's transfers and agreements wait when the mesh does not say."""
 
-_options: dict[int, tuple[weakref.ref[DeviceMesh], float, bool]] = {}
-"""By ``id(mesh)``: the mesh, its timeout, whether it shards. Why not a WeakKeyDictionary:
+_options: dict[int, tuple[weakref.ref[DeviceMesh], float, DeviceMesh | None]] = {}
+"""By ``id(mesh)``: the mesh, its timeout, its shard mesh. Why not a WeakKeyDictionary:
 DeviceMesh compares by layout, and two meshes of one layout may differ here."""
 
 _waited: deque[Any] = deque(maxlen=4)
@@ -40,17 +40,19 @@ def init_mesh(
     Args:
         pp: pipeline workers (ranks per pipeline).
         dp: data-parallel replicas of the pipeline.
-        shard: ranks over which each stage's parameters, gradients and optimizer
-            state are sharded (FSDP2, ``docs/distributed.md`` "Sharded data
-            parallel"): 1 replicates every stage on each of the ``dp`` replicas;
-            ``dp`` shards each stage over all of them.
+        shard: replicas over which each stage's parameters, gradients and
+            optimizer state are sharded (FSDP2, ``docs/distributed.md`` "Sharded
+            data parallel"): 1 replicates every stage on each of the ``dp``
+            replicas; ``dp`` shards each stage over all of them; a divisor of
+            ``dp`` between shards within groups of that many consecutive
+            replicas and replicates across the groups (HSDP).
         timeout: seconds a pipeline's transfers and per-step agreement may
             wait for another rank before failing with a timeout that names
             it (and the process group's timeout, when this call creates it).
 
     Raises:
-        ConfigError: ``pp * dp`` is not the job's world size, or ``shard`` is
-            neither 1 nor ``dp``.
+        ConfigError: ``pp * dp`` is not the job's world size, or ``shard`` does
+            not divide ``dp``.
 
     Example (under ``torchrun --nproc_per_node 4``)::
 
@@ -64,10 +66,11 @@ def init_mesh(
             raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}")
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
-    if shard not in (1, dp):
+    if dp % shard:
         raise ConfigError(
-            f"shard must be 1 (replicated stages) or dp={dp} (each stage sharded over every "
-            f"replica), got {shard}; shard groups smaller than dp (HSDP) are not supported yet"
+            f"shard must divide dp: each stage is sharded over groups of {shard} of the dp={dp} "
+            f"replicas, got shard={shard}; use 1 (replicated), dp (fully sharded) or a divisor "
+            "of dp between (HSDP: sharded within a group, replicated across groups)"
         )
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
@@ -89,7 +92,14 @@ def init_mesh(
     device_type = "cuda" if cuda and dist.get_backend() == "nccl" else "cpu"
     mesh = init_device_mesh(device_type, (dp, pp), mesh_dim_names=("dp", "pp"))
     key = id(mesh)
-    _options[id(mesh)] = (weakref.ref(mesh, lambda _: _options.pop(key, None)), timeout, shard > 1)
+    shard_mesh = None  # what each stage is sharded over: 1-D, or 2-D (replicate, shard)
+    if shard == dp and dp > 1:
+        shard_mesh = mesh["dp"]
+    elif shard > 1:  # the same ranks: rank = (replicate * shard + index) * pp + pp_rank
+        names = ("replicate", "shard", "pp")
+        grouped = init_device_mesh(device_type, (dp // shard, shard, pp), mesh_dim_names=names)
+        shard_mesh = grouped["replicate", "shard"]
+    _options[key] = (weakref.ref(mesh, lambda _: _options.pop(key, None)), timeout, shard_mesh)
     return mesh
 
 
@@ -103,8 +113,9 @@ class MeshInfo:
         pp_group, dp_group: the process groups along each dimension.
         pp_ranks: the global ranks of this rank's pipeline, by pp index.
         device: this rank's device.
-        shard_mesh: the 1-D mesh over which this rank's stages are sharded
-            (FSDP2), or None where every replica holds them whole.
+        shard_mesh: the mesh over which this rank's stages are sharded (FSDP2):
+            1-D over the replicas, or 2-D (replicate, shard) for HSDP; None
+            where every replica holds them whole.
         timeout: seconds a transfer or agreement waits for another rank
             (``init_mesh``'s ``timeout``).
     """
@@ -135,9 +146,9 @@ class MeshInfo:
                 "pipesched.runtime.mesh.init_mesh(pp, dp)"
             )
         pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        ref, timeout, sharded = _options.get(id(mesh), (None, DEFAULT_TIMEOUT, False))
+        ref, timeout, shard_mesh = _options.get(id(mesh), (None, DEFAULT_TIMEOUT, None))
         if ref is None or ref() is not mesh:
-            timeout, sharded = DEFAULT_TIMEOUT, False
+            timeout, shard_mesh = DEFAULT_TIMEOUT, None
         dp_rank = mesh.get_local_rank("dp")
         pp_ranks = tuple(int(r) for r in mesh.mesh[dp_rank].tolist())
         if mesh.device_type == "cuda":
@@ -154,7 +165,7 @@ class MeshInfo:
             pp_ranks=pp_ranks,
             device=device,
             timeout=float(timeout),
-            shard_mesh=mesh["dp"] if sharded else None,
+            shard_mesh=shard_mesh,
         )
 
 
