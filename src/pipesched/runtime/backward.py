@@ -62,13 +62,17 @@ def _whole(
     grad_outputs: Sequence[Tensor | None] | None,
     inputs: Sequence[Any],
     kind: BackwardKind,
+    store: WeightStore | None = None,
 ) -> Grads:
-    """One backward over the whole graph, declared as ``kind``; the inputs' gradients."""
+    """One backward over the whole graph, declared as ``kind``; the inputs' gradients
+    (``store``: the weights it may defer, those some other op uses flagged first)."""
     roots, root_grads = _roots(outputs, grad_outputs)
     wanted = _inputs_wanting_grad(inputs)
     result: list[Tensor | None] = [None] * len(inputs)
     if not roots:
         return tuple(result)
+    if store is not None:
+        store.flag_shared(roots)
     previous = [x.grad for _, x in wanted]
     for _, x in wanted:
         x.grad = None
@@ -123,7 +127,8 @@ def backward_input(
         torch.Size([2, 3])
     """
     if store is not None:
-        return _whole(outputs, grad_outputs, inputs, DEFERRED), WeightGradients(store=store)
+        grads = _whole(outputs, grad_outputs, inputs, DEFERRED, store)
+        return grads, WeightGradients(store=store)
     roots, root_grads = _roots(outputs, grad_outputs)
     wanted = _inputs_wanting_grad(inputs)
     result: list[Tensor | None] = [None] * len(inputs)

@@ -22,13 +22,25 @@ from pipesched.runtime.compat.internals import has_gradient_hooks
 if TYPE_CHECKING:
     from pipesched.runtime.deferred import WeightStore
 
-__all__ = ["HANDLERS", "accumulate", "linear_weight_grads"]
+__all__ = ["HANDLERS", "accumulate", "input_edges", "linear_weight_grads"]
 
 _aten = torch.ops.aten
 _LINEARS = (F.linear, _aten.linear.default)
 _ADDMMS = (torch.addmm, _aten.addmm.default)
 _LAYER_NORMS = (F.layer_norm, _aten.layer_norm.default)
 _EMBEDDINGS = (F.embedding, _aten.embedding.default)
+
+
+def input_edges(node: Any) -> frozenset[int] | None:
+    """Where ``node`` is a deferring op's, the positions of its inputs' edges (the others
+    are its weights'); None (every edge is an input's) for any other node."""
+    return getattr(node, "input_edges", None)
+
+
+_FIRST = frozenset({0})
+"""The input's edge of an op whose tensors are ``(input, weight[, bias])``."""
+_INDICES = frozenset({1})
+"""An embedding's tensors are ``(weight, indices)``."""
 
 
 def _plain(x: Any, *params: Any) -> bool:
@@ -114,6 +126,7 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight if x.requires_grad else None)
         ctx.parameters = (weight, bias)  # the tensors themselves (checkpoint gives aliases)
         ctx.transposed, ctx.store, ctx.declaration = transposed, store, declared
+        ctx.input_edges = _FIRST
         if transposed and bias is not None:
             return torch.addmm(bias, x, weight)
         return F.linear(x, weight, bias)
@@ -215,6 +228,7 @@ class _LayerNorm(torch.autograd.Function):
         ctx.save_for_backward(x, mean, rstd)
         ctx.parameters = (weight, bias)
         ctx.shape, ctx.store, ctx.declaration = shape, store, declared
+        ctx.input_edges = _FIRST
         return out  # type: ignore[no-any-return]
 
     @staticmethod
@@ -309,6 +323,7 @@ class _Embedding(torch.autograd.Function):
         ctx.weight = weight
         ctx.options = (weight.shape[0], padding_idx, scale)
         ctx.store, ctx.declaration = store, declared
+        ctx.input_edges = _INDICES
         return _aten.embedding(weight, indices, padding_idx, scale, False)  # type: ignore[no-any-return]
 
     @staticmethod
@@ -405,6 +420,7 @@ class _Convolution(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.parameters = (weight, bias)
         ctx.conv, ctx.store, ctx.declaration = conv, store, declared
+        ctx.input_edges = _FIRST
         stride, padding, dilation, groups = conv
         zeros = [0] * len(stride)
         return _aten.convolution(x, weight, bias, stride, padding, dilation, False, zeros, groups)  # type: ignore[no-any-return]

@@ -12,6 +12,7 @@ from pipesched.errors import ConfigError
 
 __all__ = [
     "check_not_freed",
+    "is_traced",
     "keep_own_stages",
     "replaced_parameters",
     "replacement",
@@ -76,7 +77,7 @@ def keep_own_stages(
         if s not in own:
             for layer in _layers(stage, recurse=False):
                 if id(layer) not in own_modules:
-                    recurse = not _traced(stage)
+                    recurse = not is_traced(stage)
                     modules = list(layer.modules() if recurse else [layer])
                     _freed.update(m for m in modules if any(not t.is_meta for t in _own_tensors(m)))
                     before = [
@@ -148,16 +149,17 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
     """The Parameters a stage computes with: its own, or the model's for a traced stage."""
-    return stage.used_parameters() if _traced(stage) else list(stage.parameters())  # type: ignore[operator]
+    return stage.used_parameters() if is_traced(stage) else list(stage.parameters())  # type: ignore[operator]
 
 
-def _traced(stage: nn.Module) -> bool:
+def is_traced(stage: nn.Module) -> bool:
+    """Whether ``stage`` is a traced one: a graph computing with the model's parameters."""
     return hasattr(stage, "used_parameters")
 
 
 def _layers(stage: nn.Module, *, recurse: bool) -> list[nn.Module]:
     """What moves with a stage: its layers, or a traced stage's owners of state (not recursed)."""
-    if _traced(stage):  # its own constants are small: they stay
+    if is_traced(stage):  # its own constants are small: they stay
         owners: tuple[nn.Module, ...] = stage.owners  # type: ignore[assignment]
         return list(owners)
     return list(stage.modules()) if recurse else list(stage.children())
