@@ -39,12 +39,16 @@ class WeightStore:
         fused: ids of the parameters whose gradient W adds into ``.grad`` inside
             the GEMM (:mod:`pipesched.runtime.fused_linear`); others get
             autograd's sum, bitwise.
+        earlier: the same stage's stores of the step's earlier micro-batches.
     """
 
-    __slots__ = ("entries", "flagged", "fused")
+    __slots__ = ("earlier", "entries", "flagged", "fused")
 
-    def __init__(self, fused: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, fused: frozenset[int] = frozenset(), earlier: Sequence[WeightStore] = ()
+    ) -> None:
         self.fused = fused
+        self.earlier = earlier
         self.flagged: set[int] = set()
         """Ids of parameters an op other than the deferred ones used (autograd's, in B)."""
         self.entries: list[_Entry] = []
@@ -59,6 +63,8 @@ class WeightStore:
 
         Read from the graph, once per B, so a weight some op uses only in some
         forwards (a data-dependent branch) is flagged exactly where it is used.
+        Earlier micro-batches' W of a weight flagged here run first: ``.grad``
+        sums the micro-batches in order, as a whole backward per micro-batch does.
         """
         flagged = self.flagged
         seen: set[Node] = set()
@@ -79,15 +85,24 @@ class WeightStore:
                 elif child not in seen:
                     seen.add(child)
                     stack.append(child)
+        if flagged:
+            for store in self.earlier:
+                if store.entries:
+                    store.run(flagged)
 
-    def run(self) -> None:
+    def run(self, only: set[int] | None = None) -> None:
         """W: each stashed weight gradient computed and accumulated into ``.grad``; frees them.
 
         The products run last-stashed first (what B touched last is likeliest in
         cache). A parameter reached several times gets the sum of its parts in
         the order B reached them, then one accumulation, as autograd's engine does.
+
+        Args:
+            only: ids of the parameters to run now (None: all); the others stay.
         """
         entries, self.entries = self.entries, []
+        if only is not None:
+            entries = [now for e in entries if (now := self._part(e, only)) is not None]
         uses: dict[int, int] = {}
         for _, params, _ in entries:
             for p in params:
@@ -121,6 +136,16 @@ class WeightStore:
                         for _, part in held[1:]:
                             total = total + part
                         accumulate(p, total)
+
+    def _part(self, entry: _Entry, only: set[int]) -> _Entry | None:
+        """The part of ``entry`` for the parameters in ``only`` (None: no part); the rest of
+        it goes back to :attr:`entries`."""
+        compute, params, payload = entry
+        now = tuple(p if p is not None and id(p) in only else None for p in params)
+        later = tuple(None if q is not None else p for p, q in zip(params, now, strict=True))
+        if any(p is not None for p in later):
+            self.entries.append((compute, later, payload))
+        return (compute, now, payload) if any(p is not None for p in now) else None
 
     def _fuses(self, p: Tensor, uses: dict[int, int]) -> bool:
         return id(p) in self.fused and uses[id(p)] == 1

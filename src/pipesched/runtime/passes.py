@@ -85,6 +85,7 @@ class StepState:
     saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     pending_weights: dict[tuple[int, int], Any] = field(default_factory=dict)
     weight_stores: dict[tuple[int, int], WeightStore] = field(default_factory=dict)
+    stage_stores: dict[int, list[WeightStore]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     plain_loss: bool | None = None  # whether the loss_fn draws nothing, once known
 
@@ -167,7 +168,10 @@ class StagePasses:
         deferred = None
         # A split backward: B leaves the weights' products to W, with no second pass.
         if state.split_backward and state.detach and step.loss_fn and torch.is_grad_enabled():
-            store = state.weight_stores[s, i] = WeightStore(fused or frozenset())
+            earlier = state.stage_stores.setdefault(s, [])
+            store = WeightStore(fused or frozenset(), tuple(earlier))
+            state.weight_stores[s, i] = store
+            earlier.append(store)
             defer = self._deferrals[s]
             if defer is None:
                 defer = self._deferrals[s] = deferral(self.stages[s])  # type: ignore[arg-type]
