@@ -7,15 +7,19 @@ requires grad, its output given a random gradient), run as pipesched's runtime
 runs it:
 
 - whole: the forward as a 1f1b step runs it, then ``backward_full``.
-- B, W: the forward under ``DeferredWeightsMode`` (as a zero-bubble step runs
-  it), then ``backward_input`` (B) and, after it, ``WeightGradients.run`` (W).
+- B, W: the forward with its layers deferring (``deferral``, as a zero-bubble
+  step runs it), then ``backward_input`` (B) and, after it,
+  ``WeightGradients.run`` (W).
+- mode: B + W with the forward run under ``DeferredWeightsMode`` as a whole (the
+  way before layers deferred; traced stages still run so), over the whole backward.
 - checkpoint="always": one forward plus the whole backward, against B (which
   recomputes the forward once) plus W, the forward run under pipesched's
   checkpoint (not timed: both rows run it).
 - /ckpt: B + W with checkpointing over the checkpointed whole backward (what
   1F1B pays for a checkpointed micro-batch: torch's checkpoint costs more than
   one forward by itself).
-- forward: the plain forward against the forward under the mode (its cost per op).
+- forward: the plain forward, the forward with its layers deferring (F layers)
+  and under the mode (F mode): what deferral costs the forward.
 - graph: B + W as pipesched split the backward before the mode (a graph analysis
   per B, one autograd call per weight group in W; ``backward_input`` without a
   store), over the whole backward.
@@ -49,6 +53,7 @@ from torch import Tensor, nn
 
 from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
+from pipesched.runtime.deferred_layers import Deferral, deferral
 from pipesched.runtime.stage.recompute import checkpoint
 
 LIMIT = 1.05
@@ -146,14 +151,14 @@ def models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
 
 
 class _Deferred(nn.Module):
-    """The stage run under the deferred-weights mode, as pipesched's checkpointed forward."""
+    """The stage run deferring, as pipesched's checkpointed forward."""
 
-    def __init__(self, stage: nn.Module, store: WeightStore) -> None:
+    def __init__(self, stage: nn.Module, store: WeightStore, defer: Deferral) -> None:
         super().__init__()
-        self.stage, self.store = stage, store
+        self.stage, self.store, self.defer = stage, store, defer
 
     def forward(self, x: Tensor) -> Tensor:
-        with DeferredWeightsMode(self.store):
+        with self.defer(self.store):
             return self.stage(x)  # type: ignore[no-any-return]
 
 
@@ -173,18 +178,29 @@ def _whole(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> No
     t["whole"], _ = _clock(lambda y=y: backward_full([y], [g], [leaf]))
 
 
-def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float], mode: bool) -> None:
+    """B and W, the forward deferring layer by layer (``mode``: under the mode as a whole)."""
     model.zero_grad(set_to_none=True)
     store = WeightStore()
+    defer = DeferredWeightsMode if mode else deferral(model)
+    suffix = "_mode" if mode else ""
 
     def deferred_forward() -> Tensor:
-        with DeferredWeightsMode(store):
+        with defer(store):
             return model(leaf)  # type: ignore[no-any-return]
 
-    t["forward_mode"], y = _clock(deferred_forward)
-    t["B"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
+    t["forward" + (suffix or "_layers")], y = _clock(deferred_forward)
+    t["B" + suffix], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
     del y
-    t["W"], _ = _clock(w.run)
+    t["W" + suffix], _ = _clock(w.run)
+
+
+def _split_layers(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    _split(model, leaf, g, t, mode=False)
+
+
+def _split_mode(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    _split(model, leaf, g, t, mode=True)
 
 
 def _graph_split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
@@ -215,7 +231,7 @@ def _whole_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, 
 def _split_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
     model.zero_grad(set_to_none=True)
     store = WeightStore()
-    y = checkpoint(_Deferred(model, store), leaf, preserve_rng_state=True)
+    y = checkpoint(_Deferred(model, store, deferral(model)), leaf, preserve_rng_state=True)
     t["B_ckpt"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
     del y
     t["W_ckpt"], _ = _clock(w.run)
@@ -225,7 +241,9 @@ def one_round(model: nn.Module, x: Tensor, g: Tensor, k: int) -> dict[str, float
     """Every contender once, in turn (reversed every other round)."""
     t: dict[str, float] = {}
     leaf = x.detach().requires_grad_()
-    contenders = [_whole, _split, _whole_checkpointed, _split_checkpointed, _graph_split]
+    contenders = [
+        _whole, _split_layers, _whole_checkpointed, _split_checkpointed, _split_mode, _graph_split
+    ]  # fmt: skip
     for run in contenders if k % 2 == 0 else contenders[::-1]:
         run(model, leaf, g, t)
     return t
@@ -245,12 +263,12 @@ def main() -> None:
     print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, medians (ms, {clock})")
     header = (
         f"{'model':34} {'whole':>7} {'B':>7} {'W':>7} {'B+W':>7} {'ratio':>6}  "
-        f"{'F+whole':>8} {'B+W ckpt':>8} {'ratio':>6} {'/ckpt':>6}  {'F':>6} {'F mode':>7} "
-        f"{'graph':>6}"
+        f"{'F+whole':>8} {'B+W ckpt':>8} {'ratio':>6} {'/ckpt':>6}  {'F':>6} {'F layers':>8} "
+        f"{'F mode':>7} {'mode':>6} {'graph':>6}"
     )
     print(header)
     verdicts = []
-    bests: list[tuple[str, float, float, float]] = []
+    bests: list[tuple[str, float, float, float, float]] = []
     for name, (build, shape) in models().items():
         if args.only and args.only not in name:
             continue
@@ -270,6 +288,7 @@ def main() -> None:
             (r["B_ckpt"] + r["W_ckpt"]) / (r["forward"] + r["whole"]) for r in rounds
         )
         graph = statistics.median(r["graph"] / r["whole"] for r in rounds)
+        by_mode = statistics.median((r["B_mode"] + r["W_mode"]) / r["whole"] for r in rounds)
         to_ckpt = statistics.median((r["B_ckpt"] + r["W_ckpt"]) / r["whole_ckpt"] for r in rounds)
         best = {k: min(r[k] for r in rounds) for k in rounds[0]}
         bests.append(
@@ -277,6 +296,7 @@ def main() -> None:
                 name,
                 (best["B"] + best["W"]) / best["whole"],
                 (best["B_ckpt"] + best["W_ckpt"]) / (best["forward"] + best["whole"]),
+                best["forward_layers"] / best["forward"],
                 best["forward_mode"] / best["forward"],
             )
         )
@@ -286,13 +306,17 @@ def main() -> None:
             f"{name:34} {med['whole']:7.2f} {med['B']:7.2f} {med['W']:7.2f} "
             f"{med['B'] + med['W']:7.2f} {ratio:6.3f}  {med['forward'] + med['whole']:8.2f} "
             f"{med['B_ckpt'] + med['W_ckpt']:8.2f} {ratio_ckpt:6.3f} {to_ckpt:6.3f}  "
-            f"{med['forward']:6.2f} {med['forward_mode']:7.2f} {graph:6.3f}  "
+            f"{med['forward']:6.2f} {med['forward_layers']:8.2f} {med['forward_mode']:7.2f} "
+            f"{by_mode:6.3f} {graph:6.3f}  "
             f"{'PASS' if ok else 'FAIL'}"
         )
     print("ratios: medians of the per-round ratios; target <=", LIMIT)
-    print("on the bests (min over rounds): B+W / whole, B+W ckpt / (F + whole), F mode / F")
-    for name, split, ckpt, forward in bests:
-        print(f"  {name:34} {split:6.3f} {ckpt:6.3f} {forward:6.3f}")
+    print(
+        "on the bests (min over rounds): B+W / whole, B+W ckpt / (F + whole), "
+        "F layers / F, F mode / F"
+    )
+    for name, split, ckpt, layers, forward in bests:
+        print(f"  {name:34} {split:6.3f} {ckpt:6.3f} {layers:6.3f} {forward:6.3f}")
     print("PASS" if all(verdicts) else "FAIL")
 
 

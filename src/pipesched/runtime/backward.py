@@ -1,6 +1,6 @@
 """One stage's backward pass, whole or split into input gradients (B) and weight gradients (W).
 
-With a forward run under :class:`~pipesched.runtime.deferred.DeferredWeightsMode`, B is
+With a forward run deferring (:mod:`pipesched.runtime.deferred_layers`), B is
 one backward that leaves the deferrable weights' products in the micro-batch's store
 and W runs them: no retained graph, no second traversal, one recomputation. Without
 it, B runs autograd from outputs to inputs with the graph retained, capturing the
@@ -100,8 +100,8 @@ def backward_input(
     ``.grad`` exactly what :func:`backward_full` would have.
 
     Args:
-        store: the store of the forward's
-            :class:`~pipesched.runtime.deferred.DeferredWeightsMode`, or None
+        store: the store the forward deferred into
+            (:mod:`pipesched.runtime.deferred_layers`), or None
             (a forward run without it). With a store, B is one backward that
             leaves the deferrable weights' gradients to W and accumulates the
             others' (weights some other op also uses) itself, as

@@ -8,7 +8,8 @@ its own that defers while its thread runs a split backward's forward
 embedding and convolution call their deferring Function directly; any other layer
 owning parameters (GPT-2's ``Conv1D``, ``nn.MultiheadAttention``, a norm) runs its
 forward under the mode, which then sees only that layer's ops. Which weights some
-other op also uses is read from the graph in B (:meth:`WeightStore.flag_shared`).
+other op also uses is read from the graph in B
+(:meth:`~pipesched.runtime.deferred.WeightStore.flag_shared`).
 """
 
 from __future__ import annotations
@@ -91,7 +92,11 @@ def install_deferred_layers(stage: nn.Module) -> int:
         if isinstance(vars(module).get("forward"), _DeferringForward):
             count += 1
             continue
-        if "forward" in vars(module) or next(module.parameters(recurse=False), None) is None:
+        if (
+            "forward" in vars(module)
+            or isinstance(module, torch.jit.ScriptModule)  # its forward is compiled
+            or next(module.parameters(recurse=False), None) is None
+        ):
             continue
         deferred = _deferred_forward(module)
         if deferred is not None:
