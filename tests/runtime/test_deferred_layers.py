@@ -65,8 +65,21 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0, batch_first=True), X),
         (lambda: Masked(causal=True), X),
         (ConvNet, torch.randn(2, 3, 8, 8, dtype=DTYPE)),
+        (
+            lambda: nn.Conv2d(3, 4, 3, padding=(1, 2), padding_mode="circular"),
+            torch.randn(2, 3, 8, 8, dtype=DTYPE),
+        ),
     ],
-    ids=["block", "twice-and-shared", "tied-lm", "parametrized", "encoder", "causal", "conv"],
+    ids=[
+        "block",
+        "twice-and-shared",
+        "tied-lm",
+        "parametrized",
+        "encoder",
+        "causal",
+        "conv",
+        "circular-conv",
+    ],
 )
 def test_layers_defer_what_the_mode_defers_bitwise(build, x) -> None:
     torch.manual_seed(0)

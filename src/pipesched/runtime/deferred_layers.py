@@ -169,9 +169,15 @@ def _embedding(
 
 
 def _conv(module: Any, store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    if kwargs or len(args) != 1 or module.padding_mode != "zeros":  # padded: its own forward
+    if kwargs or len(args) != 1:
         return None
-    call = (args[0], module.weight, module.bias, module.stride, module.padding, module.dilation)
+    x, padding = args[0], module.padding
+    if module.padding_mode != "zeros":  # padded first, as the layer's own forward pads
+        if isinstance(padding, str):
+            return None
+        x = F.pad(x, [p for p in reversed(padding) for _ in range(2)], mode=module.padding_mode)
+        padding = (0,) * len(padding)
+    call = (x, module.weight, module.bias, module.stride, padding, module.dilation)
     return HANDLERS[F.conv1d](store, (*call, module.groups), {})  # one handler for 1, 2 and 3-d
 
 
