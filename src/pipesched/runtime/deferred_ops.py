@@ -224,12 +224,12 @@ class _LayerNorm(torch.autograd.Function):
         store: WeightStore,
         declared: Declaration,
     ) -> Tensor:
-        out, mean, rstd = _aten.native_layer_norm(x, shape, weight, bias, eps)
+        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
         ctx.save_for_backward(x, mean, rstd)
         ctx.parameters = (weight, bias)
         ctx.shape, ctx.store, ctx.declaration = shape, store, declared
         ctx.input_edges = _FIRST
-        return out  # type: ignore[no-any-return]
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -324,7 +324,7 @@ class _Embedding(torch.autograd.Function):
         ctx.options = (weight.shape[0], padding_idx, scale)
         ctx.store, ctx.declaration = store, declared
         ctx.input_edges = _INDICES
-        return _aten.embedding(weight, indices, padding_idx, scale, False)  # type: ignore[no-any-return]
+        return torch.embedding(weight, indices, padding_idx, scale, False)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -423,7 +423,7 @@ class _Convolution(torch.autograd.Function):
         ctx.input_edges = _FIRST
         stride, padding, dilation, groups = conv
         zeros = [0] * len(stride)
-        return _aten.convolution(x, weight, bias, stride, padding, dilation, False, zeros, groups)  # type: ignore[no-any-return]
+        return torch.convolution(x, weight, bias, stride, padding, dilation, False, zeros, groups)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
