@@ -39,16 +39,17 @@ class WeightStore:
         fused: ids of the parameters whose gradient W adds into ``.grad`` inside
             the GEMM (:mod:`pipesched.runtime.fused_linear`); others get
             autograd's sum, bitwise.
-        earlier: the same stage's stores of the step's earlier micro-batches.
+        siblings: the same stage's stores in this step, in the order of their
+            forwards (a list the caller extends), this one included.
     """
 
-    __slots__ = ("earlier", "entries", "flagged", "fused")
+    __slots__ = ("entries", "flagged", "fused", "siblings")
 
     def __init__(
-        self, fused: frozenset[int] = frozenset(), earlier: Sequence[WeightStore] = ()
+        self, fused: frozenset[int] = frozenset(), siblings: Sequence[WeightStore] = ()
     ) -> None:
         self.fused = fused
-        self.earlier = earlier
+        self.siblings = siblings
         self.flagged: set[int] = set()
         """Ids of parameters an op other than the deferred ones used (autograd's, in B)."""
         self.entries: list[_Entry] = []
@@ -63,8 +64,9 @@ class WeightStore:
 
         Read from the graph, once per B, so a weight some op uses only in some
         forwards (a data-dependent branch) is flagged exactly where it is used.
-        Earlier micro-batches' W of a weight flagged here run first: ``.grad``
-        sums the micro-batches in order, as a whole backward per micro-batch does.
+        The pending W of a weight flagged here (from micro-batches whose B ran
+        before this one) run first: ``.grad`` sums the micro-batches in order, as a
+        whole backward per micro-batch does.
         """
         flagged = self.flagged
         seen: set[Node] = set()
@@ -86,7 +88,7 @@ class WeightStore:
                     seen.add(child)
                     stack.append(child)
         if flagged:
-            for store in self.earlier:
+            for store in self.siblings:  # before its B, this one holds nothing
                 if store.entries:
                     store.run(flagged)
 

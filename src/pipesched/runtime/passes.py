@@ -168,10 +168,9 @@ class StagePasses:
         deferred = None
         # A split backward: B leaves the weights' products to W, with no second pass.
         if state.split_backward and state.detach and step.loss_fn and torch.is_grad_enabled():
-            earlier = state.stage_stores.setdefault(s, [])
-            store = WeightStore(fused or frozenset(), tuple(earlier))
-            state.weight_stores[s, i] = store
-            earlier.append(store)
+            siblings = state.stage_stores.setdefault(s, [])
+            store = state.weight_stores[s, i] = WeightStore(fused or frozenset(), siblings)
+            siblings.append(store)
             defer = self._deferrals[s]
             if defer is None:
                 defer = self._deferrals[s] = deferral(self.stages[s])  # type: ignore[arg-type]
