@@ -189,3 +189,53 @@ def test_a_loss_using_a_weight_flags_it() -> None:
         pipe.step(x, y, loss_fn=loss_fn)
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(p, q) for p, q in zip(*grads, strict=True))
+
+
+def _gpt2_block() -> nn.Module:
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    config = GPT2Config(n_embd=6, n_head=2, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0)
+    config._attn_implementation = "eager"
+
+    class Block(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.block = GPT2Block(config, layer_idx=0)
+
+        def forward(self, x: Tensor) -> Tensor:
+            out = self.block(x)
+            return out[0] if isinstance(out, tuple) else out
+
+    return Block()
+
+
+@pytest.mark.parametrize(
+    ("build", "deferred"),
+    [
+        (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0.5, batch_first=True), 6),
+        (lambda: nn.TransformerEncoderLayer(6, 2, 12, dropout=0, batch_first=False), 6),
+        (_gpt2_block, 6),  # two norms, four Conv1D
+    ],
+    ids=["encoder-dropout", "encoder-sequence-first", "gpt2-block"],
+)
+def test_attention_and_gpt2_conv1d_defer_without_the_mode(build, deferred, monkeypatch) -> None:
+    """Their calls go to the deferring Functions directly, never through the mode."""
+    torch.manual_seed(0)
+    model = build().to(DTYPE)
+    install_deferred_layers(model)
+    modes: list[str] = []
+    entered = DeferredWeightsMode.__enter__
+
+    def enter(mode: DeferredWeightsMode) -> DeferredWeightsMode:
+        modes.append("entered")
+        return entered(mode)
+
+    monkeypatch.setattr(DeferredWeightsMode, "__enter__", enter)
+    torch.manual_seed(2)
+    whole, _ = _grads(model, X, "whole")
+    torch.manual_seed(2)
+    layers, by_layers = _grads(model, X, "layers")
+    assert not modes and by_layers == deferred
+    for a, b in zip(whole, layers, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)

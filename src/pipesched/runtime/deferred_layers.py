@@ -5,9 +5,10 @@ forward: a mode runs Python for every torch call, and two stage threads then que
 on the GIL. Here each layer that owns weights gets, once per stage, a forward of
 its own that defers while its thread runs a split backward's forward
 (:class:`deferring`) and is the layer's own forward otherwise: linear, layer norm,
-embedding and convolution call their deferring Function directly; any other layer
-owning parameters (GPT-2's ``Conv1D``, ``nn.MultiheadAttention``, a norm) runs its
-forward under the mode, which then sees only that layer's ops. Which weights some
+embedding, convolution, self-attention and HF GPT-2's ``Conv1D`` call their
+deferring Functions directly; any other layer owning parameters (a norm, another
+``addmm``, attention with masks) runs its forward under the mode, which then sees
+only that layer's ops. Which weights some
 other op also uses is read from the graph in B
 (:meth:`~pipesched.runtime.deferred.WeightStore.flag_shared`).
 """
@@ -136,6 +137,10 @@ def _deferred_forward(module: nn.Module) -> _Deferred | None:
         return _embedding
     if type(module) in _CONVS:  # not a subclass: it may pad its own way
         return _conv
+    if forward is nn.MultiheadAttention.forward:
+        return _attention
+    if f"{type(module).__module__}.{type(module).__qualname__}" == _GPT2_CONV1D:
+        return _gpt2_conv1d
     if isinstance(module, nn.MultiheadAttention) or next(module.children(), None) is None:
         return _under_mode
     return None
@@ -182,6 +187,80 @@ def _conv(module: Any, store: WeightStore, args: tuple[Any, ...], kwargs: dict[s
 
 
 _CONVS = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _attention(
+    module: Any, store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """``nn.MultiheadAttention``'s self-attention without masks, as its forward calls
+    ``F.multi_head_attention_forward`` (in training, or with a gradient to take, its
+    fast path is off); any other call runs under the mode."""
+    query, key, value, padding_mask, need_weights, mask, average, causal = _attention_args(
+        *args, **kwargs
+    )
+    plain = (
+        query is key is value
+        and type(query) is torch.Tensor
+        and query.dim() == 3
+        and padding_mask is None
+        and mask is None
+        and not need_weights
+        and not causal
+        and module.in_proj_weight is not None  # one packed projection
+    )
+    if plain and (module.training or _requires_grad(query, module)):
+        if module.batch_first:
+            query = query.transpose(1, 0)
+        call = (
+            query, query, query, module.embed_dim, module.num_heads, module.in_proj_weight,
+            module.in_proj_bias, module.bias_k, module.bias_v, module.add_zero_attn,
+            module.dropout, module.out_proj.weight, module.out_proj.bias,
+        )  # fmt: skip
+        options = {"training": module.training, "need_weights": False}
+        out = HANDLERS[F.multi_head_attention_forward](
+            store, call, {**options, "average_attn_weights": average}
+        )
+        if out is not None:
+            attended, weights = out
+            return (attended.transpose(1, 0) if module.batch_first else attended), weights
+    return _under_mode(module, store, args, kwargs)
+
+
+def _attention_args(
+    query: Any,
+    key: Any,
+    value: Any,
+    key_padding_mask: Any = None,
+    need_weights: Any = True,
+    attn_mask: Any = None,
+    average_attn_weights: Any = True,
+    is_causal: Any = False,
+) -> tuple[Any, ...]:
+    return (
+        query, key, value, key_padding_mask, need_weights, attn_mask, average_attn_weights,
+        is_causal,
+    )  # fmt: skip
+
+
+def _requires_grad(query: torch.Tensor, module: Any) -> bool:
+    projections = (module.in_proj_weight, module.in_proj_bias, module.out_proj.weight)
+    tensors = (query, *projections, module.out_proj.bias)
+    return any(t is not None and t.requires_grad for t in tensors)
+
+
+_GPT2_CONV1D = "transformers.pytorch_utils.Conv1D"
+"""HF GPT-2's ``Conv1D``: ``addmm(bias, x_2d, weight)``, its weight ``(in, out)``."""
+
+
+def _gpt2_conv1d(
+    module: Any, store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
+    """Its forward, the ``addmm`` deferring."""
+    if kwargs or len(args) != 1 or type(x := args[0]) is not torch.Tensor:
+        return None
+    size_out = (*x.shape[:-1], module.nf)
+    out = HANDLERS[torch.addmm](store, (module.bias, x.view(-1, x.size(-1)), module.weight), {})
+    return None if out is None else out.view(size_out)
 
 
 def _under_mode(
