@@ -45,15 +45,18 @@ _INDICES = frozenset({1})
 
 def _plain(x: Any, *params: Any) -> bool:
     """Whether the op's operands are ones the Functions reproduce autograd's formulas for."""
-    if type(x) is not Tensor or x.is_complex() or torch.is_autocast_enabled(x.device.type):
+    if type(x) is not Tensor or x.is_complex():
+        return False
+    device, dtype = x.device, x.dtype
+    if torch.is_autocast_enabled(device.type):
         return False
     for p in params:
         if p is not None and not (
             (type(p) is nn.Parameter or type(p) is Tensor)  # no subclass (DTensor, ...)
-            and p.layout == torch.strided
+            and p.dtype is dtype
+            and p.layout is torch.strided
             and p.is_contiguous()
-            and p.dtype == x.dtype
-            and p.device == x.device
+            and p.device == device
         ):
             return False
     return True
