@@ -2,15 +2,13 @@
 
 Why not :class:`~pipesched.runtime.deferred.DeferredWeightsMode` around the whole
 forward: a mode runs Python for every torch call, and two stage threads then queue
-on the GIL. Here each layer that owns weights gets, once per stage, a forward of
-its own that defers while its thread runs a split backward's forward
-(:class:`deferring`) and is the layer's own forward otherwise: linear, layer norm,
-embedding, convolution, self-attention and HF GPT-2's ``Conv1D`` call their
-deferring Functions directly; any other layer owning parameters (a norm, another
-``addmm``, attention with masks) runs its forward under the mode, which then sees
-only that layer's ops. Which weights some
-other op also uses is read from the graph in B
-(:meth:`~pipesched.runtime.deferred.WeightStore.flag_shared`).
+on the GIL. Here each layer owning weights gets, once per stage, a forward that
+defers while its thread runs a split backward's forward (:class:`deferring`) and is
+its own otherwise: linear, layer norm, embedding, convolution, self-attention and
+HF GPT-2's ``Conv1D`` call their deferring Functions directly; any other layer with
+parameters (a norm, attention with masks) runs its forward under the mode, which
+sees only that layer's ops. Which weights another op also uses is read from the
+graph in B (:meth:`~pipesched.runtime.deferred.WeightStore.flag_shared`).
 """
 
 from __future__ import annotations
