@@ -19,7 +19,9 @@ runs it:
   1F1B pays for a checkpointed micro-batch: torch's checkpoint costs more than
   one forward by itself).
 - forward: the plain forward, the forward with its layers deferring (F layers)
-  and under the mode (F mode): what deferral costs the forward.
+  and under the mode (F mode): what deferral costs the forward. ``--overhead``
+  prints only that, on the same stages at width 16 (2 x 4 tokens), where the
+  forward is nearly all Python: what two stage threads serialize on the GIL.
 - graph: B + W as pipesched split the backward before the mode (a graph analysis
   per B, one autograd call per weight group in W; ``backward_input`` without a
   store), over the whole backward.
@@ -124,11 +126,14 @@ class Gpt2Blocks(nn.Module):
         return x
 
 
-def models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
+def models(width: int = 256) -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
+    """The four stages (the MLP 4x as wide), at ``width`` (``--overhead``: 16, on 2 x 4 tokens)."""
+    rows = (8, 64) if width == 256 else (2, 4)
+
     def encoder() -> nn.Module:
         return nn.Sequential(
             *(
-                nn.TransformerEncoderLayer(256, 4, 1024, dropout=0, batch_first=True)
+                nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0, batch_first=True)
                 for _ in range(4)
             )
         )
@@ -136,18 +141,49 @@ def models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
     def mlp() -> nn.Module:
         layers: list[nn.Module] = []
         for _ in range(4):
-            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+            layers += [nn.Linear(4 * width, 4 * width), nn.ReLU()]
         return nn.Sequential(*layers)
 
     return {
-        "TransformerEncoderLayer(256) x4": (encoder, (8, 64, 256)),
-        "GPT-2 block (256) x4": (lambda: Gpt2Blocks(4, 256), (8, 64, 256)),
-        "ViT block (256) x4": (
-            lambda: nn.Sequential(*(VitBlock(256, 4) for _ in range(4))),
-            (8, 64, 256),
+        f"TransformerEncoderLayer({width}) x4": (encoder, (*rows, width)),
+        f"GPT-2 block ({width}) x4": (lambda: Gpt2Blocks(4, width), (*rows, width)),
+        f"ViT block ({width}) x4": (
+            lambda: nn.Sequential(*(VitBlock(width, 4) for _ in range(4))),
+            (*rows, width),
         ),
-        "Linear(1024)+ReLU x4": (mlp, (512, 1024)),
+        f"Linear({4 * width})+ReLU x4": (mlp, (rows[0] * rows[1], 4 * width)),
     }
+
+
+def overhead(rounds: int) -> None:
+    """What deferral adds to a forward where compute is nearly nothing (width 16, 8 tokens):
+    the Python a split backward's forward runs, which two stage threads serialize on."""
+    print(
+        f"forward overhead, width 16, 2 x 4 tokens: medians of {rounds} rounds (us, {CLOCK_NAME})"
+    )
+    print(f"{'model':34} {'plain':>7} {'layers':>7} {'mode':>7}  {'+layers':>7} {'+mode':>7}")
+    for name, (build, shape) in models(16).items():
+        model = build().train()
+        x = torch.randn(*shape).requires_grad_()
+        contexts: dict[str, Deferral] = {
+            "plain": lambda store: torch.enable_grad(),
+            "layers": deferral(model),
+            "mode": DeferredWeightsMode,
+        }
+        times: dict[str, list[float]] = {k: [] for k in contexts}
+        for r in range(rounds + 2):
+            for how in list(contexts) if r % 2 else list(contexts)[::-1]:
+                start = CLOCK()
+                for _ in range(20):
+                    with contexts[how](WeightStore()):
+                        model(x)
+                if r >= 2:  # two rounds of warm-up
+                    times[how].append((CLOCK() - start) / 20 * 1e6)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(
+            f"{name:34} {med['plain']:7.0f} {med['layers']:7.0f} {med['mode']:7.0f}  "
+            f"{med['layers'] - med['plain']:7.0f} {med['mode'] - med['plain']:7.0f}"
+        )
 
 
 class _Deferred(nn.Module):
@@ -164,6 +200,7 @@ class _Deferred(nn.Module):
 
 CLOCK = time.thread_time
 """This thread's CPU time (``--clock wall``: ``time.perf_counter``)."""
+CLOCK_NAME = "thread CPU time"
 
 
 def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -254,12 +291,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--only", default=None, help="run the models whose name contains this")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument(
+        "--overhead", action="store_true", help="only what deferral adds to a tiny forward"
+    )
     args = parser.parse_args()
-    global CLOCK
+    global CLOCK, CLOCK_NAME
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    clock = "thread CPU time" if args.clock == "cpu" else "wall time"
+    clock = CLOCK_NAME = "thread CPU time" if args.clock == "cpu" else "wall time"
+    if args.overhead:
+        overhead(max(args.rounds, 21))
+        return
     print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, medians (ms, {clock})")
     header = (
         f"{'model':34} {'whole':>7} {'B':>7} {'W':>7} {'B+W':>7} {'ratio':>6}  "
