@@ -239,3 +239,20 @@ def test_attention_and_gpt2_conv1d_defer_without_the_mode(build, deferred, monke
     assert not modes and by_layers == deferred
     for a, b in zip(whole, layers, strict=True):
         assert a is not None and b is not None and torch.equal(a, b)
+
+
+def test_a_layer_returning_none_runs_once() -> None:
+    class Probe(nn.Module):  # owns a parameter; its forward has a side effect, returns None
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(()))
+            self.calls = 0
+
+        def forward(self, x: Tensor) -> None:
+            self.calls += 1
+
+    probe = Probe()
+    install_deferred_layers(probe)
+    with deferring(WeightStore()):
+        assert probe(torch.randn(2, 6, requires_grad=True)) is None
+    assert probe.calls == 1

@@ -120,7 +120,7 @@ class _DeferringForward:
         store = _local.store
         if store is not None and torch.is_grad_enabled() and _saved_tensor_hooks() == _local.hooks:
             out = self.deferred(module, store, args, kwargs)
-            if out is not None:
+            if out is not None or self.deferred in _WHOLE:
                 return out
         return type(module).forward(module, *args, **kwargs)
 
@@ -193,9 +193,12 @@ def _attention(
     """``nn.MultiheadAttention``'s self-attention without masks, as its forward calls
     ``F.multi_head_attention_forward`` (in training, or with a gradient to take, its
     fast path is off); any other call runs under the mode."""
-    query, key, value, padding_mask, need_weights, mask, average, causal = _attention_args(
-        *args, **kwargs
-    )
+    try:
+        query, key, value, padding_mask, need_weights, mask, average, causal = _attention_args(
+            *args, **kwargs
+        )
+    except TypeError:  # arguments of another torch's: its own forward says what is wrong
+        return _under_mode(module, store, args, kwargs)
     plain = (
         query is key is value
         and type(query) is torch.Tensor
@@ -271,3 +274,7 @@ def _under_mode(
 
 def _saved_tensor_hooks() -> Any:
     return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks()
+
+
+_WHOLE = frozenset({_attention, _under_mode})
+"""The deferring forwards that run the whole layer: their output is the layer's, even None."""
