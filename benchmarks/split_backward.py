@@ -7,15 +7,21 @@ requires grad, its output given a random gradient), run as pipesched's runtime
 runs it:
 
 - whole: the forward as a 1f1b step runs it, then ``backward_full``.
-- B, W: the forward under ``DeferredWeightsMode`` (as a zero-bubble step runs
-  it), then ``backward_input`` (B) and, after it, ``WeightGradients.run`` (W).
+- B, W: the forward with its layers deferring (``deferral``, as a zero-bubble
+  step runs it), then ``backward_input`` (B) and, after it,
+  ``WeightGradients.run`` (W).
+- mode: B + W with the forward run under ``DeferredWeightsMode`` as a whole (the
+  way before layers deferred; traced stages still run so), over the whole backward.
 - checkpoint="always": one forward plus the whole backward, against B (which
   recomputes the forward once) plus W, the forward run under pipesched's
   checkpoint (not timed: both rows run it).
 - /ckpt: B + W with checkpointing over the checkpointed whole backward (what
   1F1B pays for a checkpointed micro-batch: torch's checkpoint costs more than
   one forward by itself).
-- forward: the plain forward against the forward under the mode (its cost per op).
+- forward: the plain forward, the forward with its layers deferring (F layers)
+  and under the mode (F mode): what deferral costs the forward. ``--overhead``
+  prints only that, on the same stages at width 16 (2 x 4 tokens), where the
+  forward is nearly all Python: what two stage threads serialize on the GIL.
 - graph: B + W as pipesched split the backward before the mode (a graph analysis
   per B, one autograd call per weight group in W; ``backward_input`` without a
   store), over the whole backward.
@@ -49,6 +55,7 @@ from torch import Tensor, nn
 
 from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
+from pipesched.runtime.deferred_layers import Deferral, deferral
 from pipesched.runtime.stage.recompute import checkpoint
 
 LIMIT = 1.05
@@ -119,11 +126,14 @@ class Gpt2Blocks(nn.Module):
         return x
 
 
-def models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
+def models(width: int = 256) -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
+    """The four stages (the MLP 4x as wide), at ``width`` (``--overhead``: 16, on 2 x 4 tokens)."""
+    rows = (8, 64) if width == 256 else (2, 4)
+
     def encoder() -> nn.Module:
         return nn.Sequential(
             *(
-                nn.TransformerEncoderLayer(256, 4, 1024, dropout=0, batch_first=True)
+                nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0, batch_first=True)
                 for _ in range(4)
             )
         )
@@ -131,34 +141,66 @@ def models() -> dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]]:
     def mlp() -> nn.Module:
         layers: list[nn.Module] = []
         for _ in range(4):
-            layers += [nn.Linear(1024, 1024), nn.ReLU()]
+            layers += [nn.Linear(4 * width, 4 * width), nn.ReLU()]
         return nn.Sequential(*layers)
 
     return {
-        "TransformerEncoderLayer(256) x4": (encoder, (8, 64, 256)),
-        "GPT-2 block (256) x4": (lambda: Gpt2Blocks(4, 256), (8, 64, 256)),
-        "ViT block (256) x4": (
-            lambda: nn.Sequential(*(VitBlock(256, 4) for _ in range(4))),
-            (8, 64, 256),
+        f"TransformerEncoderLayer({width}) x4": (encoder, (*rows, width)),
+        f"GPT-2 block ({width}) x4": (lambda: Gpt2Blocks(4, width), (*rows, width)),
+        f"ViT block ({width}) x4": (
+            lambda: nn.Sequential(*(VitBlock(width, 4) for _ in range(4))),
+            (*rows, width),
         ),
-        "Linear(1024)+ReLU x4": (mlp, (512, 1024)),
+        f"Linear({4 * width})+ReLU x4": (mlp, (rows[0] * rows[1], 4 * width)),
     }
 
 
-class _Deferred(nn.Module):
-    """The stage run under the deferred-weights mode, as pipesched's checkpointed forward."""
+def overhead(rounds: int) -> None:
+    """What deferral adds to a forward where compute is nearly nothing (width 16, 8 tokens):
+    the Python a split backward's forward runs, which two stage threads serialize on."""
+    print(
+        f"forward overhead, width 16, 2 x 4 tokens: medians of {rounds} rounds (us, {CLOCK_NAME})"
+    )
+    print(f"{'model':34} {'plain':>7} {'layers':>7} {'mode':>7}  {'+layers':>7} {'+mode':>7}")
+    for name, (build, shape) in models(16).items():
+        model = build().train()
+        x = torch.randn(*shape).requires_grad_()
+        contexts: dict[str, Deferral] = {
+            "plain": lambda store: torch.enable_grad(),
+            "layers": deferral(model),
+            "mode": DeferredWeightsMode,
+        }
+        times: dict[str, list[float]] = {k: [] for k in contexts}
+        for r in range(rounds + 2):
+            for how in list(contexts) if r % 2 else list(contexts)[::-1]:
+                start = CLOCK()
+                for _ in range(20):
+                    with contexts[how](WeightStore()):
+                        model(x)
+                if r >= 2:  # two rounds of warm-up
+                    times[how].append((CLOCK() - start) / 20 * 1e6)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        print(
+            f"{name:34} {med['plain']:7.0f} {med['layers']:7.0f} {med['mode']:7.0f}  "
+            f"{med['layers'] - med['plain']:7.0f} {med['mode'] - med['plain']:7.0f}"
+        )
 
-    def __init__(self, stage: nn.Module, store: WeightStore) -> None:
+
+class _Deferred(nn.Module):
+    """The stage run deferring, as pipesched's checkpointed forward."""
+
+    def __init__(self, stage: nn.Module, store: WeightStore, defer: Deferral) -> None:
         super().__init__()
-        self.stage, self.store = stage, store
+        self.stage, self.store, self.defer = stage, store, defer
 
     def forward(self, x: Tensor) -> Tensor:
-        with DeferredWeightsMode(self.store):
+        with self.defer(self.store):
             return self.stage(x)  # type: ignore[no-any-return]
 
 
 CLOCK = time.thread_time
 """This thread's CPU time (``--clock wall``: ``time.perf_counter``)."""
+CLOCK_NAME = "thread CPU time"
 
 
 def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
@@ -173,18 +215,29 @@ def _whole(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> No
     t["whole"], _ = _clock(lambda y=y: backward_full([y], [g], [leaf]))
 
 
-def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float], mode: bool) -> None:
+    """B and W, the forward deferring layer by layer (``mode``: under the mode as a whole)."""
     model.zero_grad(set_to_none=True)
     store = WeightStore()
+    defer = DeferredWeightsMode if mode else deferral(model)
+    suffix = "_mode" if mode else ""
 
     def deferred_forward() -> Tensor:
-        with DeferredWeightsMode(store):
+        with defer(store):
             return model(leaf)  # type: ignore[no-any-return]
 
-    t["forward_mode"], y = _clock(deferred_forward)
-    t["B"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
+    t["forward" + (suffix or "_layers")], y = _clock(deferred_forward)
+    t["B" + suffix], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
     del y
-    t["W"], _ = _clock(w.run)
+    t["W" + suffix], _ = _clock(w.run)
+
+
+def _split_layers(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    _split(model, leaf, g, t, mode=False)
+
+
+def _split_mode(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
+    _split(model, leaf, g, t, mode=True)
 
 
 def _graph_split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
@@ -215,7 +268,7 @@ def _whole_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, 
 def _split_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
     model.zero_grad(set_to_none=True)
     store = WeightStore()
-    y = checkpoint(_Deferred(model, store), leaf, preserve_rng_state=True)
+    y = checkpoint(_Deferred(model, store, deferral(model)), leaf, preserve_rng_state=True)
     t["B_ckpt"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
     del y
     t["W_ckpt"], _ = _clock(w.run)
@@ -225,7 +278,9 @@ def one_round(model: nn.Module, x: Tensor, g: Tensor, k: int) -> dict[str, float
     """Every contender once, in turn (reversed every other round)."""
     t: dict[str, float] = {}
     leaf = x.detach().requires_grad_()
-    contenders = [_whole, _split, _whole_checkpointed, _split_checkpointed, _graph_split]
+    contenders = [
+        _whole, _split_layers, _whole_checkpointed, _split_checkpointed, _split_mode, _graph_split
+    ]  # fmt: skip
     for run in contenders if k % 2 == 0 else contenders[::-1]:
         run(model, leaf, g, t)
     return t
@@ -236,21 +291,27 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--only", default=None, help="run the models whose name contains this")
     parser.add_argument("--clock", choices=("cpu", "wall"), default="cpu")
+    parser.add_argument(
+        "--overhead", action="store_true", help="only what deferral adds to a tiny forward"
+    )
     args = parser.parse_args()
-    global CLOCK
+    global CLOCK, CLOCK_NAME
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    clock = "thread CPU time" if args.clock == "cpu" else "wall time"
+    clock = CLOCK_NAME = "thread CPU time" if args.clock == "cpu" else "wall time"
+    if args.overhead:
+        overhead(max(args.rounds, 21))
+        return
     print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, medians (ms, {clock})")
     header = (
         f"{'model':34} {'whole':>7} {'B':>7} {'W':>7} {'B+W':>7} {'ratio':>6}  "
-        f"{'F+whole':>8} {'B+W ckpt':>8} {'ratio':>6} {'/ckpt':>6}  {'F':>6} {'F mode':>7} "
-        f"{'graph':>6}"
+        f"{'F+whole':>8} {'B+W ckpt':>8} {'ratio':>6} {'/ckpt':>6}  {'F':>6} {'F layers':>8} "
+        f"{'F mode':>7} {'mode':>6} {'graph':>6}"
     )
     print(header)
     verdicts = []
-    bests: list[tuple[str, float, float, float]] = []
+    bests: list[tuple[str, float, float, float, float]] = []
     for name, (build, shape) in models().items():
         if args.only and args.only not in name:
             continue
@@ -270,6 +331,7 @@ def main() -> None:
             (r["B_ckpt"] + r["W_ckpt"]) / (r["forward"] + r["whole"]) for r in rounds
         )
         graph = statistics.median(r["graph"] / r["whole"] for r in rounds)
+        by_mode = statistics.median((r["B_mode"] + r["W_mode"]) / r["whole"] for r in rounds)
         to_ckpt = statistics.median((r["B_ckpt"] + r["W_ckpt"]) / r["whole_ckpt"] for r in rounds)
         best = {k: min(r[k] for r in rounds) for k in rounds[0]}
         bests.append(
@@ -277,6 +339,7 @@ def main() -> None:
                 name,
                 (best["B"] + best["W"]) / best["whole"],
                 (best["B_ckpt"] + best["W_ckpt"]) / (best["forward"] + best["whole"]),
+                best["forward_layers"] / best["forward"],
                 best["forward_mode"] / best["forward"],
             )
         )
@@ -286,13 +349,17 @@ def main() -> None:
             f"{name:34} {med['whole']:7.2f} {med['B']:7.2f} {med['W']:7.2f} "
             f"{med['B'] + med['W']:7.2f} {ratio:6.3f}  {med['forward'] + med['whole']:8.2f} "
             f"{med['B_ckpt'] + med['W_ckpt']:8.2f} {ratio_ckpt:6.3f} {to_ckpt:6.3f}  "
-            f"{med['forward']:6.2f} {med['forward_mode']:7.2f} {graph:6.3f}  "
+            f"{med['forward']:6.2f} {med['forward_layers']:8.2f} {med['forward_mode']:7.2f} "
+            f"{by_mode:6.3f} {graph:6.3f}  "
             f"{'PASS' if ok else 'FAIL'}"
         )
     print("ratios: medians of the per-round ratios; target <=", LIMIT)
-    print("on the bests (min over rounds): B+W / whole, B+W ckpt / (F + whole), F mode / F")
-    for name, split, ckpt, forward in bests:
-        print(f"  {name:34} {split:6.3f} {ckpt:6.3f} {forward:6.3f}")
+    print(
+        "on the bests (min over rounds): B+W / whole, B+W ckpt / (F + whole), "
+        "F layers / F, F mode / F"
+    )
+    for name, split, ckpt, layers, forward in bests:
+        print(f"  {name:34} {split:6.3f} {ckpt:6.3f} {layers:6.3f} {forward:6.3f}")
     print("PASS" if all(verdicts) else "FAIL")
 
 

@@ -1,6 +1,6 @@
 """One stage's backward pass, whole or split into input gradients (B) and weight gradients (W).
 
-With a forward run under :class:`~pipesched.runtime.deferred.DeferredWeightsMode`, B is
+With a forward run deferring (:mod:`pipesched.runtime.deferred_layers`), B is
 one backward that leaves the deferrable weights' products in the micro-batch's store
 and W runs them: no retained graph, no second traversal, one recomputation. Without
 it, B runs autograd from outputs to inputs with the graph retained, capturing the
@@ -62,13 +62,17 @@ def _whole(
     grad_outputs: Sequence[Tensor | None] | None,
     inputs: Sequence[Any],
     kind: BackwardKind,
+    store: WeightStore | None = None,
 ) -> Grads:
-    """One backward over the whole graph, declared as ``kind``; the inputs' gradients."""
+    """One backward over the whole graph, declared as ``kind``; the inputs' gradients
+    (``store``: the weights it may defer, those some other op uses flagged first)."""
     roots, root_grads = _roots(outputs, grad_outputs)
     wanted = _inputs_wanting_grad(inputs)
     result: list[Tensor | None] = [None] * len(inputs)
     if not roots:
         return tuple(result)
+    if store is not None:
+        store.flag_shared(roots)
     previous = [x.grad for _, x in wanted]
     for _, x in wanted:
         x.grad = None
@@ -96,8 +100,8 @@ def backward_input(
     ``.grad`` exactly what :func:`backward_full` would have.
 
     Args:
-        store: the store of the forward's
-            :class:`~pipesched.runtime.deferred.DeferredWeightsMode`, or None
+        store: the store the forward deferred into
+            (:mod:`pipesched.runtime.deferred_layers`), or None
             (a forward run without it). With a store, B is one backward that
             leaves the deferrable weights' gradients to W and accumulates the
             others' (weights some other op also uses) itself, as
@@ -123,7 +127,8 @@ def backward_input(
         torch.Size([2, 3])
     """
     if store is not None:
-        return _whole(outputs, grad_outputs, inputs, DEFERRED), WeightGradients(store=store)
+        grads = _whole(outputs, grad_outputs, inputs, DEFERRED, store)
+        return grads, WeightGradients(store=store)
     roots, root_grads = _roots(outputs, grad_outputs)
     wanted = _inputs_wanting_grad(inputs)
     result: list[Tensor | None] = [None] * len(inputs)

@@ -7,21 +7,23 @@ embedding, self-attention's projections; layer_norm's affine part) run as Functi
 (:mod:`pipesched.runtime.deferred_ops`) that in a split B compute the input gradient
 and keep ``(input, gradient)`` in the micro-batch's :class:`WeightStore`; W computes
 them with autograd's formulas and accumulates as ``AccumulateGrad`` does. A weight
-another op also uses (or hooked, or not a leaf) gets its whole gradient from autograd
-in B: exact, only not deferred.
+another op also uses (read from the graph as B starts: :meth:`WeightStore.flag_shared`),
+hooked, or not a leaf, gets its whole gradient from autograd in B: exact, only not
+deferred. Eager stages defer layer by layer (:mod:`pipesched.runtime.deferred_layers`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
+from torch.autograd.graph import Node, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from pipesched.runtime.compat.internals import top_saved_tensors_hooks
-from pipesched.runtime.deferred_ops import HANDLERS, accumulate, linear_weight_grads
+from pipesched.runtime.deferred_ops import HANDLERS, accumulate, input_edges, linear_weight_grads
 from pipesched.runtime.fused_linear import accumulate_mm, weight_factors
 
 __all__ = ["DeferredWeightsMode", "WeightStore"]
@@ -37,12 +39,17 @@ class WeightStore:
         fused: ids of the parameters whose gradient W adds into ``.grad`` inside
             the GEMM (:mod:`pipesched.runtime.fused_linear`); others get
             autograd's sum, bitwise.
+        siblings: the same stage's stores in this step, in the order of their
+            forwards (a list the caller extends), this one included.
     """
 
-    __slots__ = ("entries", "flagged", "fused")
+    __slots__ = ("entries", "flagged", "fused", "siblings")
 
-    def __init__(self, fused: frozenset[int] = frozenset()) -> None:
+    def __init__(
+        self, fused: frozenset[int] = frozenset(), siblings: Sequence[WeightStore] = ()
+    ) -> None:
         self.fused = fused
+        self.siblings = siblings
         self.flagged: set[int] = set()
         """Ids of parameters an op other than the deferred ones used (autograd's, in B)."""
         self.entries: list[_Entry] = []
@@ -51,14 +58,53 @@ class WeightStore:
     def __len__(self) -> int:
         return len(self.entries)
 
-    def run(self) -> None:
+    def flag_shared(self, roots: Sequence[Tensor]) -> None:
+        """Flags the parameters that a backward from ``roots`` reaches other than as the
+        weight of a deferred op: B gives them autograd's whole gradient.
+
+        Read from the graph, once per B, so a weight some op uses only in some
+        forwards (a data-dependent branch) is flagged exactly where it is used.
+        The pending W of a weight flagged here (from micro-batches whose B ran
+        before this one) run first: ``.grad`` sums the micro-batches in order, as a
+        whole backward per micro-batch does.
+        """
+        flagged = self.flagged
+        seen: set[Node] = set()
+        stack: list[Any] = [t.grad_fn for t in roots if t.grad_fn is not None]
+        flagged.update(id(t) for t in roots if t.grad_fn is None)  # a leaf as an output
+        while stack:
+            node = stack.pop()
+            kind = type(node)
+            inputs = _INPUT_EDGES.get(kind, _UNKNOWN)
+            if inputs is _UNKNOWN:
+                inputs = _INPUT_EDGES[kind] = input_edges(node)
+            for k, (child, _) in enumerate(node.next_functions):
+                if child is None:
+                    continue
+                if type(child) is _ACCUMULATE_GRAD:
+                    if inputs is None or k in inputs:
+                        flagged.add(id(child.variable))
+                elif child not in seen:
+                    seen.add(child)
+                    stack.append(child)
+        if flagged:
+            for store in self.siblings:  # before its B, this one holds nothing
+                if store.entries:
+                    store.run(flagged)
+
+    def run(self, only: set[int] | None = None) -> None:
         """W: each stashed weight gradient computed and accumulated into ``.grad``; frees them.
 
         The products run last-stashed first (what B touched last is likeliest in
         cache). A parameter reached several times gets the sum of its parts in
         the order B reached them, then one accumulation, as autograd's engine does.
+
+        Args:
+            only: ids of the parameters to run now (None: all); the others stay.
         """
         entries, self.entries = self.entries, []
+        if only is not None:
+            entries = [now for e in entries if (now := self._part(e, only)) is not None]
         uses: dict[int, int] = {}
         for _, params, _ in entries:
             for p in params:
@@ -93,16 +139,27 @@ class WeightStore:
                             total = total + part
                         accumulate(p, total)
 
+    def _part(self, entry: _Entry, only: set[int]) -> _Entry | None:
+        """The part of ``entry`` for the parameters in ``only`` (None: no part); the rest of
+        it goes back to :attr:`entries`."""
+        compute, params, payload = entry
+        now = tuple(p if p is not None and id(p) in only else None for p in params)
+        later = tuple(None if q is not None else p for p, q in zip(params, now, strict=True))
+        if any(p is not None for p in later):
+            self.entries.append((compute, later, payload))
+        return (compute, now, payload) if any(p is not None for p in now) else None
+
     def _fuses(self, p: Tensor, uses: dict[int, int]) -> bool:
         return id(p) in self.fused and uses[id(p)] == 1
 
 
 class DeferredWeightsMode(TorchFunctionMode):
-    """Runs a stage's forward with its deferrable ops as Functions writing to ``store``.
+    """Runs a forward with its deferrable ops as Functions writing to ``store``.
 
-    Entered around every forward (and checkpoint recomputation) of a stage whose
-    backward is split; which ops are deferred depends on nothing that changes
-    between a forward and its recomputation.
+    Entered around every forward (and checkpoint recomputation) of a traced stage
+    whose backward is split, or of one layer (:mod:`pipesched.runtime.deferred_layers`);
+    which ops are deferred depends on nothing that changes between a forward and
+    its recomputation.
     """
 
     def __init__(self, store: WeightStore) -> None:
@@ -129,32 +186,17 @@ class DeferredWeightsMode(TorchFunctionMode):
             out = handler(self.store, args, kwargs)
             if out is not None:
                 return out
-        out = func(*args, **kwargs)
-        if _requires_grad(out):  # a weight some other op uses: autograd's in B
-            _flag(self.store.flagged, args)
-            if kwargs:
-                _flag(self.store.flagged, tuple(kwargs.values()))
-        return out
+        return func(*args, **kwargs)
 
 
 def _saved_tensor_hooks() -> Any:
     return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks()
 
 
-def _requires_grad(out: Any) -> bool:
-    if isinstance(out, Tensor):
-        return out.requires_grad
-    if type(out) is tuple or type(out) is list:
-        return any(isinstance(t, Tensor) and t.requires_grad for t in out)
-    return False
+_ACCUMULATE_GRAD: type[Any] = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)
+"""The type of a leaf's node (``AccumulateGrad``)."""
 
-
-def _flag(flagged: set[int], args: tuple[Any, ...]) -> None:
-    for a in args:
-        kind = type(a)
-        if kind is Tensor:  # the common case first: Parameter's isinstance is a Python call
-            continue
-        if kind is nn.Parameter or (issubclass(kind, Tensor) and isinstance(a, nn.Parameter)):
-            flagged.add(id(a))
-        elif kind is tuple or kind is list:
-            _flag(flagged, a)
+_INPUT_EDGES: dict[type, frozenset[int] | None] = {}
+"""Per node type, the positions of its edges that are not a deferring op's weights
+(None: all of them)."""
+_UNKNOWN = frozenset({-1})

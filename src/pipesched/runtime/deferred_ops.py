@@ -22,7 +22,7 @@ from pipesched.runtime.compat.internals import has_gradient_hooks
 if TYPE_CHECKING:
     from pipesched.runtime.deferred import WeightStore
 
-__all__ = ["HANDLERS", "accumulate", "linear_weight_grads"]
+__all__ = ["HANDLERS", "accumulate", "input_edges", "linear_weight_grads"]
 
 _aten = torch.ops.aten
 _LINEARS = (F.linear, _aten.linear.default)
@@ -31,17 +31,32 @@ _LAYER_NORMS = (F.layer_norm, _aten.layer_norm.default)
 _EMBEDDINGS = (F.embedding, _aten.embedding.default)
 
 
+def input_edges(node: Any) -> frozenset[int] | None:
+    """Where ``node`` is a deferring op's, the positions of its inputs' edges (the others
+    are its weights'); None (every edge is an input's) for any other node."""
+    return getattr(node, "input_edges", None)
+
+
+_FIRST = frozenset({0})
+"""The input's edge of an op whose tensors are ``(input, weight[, bias])``."""
+_INDICES = frozenset({1})
+"""An embedding's tensors are ``(weight, indices)``."""
+
+
 def _plain(x: Any, *params: Any) -> bool:
     """Whether the op's operands are ones the Functions reproduce autograd's formulas for."""
-    if type(x) is not Tensor or x.is_complex() or torch.is_autocast_enabled(x.device.type):
+    if type(x) is not Tensor or x.is_complex():
+        return False
+    device, dtype = x.device, x.dtype
+    if torch.is_autocast_enabled(device.type):
         return False
     for p in params:
         if p is not None and not (
             (type(p) is nn.Parameter or type(p) is Tensor)  # no subclass (DTensor, ...)
-            and p.layout == torch.strided
+            and p.dtype is dtype
+            and p.layout is torch.strided
             and p.is_contiguous()
-            and p.dtype == x.dtype
-            and p.device == x.device
+            and p.device == device
         ):
             return False
     return True
@@ -114,6 +129,7 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight if x.requires_grad else None)
         ctx.parameters = (weight, bias)  # the tensors themselves (checkpoint gives aliases)
         ctx.transposed, ctx.store, ctx.declaration = transposed, store, declared
+        ctx.input_edges = _FIRST
         if transposed and bias is not None:
             return torch.addmm(bias, x, weight)
         return F.linear(x, weight, bias)
@@ -211,11 +227,12 @@ class _LayerNorm(torch.autograd.Function):
         store: WeightStore,
         declared: Declaration,
     ) -> Tensor:
-        out, mean, rstd = _aten.native_layer_norm(x, shape, weight, bias, eps)
+        out, mean, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
         ctx.save_for_backward(x, mean, rstd)
         ctx.parameters = (weight, bias)
         ctx.shape, ctx.store, ctx.declaration = shape, store, declared
-        return out  # type: ignore[no-any-return]
+        ctx.input_edges = _FIRST
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -309,7 +326,8 @@ class _Embedding(torch.autograd.Function):
         ctx.weight = weight
         ctx.options = (weight.shape[0], padding_idx, scale)
         ctx.store, ctx.declaration = store, declared
-        return _aten.embedding(weight, indices, padding_idx, scale, False)  # type: ignore[no-any-return]
+        ctx.input_edges = _INDICES
+        return torch.embedding(weight, indices, padding_idx, scale, False)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -405,9 +423,10 @@ class _Convolution(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.parameters = (weight, bias)
         ctx.conv, ctx.store, ctx.declaration = conv, store, declared
+        ctx.input_edges = _FIRST
         stride, padding, dilation, groups = conv
         zeros = [0] * len(stride)
-        return _aten.convolution(x, weight, bias, stride, padding, dilation, False, zeros, groups)  # type: ignore[no-any-return]
+        return torch.convolution(x, weight, bias, stride, padding, dilation, False, zeros, groups)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

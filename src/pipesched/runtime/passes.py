@@ -21,7 +21,8 @@ from torch import nn
 
 from pipesched.errors import ConfigError
 from pipesched.runtime.backward import backward_full, backward_input
-from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
+from pipesched.runtime.deferred import WeightStore
+from pipesched.runtime.deferred_layers import Deferral, deferral
 from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
 from pipesched.runtime.stage.recompute import checkpoint
 from pipesched.runtime.stage.rng import StepSeed
@@ -84,6 +85,7 @@ class StepState:
     saved: dict[tuple[int, int], tuple[Any, Any]] = field(default_factory=dict)
     pending_weights: dict[tuple[int, int], Any] = field(default_factory=dict)
     weight_stores: dict[tuple[int, int], WeightStore] = field(default_factory=dict)
+    stage_stores: dict[int, list[WeightStore]] = field(default_factory=dict)
     lock: threading.Lock = field(default_factory=threading.Lock)
     plain_loss: bool | None = None  # whether the loss_fn draws nothing, once known
 
@@ -125,6 +127,8 @@ class StagePasses:
         """How the loss function's random draws are seeded."""
         self.tied = TiedGradients(self.stages)
         """Shared parameters' gradients, summed in stage order (steps in several threads)."""
+        self._deferrals: list[Deferral | None] = [None] * len(self.stages)
+        """How each stage's split-backward forwards defer, once one has run."""
         self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
         """Optional: a context manager entered around each forward of stage ``s``
         (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
@@ -161,15 +165,21 @@ class StagePasses:
             x = map_tensors(x, arrive)
         # Fused weight-gradient accumulation only where pipesched runs the backward.
         fused = self.fused[s] if self.fused is not None and state.detach else None
-        store = None
+        deferred = None
         # A split backward: B leaves the weights' products to W, with no second pass.
         if state.split_backward and state.detach and step.loss_fn and torch.is_grad_enabled():
-            store = state.weight_stores[s, i] = WeightStore(fused or frozenset())
+            siblings = state.stage_stores.setdefault(s, [])
+            store = state.weight_stores[s, i] = WeightStore(fused or frozenset(), siblings)
+            siblings.append(store)
+            defer = self._deferrals[s]
+            if defer is None:
+                defer = self._deferrals[s] = deferral(self.stages[s])  # type: ignore[arg-type]
+            deferred = (defer, store)
         if self.forward_context is None:
-            y = self._run(s, i, x, state, fused, store)
+            y = self._run(s, i, x, state, fused, deferred)
         else:
             with self.forward_context(s):
-                y = self._run(s, i, x, state, fused, store)
+                y = self._run(s, i, x, state, fused, deferred)
         if not state.detach and self.seeding[s].checkpoints and torch.is_grad_enabled():
             raise ConfigError(
                 f"stage {s} checkpoints itself (torch.utils.checkpoint) around random "
@@ -212,23 +222,24 @@ class StagePasses:
         x: Any,
         state: StepState,
         fused: frozenset[int] | None,
-        store: WeightStore | None,
+        deferred: tuple[Deferral, WeightStore] | None,
     ) -> Any:
         """Stage ``s`` on ``x``: checkpointed or not, seeded as its seeding says, maybe fused
-        (where ``store`` is given: with its weight gradients deferred into it)."""
+        (where ``deferred`` is given: with its weight gradients deferred into its store)."""
         stage, seeding = self.stages[s], self.seeding[s]
         stop = state.step.checkpoint_stop
         if i < (stop if isinstance(stop, int) else stop[s]) and torch.is_grad_enabled():
             # No RNG replay: _Seeded reseeds random operations itself, and torch's
             # replay sets the process-wide generator unlocked (racing other stages).
-            seeded = _Seeded(stage, seeding, state.seed, i, fused, store, own=state.detach)  # type: ignore[arg-type]
+            seeded = _Seeded(stage, seeding, state.seed, i, fused, deferred, own=state.detach)  # type: ignore[arg-type]
             return checkpoint(seeded, x, preserve_rng_state=False)
         handed: list[tuple[torch.Tensor, torch.Tensor]] = []
         if state.detach:  # the stage may modify its input in place, as in the plain model
             x = _hand_over(x, handed)
         # What _Seeded.forward does, without building a module per micro-batch.
-        if store is not None:
-            with seeding.forward(state.seed, i), DeferredWeightsMode(store):
+        if deferred is not None:
+            defer, store = deferred
+            with seeding.forward(state.seed, i), defer(store):
                 y = stage(x)  # type: ignore[misc]
         elif fused:
             with seeding.forward(state.seed, i), FusedLinearMode(fused):
@@ -314,7 +325,7 @@ class _Seeded(nn.Module):
         seed: StepSeed,
         microbatch: int,
         fused: frozenset[int] | None,
-        store: WeightStore | None,
+        deferred: tuple[Deferral, WeightStore] | None,
         *,
         own: bool = False,
     ) -> None:
@@ -322,20 +333,23 @@ class _Seeded(nn.Module):
         self.stage = stage
         self.seeding, self.seed, self.microbatch = seeding, seed, microbatch
         self.fused = fused
-        self.store = store
+        self.deferred = deferred
         self.own = own
 
     def forward(self, x: Any) -> Any:
         if self.own:  # a copy of its own: the recomputation must see the input unmodified
             x = map_tensors(x, _own_copy)
-        with self.seeding.forward(self.seed, self.microbatch), _fusing(self.fused, self.store):
+        with self.seeding.forward(self.seed, self.microbatch), _fusing(self.fused, self.deferred):
             return self.stage(x)
 
 
-def _fusing(fused: frozenset[int] | None, store: WeightStore | None) -> AbstractContextManager[Any]:
-    """The forward's mode: deferred weights (a split backward), fused linears, or none."""
-    if store is not None:  # the same store for the recomputation: it defers the same ops
-        return DeferredWeightsMode(store)
+def _fusing(
+    fused: frozenset[int] | None, deferred: tuple[Deferral, WeightStore] | None
+) -> AbstractContextManager[Any]:
+    """The forward's context: deferred weights (a split backward), fused linears, or none."""
+    if deferred is not None:  # the same store for the recomputation: it defers the same ops
+        defer, store = deferred
+        return defer(store)
     return FusedLinearMode(fused) if fused else nullcontext()
 
 

@@ -12,10 +12,12 @@ from pipesched.errors import ConfigError
 
 __all__ = [
     "check_not_freed",
+    "is_traced",
     "keep_own_stages",
     "record_replacement",
     "replaced_parameters",
     "replacement",
+    "stage_holders",
     "stage_parameters",
 ]
 
@@ -88,7 +90,7 @@ def keep_own_stages(
         if s not in own:
             for layer in _layers(stage, recurse=False):
                 if id(layer) not in own_modules:
-                    recurse = not _traced(stage)
+                    recurse = not is_traced(stage)
                     modules = list(layer.modules() if recurse else [layer])
                     _freed.update(m for m in modules if any(not t.is_meta for t in _own_tensors(m)))
                     before = [
@@ -158,21 +160,22 @@ def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
 
 def stage_parameters(stage: nn.Module) -> list[nn.Parameter]:
     """The Parameters a stage computes with: its own, or the model's for a traced stage."""
-    return stage.used_parameters() if _traced(stage) else list(stage.parameters())  # type: ignore[operator]
+    return stage.used_parameters() if is_traced(stage) else list(stage.parameters())  # type: ignore[operator]
 
 
 def stage_holders(stage: nn.Module) -> list[nn.Module]:
     """The modules that register a stage's parameters: itself, or a traced stage's owners."""
-    return _layers(stage, recurse=False) if _traced(stage) else [stage]
+    return _layers(stage, recurse=False) if is_traced(stage) else [stage]
 
 
-def _traced(stage: nn.Module) -> bool:
+def is_traced(stage: nn.Module) -> bool:
+    """Whether ``stage`` is a traced one: a graph computing with the model's parameters."""
     return hasattr(stage, "used_parameters")
 
 
 def _layers(stage: nn.Module, *, recurse: bool) -> list[nn.Module]:
     """What moves with a stage: its layers, or a traced stage's owners of state (not recursed)."""
-    if _traced(stage):  # its own constants are small: they stay
+    if is_traced(stage):  # its own constants are small: they stay
         owners: tuple[nn.Module, ...] = stage.owners  # type: ignore[assignment]
         return list(owners)
     return list(stage.modules()) if recurse else list(stage.children())
