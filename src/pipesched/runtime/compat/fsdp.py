@@ -34,7 +34,8 @@ def shard(
         modules: the modules registering a rank's stages' parameters (each stage,
             or a traced stage's owners); ``used`` of their parameters become
             sharded DTensors, the others (another rank's) stay as they are.
-        mesh: the 1-D mesh of the ranks that hold a copy of the stages (replicas).
+        mesh: the ranks that hold a copy of the stages (their replicas): 1-D, or
+            2-D (replicate, shard) for HSDP.
 
     Returns:
         The roots (the modules no other of ``modules`` contains), each sharded
