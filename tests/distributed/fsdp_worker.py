@@ -7,7 +7,8 @@ mesh (``whole``: the replicated one). Models: ``mlp``; ``mlp32`` (fp32); ``drop`
 (a dropout from step LATE on: that step is put back and rerun); ``traced`` (a tied
 LM); ``gpt2`` (HF's, traced); ``ckpt`` (saved after SAVE_AT steps, resumed by a new
 sharded pipeline; a mid-window save refused); ``meta`` (built on meta, loads that
-checkpoint); ``early`` (its optimizer built before the Pipeline); ``hsdp`` (pp=1 x dp=4, shard
+checkpoint); ``early`` (its optimizer built before the Pipeline); ``failstep`` (a window end
+failing on one rank inside optimizer.step, then flushed); ``hsdp`` (pp=1 x dp=4, shard
 groups of 2); ``resume`` (on 2
 ranks: the checkpoint at pp=2 x dp=1, unsharded). Each rank writes per config the
 parameters its stages use (whole), its bytes held and its reductions.
@@ -29,7 +30,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from pipesched import GradientAccumulator, Pipeline
-from pipesched.errors import CheckpointError
+from pipesched.errors import CheckpointError, RemoteError
 from pipesched.runtime.mesh import init_mesh
 from tests.distributed import sharded_worker as w
 
@@ -37,6 +38,7 @@ WINDOWS = 3
 PP = 2
 BALANCE = {1: [8], 2: [4, 4], 4: [2, 2, 2, 2]}
 LATE = 3  # the second window's last step: its rerun must still reduce-scatter after it
+FAIL_AT = 3  # "failstep": the second window's end fails on rank 1, is put back, flushed
 SAVE_AT = 4  # "ckpt": saved after two windows; its last resumed, here and elsewhere
 
 
@@ -103,6 +105,38 @@ class LateDropout(nn.Module):
         return nn.functional.dropout(x.tanh(), 0.2, self.training and self.on)
 
 
+def fail_window_end(acc: GradientAccumulator, i: int, replica: int, dp: int) -> dict[str, Any]:
+    """Step ``i`` (a window's last) with rank 1's optimizer failing once after it stepped.
+
+    Every rank's window end is put back (the shards' gradients too); ``flush()`` retries it.
+    """
+    optimizer = acc.optimizers[0]
+    step = optimizer.step
+    before = {n: p.detach().clone() for n, p in acc.pipe.named_parameters() if not p.is_meta}
+    if dist.get_rank() == 1:
+
+        def fail(*args: Any, **kwargs: Any) -> None:
+            optimizer.step = step  # type: ignore[method-assign]
+            step(*args, **kwargs)  # this rank's shards move...
+            raise RuntimeError("rank 1's optimizer failed")  # ...then it fails
+
+        optimizer.step = fail  # type: ignore[method-assign]
+    seen = None
+    try:
+        w.train(acc, range(i, i + 1), replica, dp)
+    except (RuntimeError, RemoteError) as err:
+        seen = type(err).__name__
+    after = {n: p.detach() for n, p in acc.pipe.named_parameters() if not p.is_meta}
+    put_back = all(torch.equal(_whole(before[n]), _whole(p)) for n, p in after.items())
+    result = {"error": seen, "pending": acc.window_end_pending, "put_back": put_back}
+    acc.flush()
+    return result
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def local_bytes(tensors: list[torch.Tensor]) -> int:
     total = 0
     for t in tensors:
@@ -154,7 +188,7 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
         return optimizer_step(*args, **kwargs)
 
     optimizer.step = measured  # type: ignore[method-assign]
-    mid_window = None
+    mid_window, failures = None, None
     if name in ("resume", "meta"):  # "ckpt"'s checkpoint: at pp=2 x dp=1; built on meta
         acc.load(str(out / "ckpt"))
     for i in range(acc.steps, WINDOWS * w.STEPS):
@@ -175,6 +209,8 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
         if name == "gpt2":
             ids = gpt2_batch(i, mesh.get_local_rank("dp"), dp)
             acc.step(ids, ids, loss_fn=gpt2_loss)
+        elif name == "failstep" and i == FAIL_AT:  # rank 1's optimizer raises after stepping
+            failures = fail_window_end(acc, i, mesh.get_local_rank("dp"), dp)
         else:
             w.train(acc, range(i, i + 1), mesh.get_local_rank("dp"), dp)
     evaluated = None
@@ -206,6 +242,7 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
         "refused": refused,
         "evaluated": evaluated,
         "mid_window": mid_window,
+        "failures": failures,
     }
     gc.collect()
     return result

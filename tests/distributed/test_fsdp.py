@@ -31,6 +31,7 @@ CONFIGS = [
     *MLP, "traced:1f1b:never", "traced:zb-h1:always", "gpt2:1f1b:never", "gpt2:zb-v:always",
     "mlp:1f1b:never:whole", "mlp32:zb-h1:never", "ckpt:zb-h1:always",
     "meta:zb-v:never", "early:1f1b:never", "hsdp:1f1b:always",
+    "failstep:zb-v:never",
     "drop:zb-v:always", "drop:zb-v:always:whole",
 ]  # fmt: skip
 
@@ -106,7 +107,11 @@ def test_a_step_put_back_and_rerun_changes_nothing_but_its_own_result(ranks):
 
 @pytest.mark.parametrize(
     "config",
-    [c for c in CONFIGS if not c.endswith("whole") and not c.startswith(("ckpt", "meta", "early"))],
+    [
+        c
+        for c in CONFIGS
+        if not c.endswith("whole") and not c.startswith(("ckpt", "meta", "early", "failstep"))
+    ],
 )
 def test_one_reduce_scatter_per_param_group_per_window(ranks, config):
     # A param group: a Sequential's stage, or each module owning a traced stage's parameters.
@@ -191,3 +196,13 @@ def test_a_forward_only_call_equals_the_replicated_pipelines(ranks):
     assert len(last) == 2  # the last stage's rank of each replica
     for got, want in last:
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_a_window_end_failing_inside_optimizer_step_is_put_back_on_every_rank(ranks):
+    # Rank 1's shards moved before its optimizer raised: every rank puts its window end back
+    # (the shards and their gradients), flush() runs it again, and training ends equal to the
+    # plain model (test_sharded_training_equals_the_plain_model[failstep:...]).
+    for results in ranks:
+        got = results["failstep:zb-v:never"]["failures"]
+        assert got["error"] in ("RuntimeError", "RemoteError")
+        assert got["pending"] and got["put_back"]
