@@ -10,6 +10,7 @@ __all__ = [
     "CheckpointError",
     "ConfigError",
     "ConfigTypeError",
+    "GradientBackupError",
     "MicroBatchNormWarning",
     "PartitionError",
     "PipeschedError",
@@ -89,6 +90,16 @@ class RemoteError(PipeschedError, RuntimeError):
         self.rank, self.pp_rank, self.dp_rank = rank, pp_rank, dp_rank
         self.action = action
         self.error_type, self.error_message = error_type, error_message
+
+
+class GradientBackupError(PipeschedError, RuntimeError):
+    """The copy of the window's gradients (``grad_backup="host"`` or ``"disk"``) failed.
+
+    Raised before a step, when the copy cannot be made (the step did not run
+    and nothing changed), or after a failed step, when the copy cannot be read
+    back (the window's gradients are lost: zero them and run the window again).
+    The file system's or CUDA's own error is chained as ``__cause__``.
+    """
 
 
 class CheckpointError(PipeschedError, ValueError):

@@ -1,16 +1,16 @@
 """One rank of tests/distributed/test_fsdp.py: pp=2 x dp=2 with each stage sharded (FSDP2).
 
 ``python fsdp_worker.py CONFIGS OUT`` under torchrun's environment. CONFIGS is
-``model:schedule:checkpoint[:whole]`` items joined by ``,``; each trains WINDOWS
-windows of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a sharded
-mesh (``whole``: the replicated one). Models: ``mlp``; ``mlp32`` (fp32); ``drop``
-(a dropout from step LATE on: that step is put back and rerun); ``traced`` (a tied
-LM); ``gpt2`` (HF's, traced); ``ckpt`` (saved after SAVE_AT steps, resumed by a new
-sharded pipeline; a mid-window save refused); ``meta`` (built on meta, loads that
-checkpoint); ``early`` (its optimizer built before the Pipeline); ``failstep`` (a window end
-failing on one rank inside optimizer.step, then flushed); ``hsdp`` (pp=1 x dp=4, shard
-groups of 2); ``resume`` (on 2
-ranks: the checkpoint at pp=2 x dp=1, unsharded). Each rank writes per config the
+``model:schedule:checkpoint[:whole][:disk]`` items joined by ``,``; each trains
+WINDOWS windows of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a
+sharded mesh (``whole``: the replicated one; ``disk``: ``grad_backup="disk"``).
+Models: ``mlp``; ``mlp32`` (fp32); ``drop`` (a dropout from step LATE on: that step
+is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced); ``ckpt``
+(saved after SAVE_AT steps, resumed by a new sharded pipeline; a mid-window save
+refused); ``meta`` (built on meta, loads that checkpoint); ``early`` (its optimizer
+built before the Pipeline); ``failstep`` (a window end failing on one rank inside
+optimizer.step, then flushed); ``hsdp`` (pp=1 x dp=4, shard groups of 2); ``resume``
+(on 2 ranks: the checkpoint at pp=2 x dp=1, unsharded). Each rank writes per config the
 parameters its stages use (whole), its bytes held and its reductions.
 """
 
@@ -66,7 +66,9 @@ def gpt2_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
-def pipeline(name: str, schedule: str, checkpoint: str, mesh: Any) -> Pipeline:
+def pipeline(
+    name: str, schedule: str, checkpoint: str, mesh: Any, backup: str = "device"
+) -> Pipeline:
     stages = 4 if schedule in ("interleaved-1f1b", "zb-v") else 1 if name == "hsdp" else 2
     if name == "gpt2":
         return Pipeline(
@@ -162,7 +164,9 @@ def held_bytes(acc: GradientAccumulator) -> int:
 def run(config: str, rank: int, out: Path) -> dict[str, Any]:
     # fp32 ("mlp32"): the reduce-scatter as users run it (gloo has no PreMulSum)
     torch.set_default_dtype(torch.float32 if config.startswith("mlp32") else torch.float64)
-    name, schedule, checkpoint, *whole = config.split(":")
+    name, schedule, checkpoint, *flags = config.split(":")
+    whole = "whole" in flags
+    backup = "disk" if "disk" in flags else "device"  # a later step adds in place
     if name == "hsdp":  # pp=1 x dp=4, sharded within pairs of replicas
         dp, pp, shard = dist.get_world_size(), 1, 2
     else:
@@ -178,7 +182,7 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
             pipe, early, accumulation_steps=w.STEPS, max_grad_norm=0.5, lr_scheduler=scheduler
         )
     else:
-        pipe = pipeline(name, schedule, checkpoint, mesh)
+        pipe = pipeline(name, schedule, checkpoint, mesh, backup)
         acc = w.accumulator(pipe)
     optimizer = acc.optimizers[0]
     optimizer_step, held = optimizer.step, []

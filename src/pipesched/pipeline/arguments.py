@@ -23,11 +23,13 @@ from pipesched.errors import (
     check_positive_int,
     warn_user,
 )
+from pipesched.runtime.grad_backup import BACKUPS
 from pipesched.runtime.placement import check_not_freed
 from pipesched.runtime.stage.microbatch import batch_size
 from pipesched.runtime.stage.tree import tensors
 
 __all__ = [
+    "check_grad_backup",
     "check_inputs",
     "check_loss",
     "check_module",
@@ -83,6 +85,26 @@ def check_pipeline(
                 f"memory_budget must be a positive number of bytes per worker, got "
                 f"{memory_budget!r}; e.g. memory_budget=8 * 2**30, or leave it out for no limit"
             )
+
+
+def check_grad_backup(grad_backup: object) -> None:
+    """``Pipeline(grad_backup=...)``: one of :data:`~pipesched.runtime.grad_backup.BACKUPS`.
+
+    Raises:
+        ConfigTypeError: not a string.
+        ConfigError: not one of the names; the message lists them.
+    """
+    if not isinstance(grad_backup, str):
+        raise ConfigTypeError(
+            f"grad_backup must be a string, one of {', '.join(map(repr, BACKUPS))}; got "
+            f"{type(grad_backup).__name__} {grad_backup!r}"
+        )
+    if grad_backup not in BACKUPS:
+        raise ConfigError(
+            f"grad_backup={grad_backup!r} is not a place pipesched keeps gradients; use "
+            f"'device' (set aside, no copy), 'host' (CUDA gradients copied to pinned host "
+            f"memory) or 'disk' (copied to a temporary file in TMPDIR)"
+        )
 
 
 def warn_sequence_first(module: nn.Module) -> None:

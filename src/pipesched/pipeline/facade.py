@@ -17,7 +17,7 @@ from pipesched.partition import Partition
 from pipesched.partition.call import Call, call_key, one_call, stage_input, with_cache_off
 from pipesched.partition.materialize import InitWeights, check_meta
 from pipesched.partition.trace import TracedModel
-from pipesched.pipeline.arguments import check_loss, check_pipeline
+from pipesched.pipeline.arguments import check_grad_backup, check_loss, check_pipeline
 from pipesched.pipeline.batches import StepBatches, step_batches
 from pipesched.pipeline.checks.coupled_outputs import coupled_paths, warn_coupled
 from pipesched.pipeline.checks.gradient_hooks import warn_gradient_hooks
@@ -101,6 +101,15 @@ class Pipeline(Shadowing, Pinned):
             a callable ``init_weights(name, module)`` or ``"skip"`` (a checkpoint
             load follows); the weights are the same whatever the cut
             (:mod:`pipesched.partition.materialize`).
+        grad_backup: where a step keeps the gradients of the window's earlier
+            steps, to put them back if it fails. ``"device"`` (the default): set
+            aside where they are while the step adds into new tensors (no copy;
+            two gradient buffers during a window's later steps). ``"host"``: CUDA
+            gradients are copied to pinned host memory and the step adds in place
+            (one buffer on the GPU, a copy per later step; CPU gradients are set
+            aside). ``"disk"``: every gradient is written to a temporary file in
+            ``TMPDIR`` and the step adds in place (one buffer in memory, a file
+            write per later step). The copies are read back only if a step fails.
 
     Attributes:
         stage_graph: the model as a ``networkx.DiGraph`` of layers or traced
@@ -144,9 +153,11 @@ class Pipeline(Shadowing, Pinned):
         memory_budget: float | None = None,
         fuse_weight_grads: bool = True,
         init_weights: InitWeights = None,
+        grad_backup: str = "device",
     ) -> None:
         super().__init__()
         check_pipeline(module, chunks, balance, num_stages, memory_budget)
+        check_grad_backup(grad_backup)
         checked = check_checkpoint(checkpoint, planned=schedule == "auto")
         info = None if mesh is None else MeshInfo.of(mesh)
         init_weights = check_meta(module, example_inputs, init_weights)
@@ -186,6 +197,7 @@ class Pipeline(Shadowing, Pinned):
         if deferred_batch_norm and sequential:
             DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
         self._plan = plan
+        self._grad_backup = grad_backup
         self._model = (module,)  # a tuple: its layers are registered, not the model itself
         self._cuts = Cuts(module, mesh_bound=info is not None)
         self.last_timeline: Timeline | None = None
@@ -225,6 +237,7 @@ class Pipeline(Shadowing, Pinned):
             model=self,
             extra_names=stages.random_ops,
             fuse=self._plan.fuse_weight_grads,
+            grad_backup=self._grad_backup,
         )
         self._cuts.add(stages, engine)
         return stages, engine

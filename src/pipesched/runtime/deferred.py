@@ -133,11 +133,9 @@ class WeightStore:
                     held.append((index, g))
                     if len(held) == uses[id(p)]:
                         del parts[id(p)]
-                        held.sort(key=lambda part: part[0])
-                        total = held[0][1]
-                        for _, part in held[1:]:
-                            total = total + part
-                        accumulate(p, total)
+                        accumulate(p, _in_order(held))
+                        held.clear()
+                grads, g = (), None  # freed before the next product: one at a time
 
     def _part(self, entry: _Entry, only: set[int]) -> _Entry | None:
         """The part of ``entry`` for the parameters in ``only`` (None: no part); the rest of
@@ -200,3 +198,12 @@ _INPUT_EDGES: dict[type, frozenset[int] | None] = {}
 """Per node type, the positions of its edges that are not a deferring op's weights
 (None: all of them)."""
 _UNKNOWN = frozenset({-1})
+
+
+def _in_order(held: list[tuple[int, Tensor]]) -> Tensor:
+    """The parts of one parameter's gradient summed in the order B reached them."""
+    held.sort(key=lambda part: part[0])
+    total = held[0][1]
+    for _, part in held[1:]:
+        total = total + part
+    return total

@@ -98,6 +98,8 @@ class Engine:
             model's random operations).
         fuse: accumulate ``linear`` weight gradients inside the GEMM where no
             other stage holds the weight.
+        grad_backup: where a step keeps the gradients pending before it
+            (:mod:`~pipesched.runtime.grad_backup`).
 
     Attributes:
         runtime: runs a schedule's actions over the stages.
@@ -116,6 +118,7 @@ class Engine:
         model: nn.Module,
         extra_names: Sequence[nn.Module] = (),
         fuse: bool = True,
+        grad_backup: str = "device",
     ) -> None:
         mesh, devices = workers.mesh, workers.stage_devices
         names = module_names(model, stages, extra_names)
@@ -164,6 +167,7 @@ class Engine:
                 on_stage_done=self._stage_done,
             )
         self.reruns = 0
+        self.grad_backup = grad_backup
         self._snapshot: StepSnapshot | None = None
 
     def running_here(self) -> bool:
@@ -248,7 +252,7 @@ class Engine:
         parameters = list(self.model.parameters())
         batch_norms = [m for m in self.model.modules() if isinstance(m, _BatchNorm)]
         with deferred_interrupts():
-            self._snapshot = snapshot = StepSnapshot.take(parameters, batch_norms)
+            self._snapshot = snapshot = StepSnapshot.take(parameters, batch_norms, self.grad_backup)
         try:
             # After a put-back run the generator is back: the seed is its first run's.
             attempt = dataclasses.replace(step, seed=self._seed())

@@ -2,7 +2,9 @@
 
 Why: a failed step has already added some micro-batches' gradients; a retry
 would count them twice, silently. So each ``.grad`` is set aside (not copied)
-and the step accumulates into fresh ones, added in at commit; BatchNorm
+and the step accumulates into fresh ones, added in at commit; or, under
+``grad_backup="host"`` or ``"disk"``, copied off the device
+(:mod:`~pipesched.runtime.grad_backup`) while the step adds in place. BatchNorm
 statistics, deferred BatchNorm accumulators and the default generators are
 kept too.
 """
@@ -21,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from pipesched.errors import GradientBackupError
+from pipesched.runtime.grad_backup import DiskCopies, HostCopies, copies_for, in_place
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
 
 __all__ = ["StepSnapshot", "deferred_interrupts"]
@@ -38,6 +42,9 @@ class StepSnapshot:
         deferred: the deferred BatchNorm layers (their accumulators start empty).
         rng: the CPU generator's state, and each initialized CUDA device's.
         early: the parameters committed early (:meth:`commit_early`).
+        kept: each parameter whose ``.grad`` the step adds into in place, with
+            that tensor (``grad_backup`` "host" or "disk").
+        copies: those gradients' copies, or None.
     """
 
     aside: dict[nn.Parameter, torch.Tensor]
@@ -46,15 +53,30 @@ class StepSnapshot:
     deferred: tuple[DeferredBatchNorm, ...]
     rng: tuple[torch.Tensor, list[torch.Tensor] | None]
     early: set[nn.Parameter] = field(default_factory=set)
+    kept: tuple[tuple[nn.Parameter, torch.Tensor], ...] = ()
+    copies: HostCopies | DiskCopies | None = None
 
     @classmethod
-    def take(cls, parameters: list[nn.Parameter], layers: list[_BatchNorm]) -> StepSnapshot:
-        """Sets the gradients aside and remembers ``layers``' statistics and the generators."""
-        aside, fresh = {}, []
+    def take(
+        cls, parameters: list[nn.Parameter], layers: list[_BatchNorm], backup: str = "device"
+    ) -> StepSnapshot:
+        """Sets the gradients aside (or copies them, per ``backup``) and remembers
+        ``layers``' statistics and the generators."""
+        fresh = tuple(p for p in parameters if p.grad is None)
+        kept = tuple(
+            (p, p.grad) for p in parameters if p.grad is not None and in_place(backup, p.grad)
+        )
+        try:  # first: a copy that fails leaves everything as it was
+            copies = copies_for(backup, [grad for _, grad in kept])
+        except (OSError, RuntimeError) as err:
+            raise GradientBackupError(
+                f"grad_backup={backup!r} could not copy the window's gradients before the "
+                f"step ({err}); nothing changed and the step did not run: free space in "
+                f"TMPDIR (or host memory), or use grad_backup='device'"
+            ) from err
+        aside = {}
         for p in parameters:
-            if p.grad is None:
-                fresh.append(p)
-            else:
+            if p.grad is not None and not in_place(backup, p.grad):
                 aside[p], p.grad = p.grad, None
         buffers = [
             (buffer, buffer.clone())
@@ -66,7 +88,8 @@ class StepSnapshot:
         cuda = None
         if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
             cuda = torch.cuda.get_rng_state_all()
-        return cls(aside, tuple(fresh), tuple(buffers), deferred, (torch.get_rng_state(), cuda))
+        rng = (torch.get_rng_state(), cuda)
+        return cls(aside, fresh, tuple(buffers), deferred, rng, set(), kept, copies)
 
     def commit(self) -> None:
         """Adds the step's gradients into the set-aside ones, and puts those back."""
@@ -81,6 +104,8 @@ class StepSnapshot:
                         before = before + p.grad
                 p.grad = before
         self.aside.clear()
+        if self.copies is not None:  # the kept gradients hold the step's sums already
+            self.copies.close()
 
     def commit_early(self, parameters: list[nn.Parameter]) -> None:
         """Makes ``parameters``' gradients final before the step ends (a replica's all-reduce).
@@ -109,6 +134,8 @@ class StepSnapshot:
             p.grad = grad
         for p in self.fresh:
             p.grad = None
+        for p, grad in self.kept:  # the same tensor, whatever the step put in its place
+            p.grad = grad
         with torch.no_grad():
             for buffer, saved in self.buffers:
                 buffer.copy_(saved)
@@ -118,6 +145,17 @@ class StepSnapshot:
         torch.set_rng_state(cpu)
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
+        if self.copies is not None:  # last: if it fails, all the rest is back
+            try:
+                self.copies.put_back([grad for _, grad in self.kept])
+            except (OSError, RuntimeError) as err:
+                raise GradientBackupError(
+                    f"the step failed and its copy of the window's gradients could not be "
+                    f"read back ({err}): the gradients of this window's earlier steps are "
+                    f"lost; zero them (optimizer.zero_grad()) and run the window again"
+                ) from err
+            finally:
+                self.copies.close()
 
 
 @contextmanager
