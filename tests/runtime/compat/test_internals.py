@@ -151,6 +151,39 @@ def test_probes_see_the_cpu_whatever_device_the_first_import_comes_under() -> No
     assert done.stdout.strip() == "[]"
 
 
+_FIRST_PIPELINES = """
+import torch
+from torch import nn
+from pipesched import Pipeline
+
+def grads(schedule):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 8), nn.Tanh(), nn.Dropout(0.2), nn.Linear(8, 3))
+    state = torch.get_rng_state()
+    pipe = Pipeline(model, 2, balance=[2, 2], devices=["cpu", "cpu"], schedule=schedule)
+    moved = not torch.equal(state, torch.get_rng_state())
+    g = torch.Generator().manual_seed(1)
+    pipe.step(torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g),
+              loss_fn=nn.functional.mse_loss)
+    return moved, [p.grad.clone() for p in pipe.parameters()]
+
+for schedule in ("1f1b", "zb-h1"):
+    (moved, first), (_, second) = grads(schedule), grads(schedule)
+    same = all(torch.equal(a, b) for a, b in zip(first, second))
+    print(schedule, moved, same)
+"""
+
+
+def test_the_first_pipeline_of_a_process_leaves_the_generator_alone() -> None:
+    # The probes run at the first Pipeline; one that drew from torch's generator made the
+    # first seeded run of a process differ from every later one (its dropout masks).
+    done = subprocess.run(
+        [sys.executable, "-c", _FIRST_PIPELINES], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["1f1b", "False", "True", "zb-h1", "False", "True"]
+
+
 def test_this_torch_has_them_all() -> None:
     assert internals.MISSING == []
     assert internals.FUSION_SUPPORTED

@@ -70,12 +70,18 @@ def _probe(check: Callable[[], bool]) -> bool:
     runs on the CPU whatever device the import came under: the package is
     imported lazily, and a first ``pipesched.Pipeline`` named inside ``with
     torch.device("meta"):`` would otherwise probe tensors that hold no values.
+    A probe that draws (the random routing's) leaves torch's CPU generator as
+    it found it: else a user's seeded run would differ on the first Pipeline
+    of a process, where the probes run, from any later one.
     """
+    state = torch.get_rng_state()
     try:
         with torch.inference_mode(False), torch.enable_grad(), torch.device("cpu"):
             return check()
     except Exception:
         return False
+    finally:
+        torch.set_rng_state(state)
 
 
 # ------------------------------------------------------------- the autograd engine
