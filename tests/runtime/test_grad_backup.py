@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
-import threading
-import time
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -14,6 +10,7 @@ from torch import nn
 from pipesched import ConfigError, GradientAccumulator, GradientBackupError, Pipeline
 from pipesched.runtime.grad_backup import DiskCopies, HostCopies
 from pipesched.schedule import stages_per_worker
+from tests.malloc_peak import AVAILABLE, MallocPeak
 
 # The models hold a BatchNorm on purpose: their micro-batch warning is expected here.
 pytestmark = [
@@ -22,62 +19,6 @@ pytestmark = [
 ]
 
 SCHEDULES = ["gpipe", "1f1b", "zb-h1", "interleaved-1f1b"]
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in [
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        ]
-    ]
-
-
-def _malloc_bytes() -> int:
-    """Bytes malloc has handed out and not taken back (glibc's ``mallinfo2``)."""
-    info = _mallinfo2()
-    return info.uordblks + info.hblkhd
-
-
-try:
-    _mallinfo2 = ctypes.CDLL(None).mallinfo2
-    _mallinfo2.restype = _MallInfo2
-except (AttributeError, OSError):  # not glibc >= 2.33
-    _mallinfo2 = None
-
-
-class _Peak:
-    """The most bytes malloc held at once while the block ran, sampled every 0.2 ms."""
-
-    def __enter__(self):
-        self.start = self.peak = _malloc_bytes()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, _malloc_bytes())
-            time.sleep(0.0002)
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, _malloc_bytes())
-
-    @property
-    def extra(self) -> int:
-        return self.peak - self.start
 
 
 class FailOn(nn.Module):
@@ -171,7 +112,7 @@ def test_windows_with_a_retried_step_equal_the_plain_model(schedule):
         torch.testing.assert_close(disk[name], device[name], rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.skipif(_mallinfo2 is None, reason="measures memory with glibc's mallinfo2")
+@pytest.mark.skipif(not AVAILABLE, reason="measures memory with glibc's mallinfo2")
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 @pytest.mark.parametrize("backup", ["device", "disk"])
 def test_a_mid_window_steps_peak_gradient_memory(backup, schedule):
@@ -183,7 +124,7 @@ def test_a_mid_window_steps_peak_gradient_memory(backup, schedule):
     pipe.step(x, y, loss_fn=F.mse_loss)  # warm: the allocator's caches, the schedules
     extras = []
     for _ in range(3):
-        with _Peak() as peak:
+        with MallocPeak() as peak:
             pipe.step(x, y, loss_fn=F.mse_loss)
         extras.append(peak.extra)
     ratio = (grad_bytes + min(extras)) / grad_bytes

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipesched import CheckpointError, ConfigError, GradientAccumulator, Pipeline
+from tests import malloc_peak
 
 pytestmark = pytest.mark.usefixtures("fp64")
 
@@ -88,8 +89,8 @@ def _model() -> nn.Sequential:
     )
 
 
-def _acc(fault: Fault) -> GradientAccumulator:
-    pipe = Pipeline(_model(), 2, balance=[3, 3], devices=["cpu", "cpu"])
+def _acc(fault: Fault, backup: str = "device") -> GradientAccumulator:
+    pipe = Pipeline(_model(), 2, balance=[3, 3], devices=["cpu", "cpu"], grad_backup=backup)
     params = list(pipe.parameters())
     groups = [{"params": params[:2]}, {"params": params[2:], "lr": 0.02}]
     optimizer = FaultyAdam(groups, fault, lr=0.01, weight_decay=0.1)
@@ -147,19 +148,20 @@ def _assert_bitwise(a, b, where: str = "") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def _clean() -> dict:
+def _clean(backup: str = "device") -> dict:
     torch.manual_seed(7)
-    acc = _acc(Fault())
+    acc = _acc(Fault(), backup)
     for step in range(TOTAL):
         _step(acc, step)
     return _everything(acc)
 
 
 @pytest.mark.parametrize("kind", ["before", "after", "partial", "scheduler", "interrupt"])
-def test_a_failed_window_end_is_put_back_and_its_retry_equals_a_clean_run(kind):
+@pytest.mark.parametrize("backup", ["device", "disk"])  # disk: written back from its copies
+def test_a_failed_window_end_is_put_back_and_its_retry_equals_a_clean_run(backup, kind):
     fault = Fault()
     torch.manual_seed(7)
-    acc = _acc(fault)
+    acc = _acc(fault, backup)
     for step in range(FAIL_AT - 1):
         _step(acc, step)
     fault.kind = kind
@@ -182,7 +184,7 @@ def test_a_failed_window_end_is_put_back_and_its_retry_equals_a_clean_run(kind):
     assert not acc.window_end_pending
     for step in range(FAIL_AT, TOTAL):
         _step(acc, step)
-    _assert_bitwise(_clean(), _everything(acc))
+    _assert_bitwise(_clean(backup), _everything(acc))
 
 
 def test_steps_after_an_interrupted_window_end_are_refused_until_it_is_retried_then_train(
@@ -242,3 +244,27 @@ def test_a_failed_flush_of_a_partial_window_is_as_before_it():
     assert not acc.window_end_pending  # a window not yet full: it goes on as before
     _assert_bitwise(before, _everything(acc))
     assert acc.flush().stepped
+
+
+@pytest.mark.skipif(not malloc_peak.AVAILABLE, reason="measures memory with glibc's mallinfo2")
+@pytest.mark.parametrize("backup", ["device", "disk"])
+def test_the_window_ends_copies_go_where_grad_backup_says(backup):
+    # Wide layers, a small batch, a per-parameter AdamW (foreach's temporaries are torch's):
+    # what the window end adds is its copies of the gradients, parameters and optimizer state.
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(40)])
+    pipe = Pipeline(model, 2, balance=[20, 20], devices=["cpu", "cpu"], grad_backup=backup)
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-3, foreach=False)
+    acc = GradientAccumulator(pipe, optimizer, accumulation_steps=2, max_grad_norm=1.0)
+    x, y = torch.randn(4, 256), torch.randn(4, 256)
+    for _ in range(5):  # two windows (the optimizer's state exists), and a window's first step
+        acc.step(x, y, loss_fn=nn.functional.mse_loss)
+    grad_bytes = sum(p.grad.numel() * p.grad.element_size() for p in pipe.parameters())
+    with malloc_peak.MallocPeak() as peak:
+        result = acc.step(x, y, loss_fn=nn.functional.mse_loss)
+    assert result.stepped
+    ratio = (grad_bytes + peak.extra) / grad_bytes
+    if backup == "disk":
+        assert ratio <= 1.1, ratio
+    else:  # the gradients scaled out of place, a copy of the parameters and of Adam's two
+        assert ratio >= 4.5, ratio

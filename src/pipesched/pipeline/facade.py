@@ -110,6 +110,8 @@ class Pipeline(Shadowing, Pinned):
             aside). ``"disk"``: every gradient is written to a temporary file in
             ``TMPDIR`` and the step adds in place (one buffer in memory, a file
             write per later step). The copies are read back only if a step fails.
+            A ``GradientAccumulator``'s window end keeps its copies of the
+            parameters and optimizer state in the same place.
 
     Attributes:
         stage_graph: the model as a ``networkx.DiGraph`` of layers or traced
@@ -278,6 +280,11 @@ class Pipeline(Shadowing, Pinned):
         plan = dataclasses.replace(self._plan, checkpoint=mode)
         plan.stage_stops(1)  # one mode per stage?
         self._plan = plan
+
+    @property
+    def grad_backup(self) -> str:
+        """Where steps keep what they may have to put back: ``"device"``, ``"host"``, ``"disk"``."""
+        return self._grad_backup
 
     @property
     def schedule(self) -> str | Schedule:

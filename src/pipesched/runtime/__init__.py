@@ -12,14 +12,17 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipesched.runtime.compat.internals import foreach_mul_, scaler_device
+    from pipesched.runtime.grad_backup import copies_for, in_place
     from pipesched.runtime.placement import replaced_parameters, replacement
     from pipesched.runtime.stage.microbatch import batch_size
     from pipesched.runtime.transaction import deferred_interrupts
 
 __all__ = [
     "batch_size",
+    "copies_for",
     "deferred_interrupts",
     "foreach_mul_",
+    "in_place",
     "replaced_parameters",
     "replacement",
     "scaler_device",
@@ -27,6 +30,8 @@ __all__ = [
 
 _LAZY = {
     "batch_size": "pipesched.runtime.stage.microbatch",
+    "copies_for": "pipesched.runtime.grad_backup",
+    "in_place": "pipesched.runtime.grad_backup",
     "deferred_interrupts": "pipesched.runtime.transaction",
     "foreach_mul_": "pipesched.runtime.compat.internals",
     "replaced_parameters": "pipesched.runtime.placement",

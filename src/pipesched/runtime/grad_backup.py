@@ -23,12 +23,13 @@ BACKUPS = ("device", "host", "disk")
 
 
 def in_place(backup: str, grad: torch.Tensor) -> bool:
-    """Whether ``grad`` is copied under ``backup`` and the step adds into it in place.
+    """Whether ``grad`` is copied under ``backup`` (then written into in place).
 
-    Sparse gradients, and under ``"host"`` those already in host memory, are
-    set aside as under ``"device"``.
+    Sparse gradients, tensor subclasses (a sharded stage's DTensor shards, a
+    1/dp part) and under ``"host"`` tensors already in host memory are set
+    aside as under ``"device"``.
     """
-    if backup == "device" or grad.layout != torch.strided:
+    if backup == "device" or grad.layout != torch.strided or type(grad) is not torch.Tensor:
         return False
     return backup == "disk" or grad.device.type != "cpu"
 

@@ -283,11 +283,13 @@ class GradientAccumulator:
         """
         sync = self.pipe.sync  # the identity locally; reductions over the mesh otherwise
         parameters = list(self.pipe.parameters())
-        aside = GradientsAside(parameters)  # .grad is replaced below, never written into
+        backup = self.pipe.grad_backup
+        aside = GradientsAside(parameters, backup)  # set aside (never written into) or copied
         items, samples, loss_sum = sync.sum([self._items, float(self._samples), self._loss_sum])
         if items <= 0:
             sync.gradients()  # every replica takes this path: end the window's reductions
             with deferred_interrupts():
+                aside.close()
                 self.pipe.zero_grad(set_to_none=True)
                 self._reset_window()
             raise ConfigError(
@@ -303,7 +305,9 @@ class GradientAccumulator:
             window_loss = loss_sum / items
             finite = sync.all_true(math.isfinite(window_loss) and all_finite(grads))
             norm = sync.norm(parameters) if finite else None
-            snapshot = WindowSnapshot(self, finite)  # what the optimizers and the rest change
+            snapshot = WindowSnapshot(
+                self, finite, backup
+            )  # what the optimizers and the rest change
         except BaseException as err:
             with deferred_interrupts():
                 aside.restore()
@@ -340,6 +344,8 @@ class GradientAccumulator:
         with deferred_interrupts():  # commit
             if finite:
                 self.windows += 1
+            snapshot.close()
+            aside.close()
             self.pipe.zero_grad(set_to_none=True)
             result = self._result(
                 step_loss,

@@ -2,17 +2,20 @@
 
 Why not torch's state dicts: ``optimizer.step()`` writes in place and creates state
 lazily, and a ``state_dict()`` aliases live tensors. Every tensor the optimizers may
-write is cloned and their dicts kept as objects, so a failed window end,
+write is cloned (or, under ``grad_backup="host"``/``"disk"``, copied off the device
+with the gradients) and their dicts kept as objects, so a failed window end,
 KeyboardInterrupt included, leaves the accumulator as it was.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipesched.runtime import deferred_interrupts
+from pipesched.errors import GradientBackupError
+from pipesched.runtime import copies_for, deferred_interrupts, in_place
 from pipesched.train.state import rng_state, set_rng_state
 
 if TYPE_CHECKING:
@@ -22,23 +25,46 @@ __all__ = ["GradientsAside", "WindowSnapshot"]
 
 
 class GradientsAside:
-    """Each parameter's ``.grad`` object as the window end found it (nothing is copied).
+    """Each parameter's gradient as the window end found it.
 
-    The window end replaces ``.grad`` (the sum over replicas, then the
-    normalized gradient) and never writes into these tensors.
+    Set aside as the object (nothing copied), or under ``grad_backup`` "host" or
+    "disk" copied off the device, so that the window end may scale it in place
+    and its reductions replace it. The window end never writes into one set aside.
+
+    Args:
+        parameters: the pipeline's parameters.
+        backup: the pipeline's ``grad_backup``.
     """
 
-    def __init__(self, parameters: list[torch.nn.Parameter]) -> None:
-        self.grads = [(p, p.grad) for p in parameters]
+    def __init__(self, parameters: list[torch.nn.Parameter], backup: str = "device") -> None:
+        copied = [p for p in parameters if p.grad is not None and in_place(backup, p.grad)]
+        self.copies = _copies(backup, [p.grad for p in copied])  # type: ignore[misc]
+        ids = {id(p) for p in copied}
+        self.grads = [(p, p.grad) for p in parameters if id(p) not in ids]
+        # Held weakly: a reduction that replaces a .grad frees the old one.
+        self.copied = [(p, weakref.ref(p.grad), _like(p.grad)) for p in copied]  # type: ignore[arg-type]
 
     def tensors(self) -> list[torch.Tensor]:
-        """The gradients set aside (not None)."""
+        """The gradients set aside (not None): the window end scales them out of place."""
         return [g for _, g in self.grads if g is not None]
 
     def restore(self) -> None:
         """Puts every ``.grad`` back."""
         for p, grad in self.grads:
             p.grad = grad
+        if self.copies is None:
+            return
+        targets = []
+        for p, ref, like in self.copied:
+            grad = ref()
+            p.grad = grad if grad is not None else like()
+            targets.append(p.grad)
+        _read_back(self.copies, targets)
+
+    def close(self) -> None:
+        """Drops the copies (the window end succeeded)."""
+        if self.copies is not None:
+            self.copies.close()
 
 
 class WindowSnapshot:
@@ -53,7 +79,9 @@ class WindowSnapshot:
             scale changes: nothing of the optimizers is copied).
     """
 
-    def __init__(self, acc: GradientAccumulator, stepping: bool = True) -> None:
+    def __init__(
+        self, acc: GradientAccumulator, stepping: bool = True, backup: str = "device"
+    ) -> None:
         self.acc = acc
         optimizers = acc.optimizers if stepping else []
         params = {
@@ -63,9 +91,25 @@ class WindowSnapshot:
             for p in g["params"]
             if isinstance(p, torch.Tensor) and not p.is_meta
         }
+        values = {id(p): p.detach() for p in params.values()}
+        states = [
+            (entry, key, value)
+            for o in optimizers
+            for entry in o.state.values()
+            for key, value in entry.items()
+        ]
+        off = [t for t in values.values() if in_place(backup, t)]
+        off += [v for _, _, v in states if isinstance(v, torch.Tensor) and in_place(backup, v)]
+        self.copied = off  # written back into, in this order
+        self.copies = _copies(backup, off)
+        copied = {id(t) for t in off}
         with torch.no_grad():
-            self.params = [(p, p.detach().clone()) for p in params.values()]
-        self.optimizers = [_OptimizerState(o) for o in optimizers]
+            self.params = [
+                (p, values[id(p)].clone())
+                for p in params.values()
+                if id(values[id(p)]) not in copied
+            ]
+        self.optimizers = [_OptimizerState(o, copied) for o in optimizers]
         self.schedulers = [
             (s.__dict__, {k: _clone(v) for k, v in s.__dict__.items()}) for s in acc.schedulers
         ]
@@ -88,17 +132,27 @@ class WindowSnapshot:
             acc.loss_scale.load_state_dict(_clone(self.loss_scale))
             acc.loss_scale.growth_tracker = self.growth_tracker
             set_rng_state(self.rng)
+            if self.copies is not None:  # last: if it fails, all the rest is back
+                with torch.no_grad():
+                    _read_back(self.copies, self.copied)
+
+    def close(self) -> None:
+        """Drops the copies (the window end succeeded)."""
+        if self.copies is not None:
+            self.copies.close()
 
 
 class _OptimizerState:
     """One optimizer's state and param groups, its tensors cloned, its dicts kept as objects."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, copied: set[int]) -> None:
         self.optimizer = optimizer
         self.state_object = optimizer.state
         self.state = dict(optimizer.state)  # parameter -> its (live) dict
+        # A tensor in ``copied`` is kept as the object only: its values come back from the copy.
         self.entries = {
-            p: {k: (v, _clone(v)) for k, v in entry.items()} for p, entry in self.state.items()
+            p: {k: (v, v if id(v) in copied else _clone(v)) for k, v in entry.items()}
+            for p, entry in self.state.items()
         }
         self.groups_object = optimizer.param_groups
         self.groups = list(optimizer.param_groups)
@@ -113,7 +167,7 @@ class _OptimizerState:
             for p, entry in self.state.items():
                 entry.clear()
                 for key, (live, saved) in self.entries[p].items():
-                    entry[key] = _put_back(live, saved)
+                    entry[key] = live if saved is live else _put_back(live, saved)
         self.state_object.clear()
         self.state_object.update(self.state)
         optimizer.state = self.state_object
@@ -154,3 +208,35 @@ def _put_back(live: Any, saved: Any) -> Any:
         live.copy_(saved)
         return live
     return _clone(saved)
+
+
+def _copies(backup: str, tensors: list[torch.Tensor]) -> Any:
+    """``copies_for``, its failure a :class:`~pipesched.errors.GradientBackupError`."""
+    try:
+        return copies_for(backup, tensors)
+    except (OSError, RuntimeError) as err:
+        raise GradientBackupError(
+            f"grad_backup={backup!r} could not copy the window end's gradients, parameters "
+            f"and optimizer state ({err}); nothing changed: free space in TMPDIR (or host "
+            f"memory), or use grad_backup='device', then call acc.flush()"
+        ) from err
+
+
+def _read_back(copies: Any, tensors: list[torch.Tensor]) -> None:
+    """Writes ``copies`` back into ``tensors``, then drops them."""
+    try:
+        copies.put_back(tensors)
+    except (OSError, RuntimeError) as err:
+        raise GradientBackupError(
+            f"the window end failed and its copies could not be read back ({err}): the "
+            f"window's gradients, or the parameters and optimizer state, are lost; load "
+            f"the last checkpoint"
+        ) from err
+    finally:
+        copies.close()
+
+
+def _like(t: torch.Tensor) -> Any:
+    """Makes an empty tensor of ``t``'s shape, strides, dtype and device (not holding ``t``)."""
+    shape, stride, dtype, device = t.shape, t.stride(), t.dtype, t.device
+    return lambda: torch.empty_strided(shape, stride, dtype=dtype, device=device)
