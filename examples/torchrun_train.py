@@ -6,6 +6,8 @@ Run (CPU, gloo; one process per pipeline rank and replica):
 Each stage sharded over the 2 replicas (FSDP2: parameters, gradients and AdamW state
 1/dp per rank; its checkpoints load at any layout too):
     .venv/bin/torchrun --standalone --nproc_per_node 4 examples/torchrun_train.py --dp 2 --shard
+Past that, the window's gradients (and the window end's copies) kept in a file, not memory:
+    ... examples/torchrun_train.py --dp 2 --shard --grad-backup disk   # or host (GPUs)
 Saved at pp=2, resumed at pp=4 (one checkpoint directory, any layout):
     .venv/bin/torchrun --standalone --nproc_per_node 2 examples/torchrun_train.py \
         --windows 4 --checkpoint ckpt
@@ -142,12 +144,22 @@ def main() -> None:
     parser.add_argument(
         "--shard", action="store_true", help="shard each stage over the dp replicas (FSDP2)"
     )
+    parser.add_argument(
+        "--grad-backup",
+        choices=["device", "host", "disk"],
+        default="device",
+        help="where a step keeps what it may have to put back (Pipeline(grad_backup=...))",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     shard = args.dp if args.shard else 1
     mesh = init_mesh(pp=int(os.environ["WORLD_SIZE"]) // args.dp, dp=args.dp, shard=shard)
     pipe = Pipeline(
-        model(getattr(torch, args.dtype)), chunks=CHUNKS, mesh=mesh, schedule=args.schedule
+        model(getattr(torch, args.dtype)),
+        chunks=CHUNKS,
+        mesh=mesh,
+        schedule=args.schedule,
+        grad_backup=args.grad_backup,
     )
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=3e-3)
     accumulator = GradientAccumulator(
