@@ -89,7 +89,9 @@ class Pipeline(Shadowing, Pinned):
         split_points: instead of ``balance``: the names of the modules that
             begin stages 1, 2, ... (``["transformer.h.2"]``).
         memory_budget: bytes per worker that ``balance="time"`` or ``"schedule"``
-            (or ``schedule="auto"``) must fit (parameters, gradients, held activations).
+            (or ``schedule="auto"``) must fit (parameters, gradients, held activations;
+            one gradient buffer: under ``grad_backup="device"`` a step after a
+            window's first holds a second).
         mesh: the ("dp", "pp") device mesh of a torchrun job
             (:func:`pipesched.runtime.mesh.init_mesh`): this process runs its
             pp rank's stages and syncs gradients with its dp replicas.
