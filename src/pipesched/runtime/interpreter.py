@@ -21,7 +21,7 @@ import torch
 from pipesched.runtime.mailbox import Aborted
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
 from pipesched.runtime.stage.rng import StepSeed
-from pipesched.runtime.streams import use_stream
+from pipesched.runtime.streams import join_stream, use_stream
 from pipesched.runtime.threads import ThreadState
 from pipesched.runtime.transport import Transport
 from pipesched.runtime.workers import WorkerThreads
@@ -130,6 +130,10 @@ class Interpreter:
                 work(*jobs[0])
             else:
                 self._start_threads(jobs, transport, work)
+            # The caller's stream waits for the workers' (CUDA): what it queues after the
+            # step (the tied sums, the optimizer, a backup's copy) reads finished gradients.
+            for stream in self.passes.streams:
+                join_stream(stream)
             if tied is not None and not errors:
                 tied.finish()
         except BaseException:

@@ -15,7 +15,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["Stream", "copy_to", "new_stream", "record_event", "use_stream", "wait_event"]
+__all__ = [
+    "Stream",
+    "copy_to",
+    "join_stream",
+    "new_stream",
+    "record_event",
+    "use_stream",
+    "wait_event",
+]
 
 Stream = Any  # a torch.cuda.Stream, or None standing in for the CPU's one sequential stream
 
@@ -51,6 +59,13 @@ def wait_event(stream: Stream, event: Any) -> None:
     """Makes ``stream`` wait for ``event`` (nothing on CPU or without an event)."""
     if stream is not None and event is not None:
         stream.wait_event(event)
+
+
+def join_stream(stream: Stream) -> None:
+    """Makes the calling thread's current stream on ``stream``'s device wait for all work
+    queued on ``stream`` so far, without blocking the host (nothing on CPU)."""
+    if stream is not None:
+        torch.cuda.current_stream(stream.device).wait_stream(stream)
 
 
 def copy_to(tensor: torch.Tensor, device: torch.device, stream: Stream) -> torch.Tensor:
