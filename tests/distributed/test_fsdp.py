@@ -11,6 +11,7 @@ reduce-scatter per stage per window.
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,9 @@ MLP = [
     for s in ("1f1b", "zb-h1", "interleaved-1f1b", "zb-v")
     for c in ("never", "always")
 ]
+GPT2 = [m.replace("mlp", "gpt2", 1) for m in MLP]
 CONFIGS = [
-    *MLP, "traced:1f1b:never", "traced:zb-h1:always", "gpt2:1f1b:never", "gpt2:zb-v:always",
+    *MLP, *GPT2, "traced:1f1b:never", "traced:zb-h1:always",
     "mlp:1f1b:never:whole", "mlp32:zb-h1:never", "ckpt:zb-h1:always",
     "meta:zb-v:never", "early:1f1b:never", "hsdp:1f1b:always",
     "failstep:zb-v:never", "mlp:zb-h1:always:disk",
@@ -37,6 +39,7 @@ CONFIGS = [
 ]  # fmt: skip
 
 
+@functools.cache
 def _plain(name: str, windows: int = f.WINDOWS) -> dict[str, torch.Tensor]:
     """The plain model trained on each window's whole batch: the full-batch gradient."""
     torch.set_default_dtype(torch.float32 if name == "mlp32" else torch.float64)
