@@ -18,10 +18,13 @@ included) after one training step (parameters + their gradients).
 
 Then sharded data parallel (``--dp``, default 2) at pp=2: the same model at
 ``--dp-layers`` x Linear(``--dp-width``) trained with AdamW for ``--steps`` steps
-(windows of 2), each stage replicated on every replica (``init_mesh(pp, dp)``) or
-sharded over them (``shard=dp``, FSDP2). Per rank: the parameter + gradient +
-AdamW-state bytes it holds at the last window's optimizer step (its own shards
-only), the median step time of the steps after the first window, and VmHWM.
+(windows of 2) on zb-v (two stages per rank), each stage replicated on every
+replica (``init_mesh(pp, dp)``), sharded over them (``shard=dp``, FSDP2,
+gathered once per step) or sharded and gathered around each action
+(``reshard="action"``). Per rank: the parameter + gradient + AdamW-state bytes
+it holds at the last window's optimizer step (its own shards only), the most
+parameter bytes it held whole at any forward, the median step time of the steps
+after the first window, and VmHWM.
 """
 
 from __future__ import annotations
@@ -124,12 +127,23 @@ def rank_dp(build: str, layers: int, width: int, steps: int) -> None:
     from pipesched.runtime.mesh import init_mesh
 
     dp = int(os.environ["WORLD_SIZE"]) // 2
-    mesh = init_mesh(pp=2, dp=dp, shard=dp if build == "dp-shard" else 1, timeout=600)
+    shard = 1 if build == "dp-whole" else dp
+    reshard = "action" if build == "dp-action" else "step"
+    mesh = init_mesh(pp=2, dp=dp, shard=shard, reshard=reshard, timeout=600)
     torch.manual_seed(0)
     pipe = Pipeline(
         nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))), 4, mesh=mesh,
-        schedule="1f1b",
+        schedule="zb-v",
     )  # fmt: skip
+    whole: list[int] = [0]
+
+    def count_whole(*_: object) -> None:  # at each stage's forward: parameters held whole
+        params = [p for p in pipe.parameters() if not p.is_meta and not isinstance(p, DTensor)]
+        whole.append(sum(p.numel() * p.element_size() for p in params))
+
+    for stage in pipe.stages:
+        if stage is not None:
+            stage.register_forward_pre_hook(count_whole)
     optimizer = torch.optim.AdamW(pipe.parameters(), lr=1e-4)
     acc = GradientAccumulator(pipe, optimizer, accumulation_steps=2)
     held: list[int] = []
@@ -160,6 +174,7 @@ def rank_dp(build: str, layers: int, width: int, steps: int) -> None:
         "dp": dp,
         "rank": mesh.get_rank(),
         "held": held[-1],
+        "whole": max(whole),
         "step_ms": 1000 * statistics.median(times[2:]),
         "step_peak": _status("VmHWM"),
     }
@@ -217,7 +232,7 @@ def main() -> None:
     parser.add_argument("--dp-layers", type=int, default=8)
     parser.add_argument("--dp-width", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=8)
-    builds = ("meta", "whole", "dp-whole", "dp-shard")
+    builds = ("meta", "whole", "dp-whole", "dp-shard", "dp-action")
     parser.add_argument("--rank", choices=builds, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank in ("meta", "whole"):
@@ -265,14 +280,24 @@ def _data_parallel(args: argparse.Namespace) -> None:
         f"{params / GIB:.3f} GiB of fp32 parameters, AdamW, windows of 2 steps; 'held': "
         "parameters + gradients + AdamW state at the last window's optimizer step"
     )
-    header = ("pp", "dp", "rank", "stages", "held", "ratio", "step ms", "step peak")
+    header = (
+        "pp",
+        "dp",
+        "rank",
+        "stages",
+        "held",
+        "ratio",
+        "whole in step",
+        "step ms",
+        "step peak",
+    )
     rows = [header]
     runs = {
         build: sorted(
             launch(build, 2 * args.dp, args.dp_layers, args.dp_width, args.timeout, args.steps),
             key=_rank,
         )
-        for build in ("dp-whole", "dp-shard")
+        for build in ("dp-whole", "dp-shard", "dp-action")
     }
     for build, reports in runs.items():
         for r, whole in zip(reports, runs["dp-whole"], strict=True):
@@ -281,9 +306,12 @@ def _data_parallel(args: argparse.Namespace) -> None:
                     "2",
                     str(args.dp),
                     str(r["rank"]),
-                    "sharded" if build == "dp-shard" else "replicated",
+                    {"dp-whole": "replicated", "dp-shard": "sharded", "dp-action": "per action"}[
+                        build
+                    ],
                     _gib(r["held"]),
                     f"{r['held'] / whole['held']:.2f}",
+                    _gib(r["whole"]),
                     f"{r['step_ms']:.0f}",
                     _gib(r["step_peak"]),
                 )

@@ -1,9 +1,10 @@
 """One rank of tests/distributed/test_fsdp.py: pp=2 x dp=2 with each stage sharded (FSDP2).
 
 ``python fsdp_worker.py CONFIGS OUT`` under torchrun's environment. CONFIGS is
-``model:schedule:checkpoint[:whole][:disk]`` items joined by ``,``; each trains
-WINDOWS windows of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a
-sharded mesh (``whole``: the replicated one; ``disk``: ``grad_backup="disk"``).
+``model:schedule:checkpoint[:flags]`` items joined by ``,``; each trains WINDOWS
+windows of sharded_worker.STEPS steps (AdamW, clipping, a scheduler) on a sharded
+mesh (flags: ``whole``, the replicated one; ``disk``, ``grad_backup="disk"``;
+``action``, ``init_mesh(reshard="action")``).
 Models: ``mlp``; ``mlp32`` (fp32); ``drop`` (a dropout from step LATE on: that step
 is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced); ``ckpt``
 (saved after SAVE_AT steps, resumed by a new sharded pipeline; a mid-window save
@@ -161,6 +162,26 @@ def held_bytes(acc: GradientAccumulator) -> int:
     return local_bytes(params) + local_bytes(grads) + local_bytes(state)
 
 
+def whole_bytes_at_forwards(pipe: Pipeline) -> list[int]:
+    """At each forward of a sharded group, the bytes of this rank's parameters held whole."""
+    groups = pipe._cuts.current[1].sync.sharded
+    seen: list[int] = []
+
+    def hook(*_: Any) -> None:
+        seen.append(
+            sum(
+                p.numel() * p.element_size()
+                for g in groups
+                for p in g.parameters()
+                if not isinstance(p, DTensor)
+            )
+        )
+
+    for group in groups:
+        group.register_forward_pre_hook(hook)
+    return seen
+
+
 def run(config: str, rank: int, out: Path) -> dict[str, Any]:
     # fp32 ("mlp32"): the reduce-scatter as users run it (gloo has no PreMulSum)
     torch.set_default_dtype(torch.float32 if config.startswith("mlp32") else torch.float64)
@@ -172,7 +193,8 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
     else:
         dp, pp = dist.get_world_size() // PP, PP
         shard = 1 if whole or dp == 1 else dp
-    mesh = init_mesh(pp=pp, dp=dp, shard=shard, timeout=60)
+    reshard = "action" if "action" in flags else "step"
+    mesh = init_mesh(pp=pp, dp=dp, shard=shard, reshard=reshard, timeout=60)
     if name == "early":  # the optimizer built on the model, before the Pipeline shards it
         model = w.mlp(0.0)
         early = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
@@ -193,6 +215,7 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
 
     optimizer.step = measured  # type: ignore[method-assign]
     mid_window, failures = None, None
+    whole = whole_bytes_at_forwards(pipe)
     if name in ("resume", "meta"):  # "ckpt"'s checkpoint: at pp=2 x dp=1; built on meta
         acc.load(str(out / "ckpt"))
     for i in range(acc.steps, WINDOWS * w.STEPS):
@@ -247,6 +270,10 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
         "evaluated": evaluated,
         "mid_window": mid_window,
         "failures": failures,
+        "whole_peak": max(whole, default=0),
+        "group_bytes": [
+            sum(p.numel() * p.element_size() for p in g.parameters()) for g in sync.sharded
+        ],
     }
     gc.collect()
     return result

@@ -36,6 +36,8 @@ CONFIGS = [
     "failstep:zb-v:never", "mlp:zb-h1:always:disk",
     "drop:zb-v:always", "drop:zb-v:always:whole", "drop:zb-v:always:disk",
     "drop:zb-v:always:whole:disk",
+    "mlp:1f1b:always:action", "mlp:zb-v:never:action", "gpt2:zb-h1:always:action",
+    "drop:zb-v:always:action",
 ]  # fmt: skip
 
 
@@ -104,7 +106,10 @@ def test_a_step_put_back_and_rerun_changes_nothing_but_its_own_result(ranks):
     for rank, results in enumerate(ranks):
         whole = results["drop:zb-v:always:whole"]
         # whole:disk: the replicas' all-reduce ran in the spoiled step; read back regardless.
-        for config in ("drop:zb-v:always", "drop:zb-v:always:disk", "drop:zb-v:always:whole:disk"):
+        for config in (
+            "drop:zb-v:always", "drop:zb-v:always:disk", "drop:zb-v:always:whole:disk",
+            "drop:zb-v:always:action",
+        ):  # fmt: skip
             sharded = results[config]
             assert sharded["reruns"] == whole["reruns"] == 1
             for name, value in sharded["params"].items():
@@ -215,3 +220,13 @@ def test_a_window_end_failing_inside_optimizer_step_is_put_back_on_every_rank(ra
         got = results["failstep:zb-v:never"]["failures"]
         assert got["error"] in ("RuntimeError", "RemoteError")
         assert got["pending"] and got["put_back"]
+
+
+def test_resharded_per_action_a_rank_holds_one_stage_whole_at_a_time(ranks):
+    # zb-v: two stages per rank. Gathered per step, both are whole through the step;
+    # per action, only the one running (measured at each forward of a sharded group).
+    for rank, results in enumerate(ranks):
+        step, action = results["mlp:zb-v:never"], results["mlp:zb-v:never:action"]
+        groups = step["group_bytes"]
+        assert len(groups) == 2 and step["whole_peak"] == sum(groups), (rank, groups)
+        assert action["whole_peak"] == max(groups), (rank, action["whole_peak"], groups)

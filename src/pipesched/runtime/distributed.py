@@ -56,6 +56,8 @@ class DistributedRuntime:
             value travels as it is.
         on_stage_done: called with a stage's index once it has run its last
             backward action of a step.
+        around_action: called with a stage's index and True before each of its
+            actions, False after it (:class:`~pipesched.runtime.interpreter.Interpreter`).
     """
 
     def __init__(
@@ -68,11 +70,16 @@ class DistributedRuntime:
         fused: Sequence[frozenset[int]] | None = None,
         keys: Sequence[tuple[str, ...] | None] | None = None,
         on_stage_done: Callable[[int], None] | None = None,
+        around_action: Callable[[int, bool], None] | None = None,
     ) -> None:
         devices = [info.device] * info.pp_size
         self.passes = StagePasses(stages, devices, placement, seeding, fused)
         self.interpreter = Interpreter(
-            self.passes, num_threads, on_failure=self._on_failure, on_stage_done=on_stage_done
+            self.passes,
+            num_threads,
+            on_failure=self._on_failure,
+            on_stage_done=on_stage_done,
+            around_action=around_action,
         )
         self.placement = placement
         self.info = info

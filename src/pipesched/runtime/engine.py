@@ -165,6 +165,7 @@ class Engine:
                 fused,
                 keys,
                 on_stage_done=self._stage_done,
+                around_action=self.sync.around_action if self.sync.per_action else None,
             )
         self.reruns = 0
         self.grad_backup = grad_backup
@@ -254,6 +255,7 @@ class Engine:
         with deferred_interrupts():
             self._snapshot = snapshot = StepSnapshot.take(parameters, batch_norms, self.grad_backup)
         try:
+            self.sync.started()
             # After a put-back run the generator is back: the seed is its first run's.
             attempt = dataclasses.replace(step, seed=self._seed())
             start = torch.default_generator.get_state()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,9 @@ class Sync(Protocol):
 
     def before_step(self) -> None:
         """Readies the stages for a step: sharded stages gather their parameters."""
+
+    def started(self) -> None:
+        """The step's snapshot is taken: stages sharded per action shard their parameters."""
 
     def after_step(self, committed: bool) -> None:
         """After a step (``committed``, or put back): sharded stages shard their parameters
@@ -87,6 +90,9 @@ class LocalSync:
         return None
 
     def before_step(self) -> None:
+        return None
+
+    def started(self) -> None:
         return None
 
     def after_step(self, committed: bool) -> None:
@@ -155,6 +161,12 @@ class GradientSync:
                         record_replacement(o, n)
             tied = {id(new[k]) if k in new else k: ranks for k, ranks in tied.items()}
         mine = {id(p) for params in used.values() for p in params}
+        owners = {s: {id(m) for m in stage_holders(stage)} for s, stage in stages.items()}
+        self._stage_groups = {  # what each stage gathers around its actions (reshard="action")
+            s: [g for g in self.sharded if any(id(m) in ids for m in cast(nn.Module, g).modules())]
+            for s, ids in owners.items()
+        }
+        self.per_action = bool(self.sharded) and info.reshard == "action"
         self.info = info
         self.parameters = [p for p in model.parameters() if id(p) in mine]
         self._whole = {id(p) for p in whole}
@@ -221,6 +233,19 @@ class GradientSync:
     def before_step(self) -> None:
         for stage in self.sharded:
             stage.unshard()  # the step's parameters: what its snapshot sets aside
+
+    def started(self) -> None:
+        if self.per_action:  # each stage gathers them again around each of its actions
+            for stage in self.sharded:
+                stage.reshard()
+
+    def around_action(self, stage: int, starting: bool) -> None:
+        """Gathers ``stage``'s parameters before an action of it, shards them after."""
+        for group in self._stage_groups.get(stage, ()):
+            if starting:
+                group.unshard()
+            else:
+                group.reshard()
 
     def after_step(self, committed: bool) -> None:
         # Between steps a sharded stage holds its shards (the optimizer's parameters); the

@@ -55,6 +55,9 @@ class Interpreter:
         on_stage_done: called with a stage once it has run its last backward
             action of a step (its gradients are final: a replica's all-reduce
             may start).
+        around_action: called with a stage and True before each of its
+            actions, and with False after it (a stage sharded per action
+            gathers its parameters, then shards them again).
     """
 
     def __init__(
@@ -64,11 +67,13 @@ class Interpreter:
         *,
         on_failure: Callable[[BaseException, Action], None] | None = None,
         on_stage_done: Callable[[int], None] | None = None,
+        around_action: Callable[[int, bool], None] | None = None,
     ) -> None:
         self.passes = passes
         self.num_threads = num_threads
         self.on_failure = on_failure
         self.on_stage_done = on_stage_done
+        self.around_action = around_action
         self.handlers: dict[str, Pass] = {
             Kind.F: self._forward,
             Kind.B: self._backward,
@@ -231,7 +236,7 @@ class Interpreter:
         handlers, now, stream = self.handlers, time.perf_counter, self.passes.streams[w]
         take, put, before = transport.take, transport.put, transport.before
         local: dict[Message, Any] = {}  # values between stages of this worker (a V schedule's turn)
-        done = self.on_stage_done
+        done, around = self.on_stage_done, self.around_action
         times: list[float] = []
         action = steps[0][0] if steps else Action(0, FORWARD, 0)
         previous, _working.interpreter = getattr(_working, "interpreter", None), self
@@ -249,9 +254,13 @@ class Interpreter:
                         value = local.pop(inbox)
                     else:
                         value = take(inbox, source, stream)
+                    if around is not None:
+                        around(action.stage, True)
                     # Time from when the input is there: waiting is not work.
                     start = now()
                     result = handlers[action.kind](action, w, value, state)
+                    if around is not None:
+                        around(action.stage, False)
                     if outbox is not None:
                         if target == w:
                             local[outbox] = result

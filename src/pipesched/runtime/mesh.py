@@ -20,7 +20,7 @@ __all__ = ["DEFAULT_TIMEOUT", "MeshInfo", "init_mesh", "rank0_value"]
 DEFAULT_TIMEOUT = 600.0
 """Seconds a pipeline's transfers and agreements wait when the mesh does not say."""
 
-_options: dict[int, tuple[weakref.ref[DeviceMesh], float, DeviceMesh | None]] = {}
+_options: dict[int, tuple[weakref.ref[DeviceMesh], float, DeviceMesh | None, str]] = {}
 """By ``id(mesh)``: the mesh, its timeout, its shard mesh. Why not a WeakKeyDictionary:
 DeviceMesh compares by layout, and two meshes of one layout may differ here."""
 
@@ -29,7 +29,12 @@ _waited: deque[Any] = deque(maxlen=4)
 
 
 def init_mesh(
-    pp: int, dp: int = 1, *, shard: int = 1, timeout: float = DEFAULT_TIMEOUT
+    pp: int,
+    dp: int = 1,
+    *,
+    shard: int = 1,
+    reshard: str = "step",
+    timeout: float = DEFAULT_TIMEOUT,
 ) -> DeviceMesh:
     """The ("dp", "pp") mesh of this job, initializing the process group if needed.
 
@@ -46,6 +51,11 @@ def init_mesh(
             replicas; ``dp`` shards each stage over all of them; a divisor of
             ``dp`` between shards within groups of that many consecutive
             replicas and replicates across the groups (HSDP).
+        reshard: when a sharded stage gathers its parameters: ``"step"`` (once
+            per step, kept through all its actions) or ``"action"`` (around each
+            of its forward, backward and weight actions, sharded again after:
+            a rank holds one stage's parameters whole at a time, for an
+            all-gather per action).
         timeout: seconds a pipeline's transfers and per-step agreement may
             wait for another rank before failing with a timeout that names
             it (and the process group's timeout, when this call creates it).
@@ -66,6 +76,13 @@ def init_mesh(
             raise ConfigTypeError(f"{name} must be a positive integer, got {value!r}")
         if value < 1:
             raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(reshard, str):
+        raise ConfigTypeError(f"reshard must be 'step' or 'action', got {reshard!r}")
+    if reshard not in ("step", "action"):
+        raise ConfigError(
+            f"reshard must be 'step' (gather a stage's parameters once per step) or 'action' "
+            f"(around each of its actions), got {reshard!r}"
+        )
     if dp % shard:
         raise ConfigError(
             f"shard must divide dp: each stage is sharded over groups of {shard} of the dp={dp} "
@@ -99,7 +116,8 @@ def init_mesh(
         names = ("replicate", "shard", "pp")
         grouped = init_device_mesh(device_type, (dp // shard, shard, pp), mesh_dim_names=names)
         shard_mesh = grouped["replicate", "shard"]
-    _options[key] = (weakref.ref(mesh, lambda _: _options.pop(key, None)), timeout, shard_mesh)
+    ref = weakref.ref(mesh, lambda _: _options.pop(key, None))
+    _options[key] = (ref, timeout, shard_mesh, reshard)
     return mesh
 
 
@@ -116,6 +134,7 @@ class MeshInfo:
         shard_mesh: the mesh over which this rank's stages are sharded (FSDP2):
             1-D over the replicas, or 2-D (replicate, shard) for HSDP; None
             where every replica holds them whole.
+        reshard: when sharded stages gather their parameters (``init_mesh``'s).
         timeout: seconds a transfer or agreement waits for another rank
             (``init_mesh``'s ``timeout``).
     """
@@ -130,6 +149,7 @@ class MeshInfo:
     device: torch.device
     timeout: float = DEFAULT_TIMEOUT
     shard_mesh: DeviceMesh | None = None
+    reshard: str = "step"
 
     @classmethod
     def of(cls, mesh: DeviceMesh) -> MeshInfo:
@@ -146,9 +166,11 @@ class MeshInfo:
                 "pipesched.runtime.mesh.init_mesh(pp, dp)"
             )
         pp_group, dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        ref, timeout, shard_mesh = _options.get(id(mesh), (None, DEFAULT_TIMEOUT, None))
+        ref, timeout, shard_mesh, reshard = _options.get(
+            id(mesh), (None, DEFAULT_TIMEOUT, None, "step")
+        )
         if ref is None or ref() is not mesh:
-            timeout, shard_mesh = DEFAULT_TIMEOUT, None
+            timeout, shard_mesh, reshard = DEFAULT_TIMEOUT, None, "step"
         dp_rank = mesh.get_local_rank("dp")
         pp_ranks = tuple(int(r) for r in mesh.mesh[dp_rank].tolist())
         if mesh.device_type == "cuda":
@@ -166,6 +188,7 @@ class MeshInfo:
             device=device,
             timeout=float(timeout),
             shard_mesh=shard_mesh,
+            reshard=reshard,
         )
 
 
