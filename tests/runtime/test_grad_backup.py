@@ -7,7 +7,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipesched import ConfigError, GradientAccumulator, GradientBackupError, Pipeline
+from pipesched import (
+    ConfigError,
+    GradientAccumulator,
+    GradientBackupError,
+    Pipeline,
+)
+from pipesched.errors import PipeschedWarning
 from pipesched.runtime.grad_backup import DiskCopies, HostCopies
 from pipesched.schedule import stages_per_worker
 from tests.malloc_peak import AVAILABLE, MallocPeak
@@ -60,7 +66,8 @@ def _data(seed, rows=8):
 
 @pytest.mark.parametrize("checkpoint", ["never", "always"])
 @pytest.mark.parametrize("schedule", SCHEDULES)
-@pytest.mark.parametrize("backup", ["disk", "host"])
+@pytest.mark.parametrize("backup", ["disk", "host"])  # host on CPU workers: set aside
+@pytest.mark.filterwarnings("ignore:grad_backup='host':pipesched.errors.PipeschedWarning")
 def test_a_failed_mid_window_step_changes_nothing_and_keeps_the_tensors(
     backup, schedule, checkpoint
 ):
@@ -181,6 +188,11 @@ def test_host_copies_of_cuda_gradients_hold_one_device_buffer():
     copies.close()
     for got, want in zip(grads, before, strict=True):
         assert torch.equal(got, want)
+
+
+def test_host_on_cpu_workers_warns_that_it_saves_nothing():
+    with pytest.warns(PipeschedWarning, match="every worker of this Pipeline is a CPU.*'disk'"):
+        Pipeline(nn.Sequential(nn.Linear(2, 2)), 1, devices=["cpu"], grad_backup="host")
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ not. Each check runs before any work, so a wrong argument never surfaces as an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -35,6 +36,7 @@ __all__ = [
     "check_module",
     "check_pipeline",
     "check_step",
+    "warn_host_backup_on_cpu",
 ]
 
 
@@ -104,6 +106,18 @@ def check_grad_backup(grad_backup: object) -> None:
             f"grad_backup={grad_backup!r} is not a place pipesched keeps gradients; use "
             f"'device' (set aside, no copy), 'host' (CUDA gradients copied to pinned host "
             f"memory) or 'disk' (copied to a temporary file in TMPDIR)"
+        )
+
+
+def warn_host_backup_on_cpu(grad_backup: str, devices: Sequence[torch.device]) -> None:
+    """Warns (:class:`~pipesched.errors.PipeschedWarning`) where ``grad_backup="host"`` is
+    asked of workers that are all CPUs: their gradients are in host memory already."""
+    if grad_backup == "host" and all(d.type == "cpu" for d in devices):
+        warn_user(
+            "grad_backup='host' copies CUDA gradients to host memory, but every worker of "
+            "this Pipeline is a CPU: its gradients stay set aside as under 'device' (two "
+            "buffers during a window's later steps); use grad_backup='disk' to hold one",
+            PipeschedWarning,
         )
 
 

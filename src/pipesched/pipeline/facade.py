@@ -17,7 +17,12 @@ from pipesched.partition import Partition
 from pipesched.partition.call import Call, call_key, one_call, stage_input, with_cache_off
 from pipesched.partition.materialize import InitWeights, check_meta
 from pipesched.partition.trace import TracedModel
-from pipesched.pipeline.arguments import check_grad_backup, check_loss, check_pipeline
+from pipesched.pipeline.arguments import (
+    check_grad_backup,
+    check_loss,
+    check_pipeline,
+    warn_host_backup_on_cpu,
+)
 from pipesched.pipeline.batches import StepBatches, step_batches
 from pipesched.pipeline.checks.coupled_outputs import coupled_paths, warn_coupled
 from pipesched.pipeline.checks.gradient_hooks import warn_gradient_hooks
@@ -200,6 +205,7 @@ class Pipeline(Shadowing, Pinned):
         sequential = isinstance(module, nn.Sequential)
         if deferred_batch_norm and sequential:
             DeferredBatchNorm.convert(module)  # replaces the BatchNorm layers in place
+        warn_host_backup_on_cpu(grad_backup, plan.devices)
         self._plan = plan
         self._grad_backup = grad_backup
         self._model = (module,)  # a tuple: its layers are registered, not the model itself
