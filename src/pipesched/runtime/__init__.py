@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from pipesched.runtime.compat.internals import foreach_mul_, scaler_device
-    from pipesched.runtime.grad_backup import copies_for, in_place
+    from pipesched.runtime.grad_backup import copies_for, in_place, read_back
     from pipesched.runtime.placement import replaced_parameters, replacement
     from pipesched.runtime.stage.microbatch import batch_size
     from pipesched.runtime.transaction import deferred_interrupts
@@ -23,6 +23,7 @@ __all__ = [
     "deferred_interrupts",
     "foreach_mul_",
     "in_place",
+    "read_back",
     "replaced_parameters",
     "replacement",
     "scaler_device",
@@ -32,6 +33,7 @@ _LAZY = {
     "batch_size": "pipesched.runtime.stage.microbatch",
     "copies_for": "pipesched.runtime.grad_backup",
     "in_place": "pipesched.runtime.grad_backup",
+    "read_back": "pipesched.runtime.grad_backup",
     "deferred_interrupts": "pipesched.runtime.transaction",
     "foreach_mul_": "pipesched.runtime.compat.internals",
     "replaced_parameters": "pipesched.runtime.placement",

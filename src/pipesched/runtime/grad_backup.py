@@ -16,7 +16,9 @@ import tempfile
 
 import torch
 
-__all__ = ["BACKUPS", "DiskCopies", "HostCopies", "copies_for", "in_place"]
+from pipesched.errors import GradientBackupError
+
+__all__ = ["BACKUPS", "DiskCopies", "HostCopies", "copies_for", "in_place", "read_back"]
 
 BACKUPS = ("device", "host", "disk")
 """Where a step keeps the gradients pending before it (``Pipeline(grad_backup=...)``)."""
@@ -106,11 +108,39 @@ class DiskCopies:
             self.file = None
 
 
-def copies_for(backup: str, grads: list[torch.Tensor]) -> HostCopies | DiskCopies | None:
-    """The copies ``backup`` keeps of ``grads`` (None when there are none)."""
-    if not grads:
+def copies_for(
+    backup: str, tensors: list[torch.Tensor], what: str
+) -> HostCopies | DiskCopies | None:
+    """The copies ``backup`` keeps of ``tensors`` (None when there are none).
+
+    Raises:
+        GradientBackupError: they could not be made (``what`` names them); nothing
+            was changed.
+    """
+    if not tensors:
         return None
-    return DiskCopies(grads) if backup == "disk" else HostCopies(grads)
+    try:
+        return DiskCopies(tensors) if backup == "disk" else HostCopies(tensors)
+    except (OSError, RuntimeError) as err:
+        raise GradientBackupError(
+            f"grad_backup={backup!r} could not copy {what} ({err}); nothing changed: free "
+            f"space in TMPDIR (or host memory), or use grad_backup='device'"
+        ) from err
+
+
+def read_back(copies: HostCopies | DiskCopies, tensors: list[torch.Tensor], lost: str) -> None:
+    """Writes ``copies`` back into ``tensors`` and drops them.
+
+    Raises:
+        GradientBackupError: they could not be read back; ``lost`` says what is lost
+            and what to do.
+    """
+    try:
+        copies.put_back(tensors)
+    except (OSError, RuntimeError) as err:
+        raise GradientBackupError(f"a copy could not be read back ({err}): {lost}") from err
+    finally:
+        copies.close()
 
 
 def _host(grad: torch.Tensor) -> torch.Tensor:

@@ -23,8 +23,7 @@ import torch
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipesched.errors import GradientBackupError
-from pipesched.runtime.grad_backup import DiskCopies, HostCopies, copies_for, in_place
+from pipesched.runtime.grad_backup import DiskCopies, HostCopies, copies_for, in_place, read_back
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
 
 __all__ = ["StepSnapshot", "deferred_interrupts"]
@@ -66,14 +65,8 @@ class StepSnapshot:
         kept = tuple(
             (p, p.grad) for p in parameters if p.grad is not None and in_place(backup, p.grad)
         )
-        try:  # first: a copy that fails leaves everything as it was
-            copies = copies_for(backup, [grad for _, grad in kept])
-        except (OSError, RuntimeError) as err:
-            raise GradientBackupError(
-                f"grad_backup={backup!r} could not copy the window's gradients before the "
-                f"step ({err}); nothing changed and the step did not run: free space in "
-                f"TMPDIR (or host memory), or use grad_backup='device'"
-            ) from err
+        # First: a copy that fails leaves everything as it was.
+        copies = copies_for(backup, [g for _, g in kept], "the window's gradients before the step")
         aside = {}
         for p in parameters:
             if p.grad is not None and not in_place(backup, p.grad):
@@ -146,16 +139,12 @@ class StepSnapshot:
         if cuda is not None:
             torch.cuda.set_rng_state_all(cuda)
         if self.copies is not None:  # last: if it fails, all the rest is back
-            try:
-                self.copies.put_back([grad for _, grad in self.kept])
-            except (OSError, RuntimeError) as err:
-                raise GradientBackupError(
-                    f"the step failed and its copy of the window's gradients could not be "
-                    f"read back ({err}): the gradients of this window's earlier steps are "
-                    f"lost; zero them (optimizer.zero_grad()) and run the window again"
-                ) from err
-            finally:
-                self.copies.close()
+            read_back(
+                self.copies,
+                [grad for _, grad in self.kept],
+                "the step failed, and the gradients of this window's earlier steps are lost; "
+                "zero them (optimizer.zero_grad()) and run the window again",
+            )
 
 
 @contextmanager

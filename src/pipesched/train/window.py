@@ -14,14 +14,18 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipesched.errors import GradientBackupError
-from pipesched.runtime import copies_for, deferred_interrupts, in_place
+from pipesched.runtime import copies_for, deferred_interrupts, in_place, read_back
 from pipesched.train.state import rng_state, set_rng_state
 
 if TYPE_CHECKING:
     from pipesched.train.accumulator import GradientAccumulator
 
 __all__ = ["GradientsAside", "WindowSnapshot"]
+
+_LOST = (
+    "the window end failed, and the window's gradients, or the parameters and optimizer "
+    "state, are lost; load the last checkpoint"
+)
 
 
 class GradientsAside:
@@ -38,7 +42,8 @@ class GradientsAside:
 
     def __init__(self, parameters: list[torch.nn.Parameter], backup: str = "device") -> None:
         copied = [p for p in parameters if p.grad is not None and in_place(backup, p.grad)]
-        self.copies = _copies(backup, [p.grad for p in copied])  # type: ignore[misc]
+        grads = [p.grad for p in copied]
+        self.copies = copies_for(backup, grads, "the window end's gradients")  # type: ignore[arg-type]
         ids = {id(p) for p in copied}
         self.grads = [(p, p.grad) for p in parameters if id(p) not in ids]
         # Held weakly: a reduction that replaces a .grad frees the old one.
@@ -59,7 +64,7 @@ class GradientsAside:
             grad = ref()
             p.grad = grad if grad is not None else like()
             targets.append(p.grad)
-        _read_back(self.copies, targets)
+        read_back(self.copies, targets, _LOST)
 
     def close(self) -> None:
         """Drops the copies (the window end succeeded)."""
@@ -101,7 +106,7 @@ class WindowSnapshot:
         off = [t for t in values.values() if in_place(backup, t)]
         off += [v for _, _, v in states if isinstance(v, torch.Tensor) and in_place(backup, v)]
         self.copied = off  # written back into, in this order
-        self.copies = _copies(backup, off)
+        self.copies = copies_for(backup, off, "the parameters and optimizer state")
         copied = {id(t) for t in off}
         with torch.no_grad():
             self.params = [
@@ -134,7 +139,7 @@ class WindowSnapshot:
             set_rng_state(self.rng)
             if self.copies is not None:  # last: if it fails, all the rest is back
                 with torch.no_grad():
-                    _read_back(self.copies, self.copied)
+                    read_back(self.copies, self.copied, _LOST)
 
     def close(self) -> None:
         """Drops the copies (the window end succeeded)."""
@@ -208,32 +213,6 @@ def _put_back(live: Any, saved: Any) -> Any:
         live.copy_(saved)
         return live
     return _clone(saved)
-
-
-def _copies(backup: str, tensors: list[torch.Tensor]) -> Any:
-    """``copies_for``, its failure a :class:`~pipesched.errors.GradientBackupError`."""
-    try:
-        return copies_for(backup, tensors)
-    except (OSError, RuntimeError) as err:
-        raise GradientBackupError(
-            f"grad_backup={backup!r} could not copy the window end's gradients, parameters "
-            f"and optimizer state ({err}); nothing changed: free space in TMPDIR (or host "
-            f"memory), or use grad_backup='device', then call acc.flush()"
-        ) from err
-
-
-def _read_back(copies: Any, tensors: list[torch.Tensor]) -> None:
-    """Writes ``copies`` back into ``tensors``, then drops them."""
-    try:
-        copies.put_back(tensors)
-    except (OSError, RuntimeError) as err:
-        raise GradientBackupError(
-            f"the window end failed and its copies could not be read back ({err}): the "
-            f"window's gradients, or the parameters and optimizer state, are lost; load "
-            f"the last checkpoint"
-        ) from err
-    finally:
-        copies.close()
 
 
 def _like(t: torch.Tensor) -> Any:
