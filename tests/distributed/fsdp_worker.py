@@ -10,7 +10,8 @@ is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced); ``ckpt`
 (saved after SAVE_AT steps, resumed by a new sharded pipeline; a mid-window save
 refused); ``meta`` (built on meta, loads that checkpoint); ``early`` (its optimizer
 built before the Pipeline); ``failstep`` (a window end failing on one rank inside
-optimizer.step, then flushed); ``hsdp`` (pp=1 x dp=4, shard groups of 2); ``resume``
+optimizer.step, then flushed); ``inf`` (an inf in one replica's batch: its window
+skipped on every rank); ``hsdp`` (pp=1 x dp=4, shard groups of 2); ``resume``
 (on 2 ranks: the checkpoint at pp=2 x dp=1, unsharded). Each rank writes per config the
 parameters its stages use (whole), its bytes held and its reductions.
 """
@@ -41,6 +42,7 @@ BALANCE = {1: [8], 2: [4, 4], 4: [2, 2, 2, 2]}
 LATE = 3  # the second window's last step: its rerun must still reduce-scatter after it
 FAIL_AT = 3  # "failstep": the second window's end fails on rank 1, is put back, flushed
 SAVE_AT = 4  # "ckpt": saved after two windows; its last resumed, here and elsewhere
+INF_AT = 2  # "inf": replica 0's batch of this step (the second window's first) holds an inf
 
 
 def gpt2() -> nn.Module:
@@ -238,6 +240,12 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
             acc.step(ids, ids, loss_fn=gpt2_loss)
         elif name == "failstep" and i == FAIL_AT:  # rank 1's optimizer raises after stepping
             failures = fail_window_end(acc, i, mesh.get_local_rank("dp"), dp)
+        elif name == "inf" and i == INF_AT:  # one replica's gradients: the window is skipped
+            x, y = w.batch(i, mesh.get_local_rank("dp"), dp)
+            if mesh.get_local_rank("dp") == 0:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            acc.step(x, y, loss_fn=nn.functional.mse_loss)
         else:
             w.train(acc, range(i, i + 1), mesh.get_local_rank("dp"), dp)
     evaluated = None

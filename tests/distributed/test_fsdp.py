@@ -33,7 +33,7 @@ CONFIGS = [
     *MLP, *GPT2, "traced:1f1b:never", "traced:zb-h1:always",
     "mlp:1f1b:never:whole", "mlp32:zb-h1:never", "ckpt:zb-h1:always",
     "meta:zb-v:never", "early:1f1b:never", "hsdp:1f1b:always",
-    "failstep:zb-v:never", "mlp:zb-h1:always:disk",
+    "failstep:zb-v:never", "mlp:zb-h1:always:disk", "inf:zb-h1:never",
     "drop:zb-v:always", "drop:zb-v:always:whole", "drop:zb-v:always:disk",
     "drop:zb-v:always:whole:disk",
     "mlp:1f1b:always:action", "mlp:zb-v:never:action", "gpt2:zb-h1:always:action",
@@ -43,7 +43,10 @@ CONFIGS = [
 
 @functools.cache
 def _plain(name: str, windows: int = f.WINDOWS) -> dict[str, torch.Tensor]:
-    """The plain model trained on each window's whole batch: the full-batch gradient."""
+    """The plain model trained on each window's whole batch: the full-batch gradient.
+
+    "inf": the window holding step ``f.INF_AT`` is skipped (no optimizer or scheduler step).
+    """
     torch.set_default_dtype(torch.float32 if name == "mlp32" else torch.float64)
     try:
         model = {"traced": w.tied_lm, "gpt2": f.gpt2}.get(name, lambda: w.mlp(0.0))()
@@ -51,6 +54,8 @@ def _plain(name: str, windows: int = f.WINDOWS) -> dict[str, torch.Tensor]:
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
         for window in range(windows):
             steps = range(window * w.STEPS, (window + 1) * w.STEPS)
+            if name == "inf" and f.INF_AT in steps:
+                continue
             if name == "gpt2":
                 ids = torch.cat([f.gpt2_batch(s) for s in steps])
                 loss = f.gpt2_loss(model(ids), ids)
