@@ -238,7 +238,9 @@ def keep_heap() -> bool:
     except (OSError, AttributeError):  # not glibc
         return False
     m_trim_threshold, m_mmap_threshold = -1, -3
-    return mallopt(m_trim_threshold, 1 << 30) == 1 and mallopt(m_mmap_threshold, 32 << 20) == 1
+    return bool(
+        mallopt(m_trim_threshold, 1 << 30) == 1 and mallopt(m_mmap_threshold, 32 << 20) == 1
+    )
 
 
 def _whole(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
