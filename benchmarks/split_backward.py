@@ -1,6 +1,6 @@
 """What splitting a stage's backward into B and W costs, on the blocks users run.
 
-Run: .venv/bin/python benchmarks/split_backward.py [--rounds 9] [--only NAME]
+Run: .venv/bin/python benchmarks/split_backward.py [--rounds 9] [--only NAME] [--keep-heap]
 
 One intra-op thread. Each model is one middle stage (its input a fresh leaf that
 requires grad, its output given a random gradient), run as pipesched's runtime
@@ -28,11 +28,19 @@ runs it:
 
 Times are this thread's CPU time (``--clock wall`` for wall time): on a shared
 machine a pass descheduled for another process's turn is not charged for it
-(its page faults are). Contenders alternate within each round (in reverse order every other round);
-medians over the rounds, the ratios as medians of the per-round ratios, and the
-ratios of the bests (the least disturbed rounds on a shared machine). Target:
-B + W <= 1.05 x whole, and with checkpointing B + W <= 1.05 x (forward + whole);
-PASS/FAIL per row (on the median ratios).
+(its page faults are). Contenders alternate within each round (in reverse
+order every other round); medians over the rounds, the ratios as medians of
+the per-round ratios, and the ratios of the bests (the least disturbed rounds
+on a shared machine). Target: B + W <= 1.05 x whole, and with checkpointing
+B + W <= 1.05 x (forward + whole); PASS/FAIL per row (on the median ratios).
+
+Under each row, the minor page faults per pass (medians): B holds each deferred
+op's input and output gradient until W, so its heap grows past the forward's,
+and glibc gives what W frees back to the system (trims the heap), so the next B
+faults those pages in again. ``--keep-heap`` first sets glibc's trim threshold
+to 1 GiB and its mmap threshold to 32 MiB (``mallopt``; the environment
+variables ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` do the
+same): what the rows cost without those faults.
 
 Models (width 256, micro-batch 8 x 64 tokens; the MLP: 512 rows of 1024):
 4 x nn.TransformerEncoderLayer(256, 4, 1024, dropout=0, batch_first=True);
@@ -44,7 +52,9 @@ Models (width 256, micro-batch 8 x 64 tokens; the MLP: 512 rows of 1024):
 from __future__ import annotations
 
 import argparse
+import ctypes
 import gc
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -203,16 +213,40 @@ CLOCK = time.thread_time
 CLOCK_NAME = "thread CPU time"
 
 
+_RUSAGE = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
+
+
 def _clock(fn: Callable[[], Any]) -> tuple[float, Any]:
     start = CLOCK()
     out = fn()
     return CLOCK() - start, out
 
 
+def _timed(t: dict[str, float], key: str, fn: Callable[[], Any]) -> Any:
+    """Runs ``fn``: its time into ``t[key]``, its minor page faults into ``t[key + "_faults"]``."""
+    faults = resource.getrusage(_RUSAGE).ru_minflt
+    t[key], out = _clock(fn)
+    t[key + "_faults"] = resource.getrusage(_RUSAGE).ru_minflt - faults
+    return out
+
+
+def keep_heap() -> bool:
+    """Sets glibc's trim threshold to 1 GiB and its mmap threshold to 32 MiB (glibc's
+    ceiling): freed memory stays in the heap; True where it could."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):  # not glibc
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    return bool(
+        mallopt(m_trim_threshold, 1 << 30) == 1 and mallopt(m_mmap_threshold, 32 << 20) == 1
+    )
+
+
 def _whole(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
     model.zero_grad(set_to_none=True)
     t["forward"], y = _clock(lambda: model(leaf))
-    t["whole"], _ = _clock(lambda y=y: backward_full([y], [g], [leaf]))
+    _timed(t, "whole", lambda y=y: backward_full([y], [g], [leaf]))
 
 
 def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float], mode: bool) -> None:
@@ -227,9 +261,9 @@ def _split(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float], mode:
             return model(leaf)  # type: ignore[no-any-return]
 
     t["forward" + (suffix or "_layers")], y = _clock(deferred_forward)
-    t["B" + suffix], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
+    _, w = _timed(t, "B" + suffix, lambda y=y: backward_input([y], [g], [leaf], store))
     del y
-    t["W" + suffix], _ = _clock(w.run)
+    _timed(t, "W" + suffix, w.run)
 
 
 def _split_layers(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
@@ -262,16 +296,16 @@ def _whole_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, 
     """What 1F1B pays for a checkpointed micro-batch: the recomputing whole backward."""
     model.zero_grad(set_to_none=True)
     y = checkpoint(_Plain(model), leaf, preserve_rng_state=True)
-    t["whole_ckpt"], _ = _clock(lambda y=y: backward_full([y], [g], [leaf]))
+    _timed(t, "whole_ckpt", lambda y=y: backward_full([y], [g], [leaf]))
 
 
 def _split_checkpointed(model: nn.Module, leaf: Tensor, g: Tensor, t: dict[str, float]) -> None:
     model.zero_grad(set_to_none=True)
     store = WeightStore()
     y = checkpoint(_Deferred(model, store, deferral(model)), leaf, preserve_rng_state=True)
-    t["B_ckpt"], (_, w) = _clock(lambda y=y: backward_input([y], [g], [leaf], store))
+    _, w = _timed(t, "B_ckpt", lambda y=y: backward_input([y], [g], [leaf], store))
     del y
-    t["W_ckpt"], _ = _clock(w.run)
+    _timed(t, "W_ckpt", w.run)
 
 
 def one_round(model: nn.Module, x: Tensor, g: Tensor, k: int) -> dict[str, float]:
@@ -294,7 +328,12 @@ def main() -> None:
     parser.add_argument(
         "--overhead", action="store_true", help="only what deferral adds to a tiny forward"
     )
+    parser.add_argument(
+        "--keep-heap", action="store_true", help="glibc keeps freed memory (no page faults)"
+    )
     args = parser.parse_args()
+    if args.keep_heap and not keep_heap():
+        parser.error("--keep-heap needs glibc's mallopt")
     global CLOCK, CLOCK_NAME
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
@@ -303,7 +342,8 @@ def main() -> None:
     if args.overhead:
         overhead(max(args.rounds, 21))
         return
-    print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, medians (ms, {clock})")
+    heap = ", heap kept (mallopt)" if args.keep_heap else ""
+    print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, medians (ms, {clock}){heap}")
     header = (
         f"{'model':34} {'whole':>7} {'B':>7} {'W':>7} {'B+W':>7} {'ratio':>6}  "
         f"{'F+whole':>8} {'B+W ckpt':>8} {'ratio':>6} {'/ckpt':>6}  {'F':>6} {'F layers':>8} "
@@ -353,6 +393,9 @@ def main() -> None:
             f"{by_mode:6.3f} {graph:6.3f}  "
             f"{'PASS' if ok else 'FAIL'}"
         )
+        passes = ("whole", "B", "W", "whole_ckpt", "B_ckpt", "W_ckpt")
+        faults = (f"{k} {statistics.median(r[k + '_faults'] for r in rounds):.0f}" for k in passes)
+        print("  page faults:", ", ".join(faults))
     print("ratios: medians of the per-round ratios; target <=", LIMIT)
     print(
         "on the bests (min over rounds): B+W / whole, B+W ckpt / (F + whole), "
