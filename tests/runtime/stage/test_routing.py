@@ -105,6 +105,33 @@ def test_routed_draws_equal_the_dispatch_modes(request):
     assert torch.equal(routed, by_mode)
 
 
+class Noisy(nn.Module):
+    def noise(self, x: torch.Tensor) -> torch.Tensor:  # called by its parent, not __call__
+        return torch.rand_like(x)
+
+
+class NoisyParent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = Noisy()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.child.noise(x) + 2 * torch.rand_like(x)
+
+
+def test_a_draw_is_keyed_by_the_method_that_makes_it_routed_or_not(request):
+    # Routed, the walk up the stack skips pipesched's own frames, never the operation's
+    # caller: a method of the child called directly keys the child's draw.
+    model, x = NoisyParent(), torch.zeros(ROWS, 8)
+    seeding = _seeding(model)
+    with seeding.forward(StepSeed(3), 0):  # (not _drawn: its wrapper is a frame more)
+        routed = model(x)
+    request.getfixturevalue("unrouted")
+    with seeding.forward(StepSeed(3), 0):
+        by_mode = model(x)
+    assert torch.equal(routed, by_mode)
+
+
 @pytest.mark.parametrize("kind", ["F.dropout", "SDPA dropout", "TransformerEncoderLayer"])
 def test_steps_draw_alike_routed_or_not(kind, request):
     # Three steps: the first seeds throughout and learns, the next seed only the modules

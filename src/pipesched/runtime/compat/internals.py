@@ -420,7 +420,9 @@ def _check_size_symbols() -> bool:
 
 RandomHandler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any], Callable[..., Any]], Any]
 """Called for each random operation while routing is on: ``(op, args, kwargs, run)``, where
-``run(*args, **kwargs)`` runs the operation's kernels below the key."""
+``run(*args, **kwargs)`` runs the operation's kernels below the key. It runs two Python frames
+below the operation's caller (the kernel's, then its own): ``sys._getframe(2)`` there is the
+caller's frame."""
 
 _RNG_KEY: Any = None  # torch._C.DispatchKey.CustomRNGKeyId (not named in torch's Python enum)
 _rng_libraries: dict[str, Any] = {}  # namespace -> torch.library.Library holding our kernels

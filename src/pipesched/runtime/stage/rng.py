@@ -211,8 +211,9 @@ class DrawContext:
             for modules and checkpoints stops there.
 
     Attributes:
-        counts: draws so far per module path: a recomputation starts from zero
-            again in a fresh context, so it draws what the forward drew.
+        counts: draws so far per module name (a user's generator's apart): a
+            recomputation starts from zero again in a fresh context, so it draws
+            what the forward drew.
         drawn: the innermost named module of each operation that drew numbers
             (None: no named module); a dropout of p = 0 draws none.
         checkpointed: a draw ran inside ``torch.utils.checkpoint`` (the model
@@ -237,7 +238,8 @@ class DrawContext:
         self.seed = seed
         self.microbatch = microbatch
         self.place = place
-        self.counts: dict[tuple[str, str], int] = {}
+        self.counts: dict[str, int] = {}
+        self._bases: dict[int, int] = {}  # step seed -> (step seed, micro-batch, place) mixed
         self.drawn: dict[int, nn.Module | None] = {}
         self.checkpointed = False
         self.users: dict[int, torch.Generator] = {}
@@ -294,14 +296,40 @@ class DrawContext:
             frame = frame.f_back
         if not covered:
             return None
-        key = (self.place, name) if user is None else (self.place, name + "#generator")
-        count = self.counts.get(key, 0)
-        self.counts[key] = count + 1
+        if user is not None:  # draws from a user's generator are counted apart
+            name += "#generator"
+        count = self.counts.get(name, 0)
+        self.counts[name] = count + 1
         value = (self.seed if user is None else user).get()
-        digest = hashlib.blake2b(
-            repr((value, self.microbatch, key, count)).encode(), digest_size=8
-        ).digest()
-        return int.from_bytes(digest, "little") >> 1, innermost
+        base = self._bases.get(value)
+        if base is None:  # once per pass and step seed
+            base = _mix(_mix(_mix(value) ^ self.microbatch) ^ _hash(self.place))
+            self._bases[value] = base
+        named = _HASHES.get(name)
+        if named is None:
+            named = _hash(name)
+        return _mix(((base ^ named) + count) & _MASK) >> 1, innermost
+
+
+_MASK = (1 << 64) - 1
+_HASHES: dict[str, int] = {}  # a place's or module's name -> its 64-bit hash (see _hash)
+
+
+def _hash(text: str) -> int:
+    """A 64-bit hash of ``text`` that no process or run changes (unlike ``hash``)."""
+    value = _HASHES.get(text)
+    if value is None:
+        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
+        value = _HASHES[text] = int.from_bytes(digest, "little")
+    return value
+
+
+def _mix(z: int) -> int:
+    """SplitMix64's finalizer: a bijection of 64-bit integers, every output bit depending
+    on every input bit (two multiplications: a draw's seed in place of a hash of its key)."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
+    return z ^ (z >> 31)
 
 
 class SeededRandomness:
@@ -325,12 +353,17 @@ class SeededRandomness:
     def __init__(self, context: DrawContext) -> None:
         self.context = context
         self._exit: list[Any] = []  # how to undo each __enter__ (a mode, or routing's state)
+        # Where a draw's call stack starts, counted from _draw: past draw and the mode's
+        # __torch_dispatch__, or, routed, past draw, _handle and compat's kernel (see
+        # RandomHandler): frames the walk need not build, each a fresh object per draw.
+        self._site = 2
 
     def __enter__(self) -> SeededRandomness:
         if _routing["on"]:
             self._exit.append((_active.seeder, route_random_ops_here(True)))
-            _active.seeder = self
+            _active.seeder, self._site = self, 4
         else:
+            self._site = 2
             mode = _Mode(self)
             mode.__enter__()  # type: ignore[no-untyped-call]
             self._exit.append(mode)
@@ -376,7 +409,7 @@ class SeededRandomness:
         fresh: bool,
     ) -> Any:
         context = self.context
-        seeded_here = context.seed_for(sys._getframe(2), user)
+        seeded_here = context.seed_for(sys._getframe(self._site), user)
         if seeded_here is None:  # outside the modules seeded: drawn as is (a tripwire sees it)
             return run(*args, **kwargs)
         seed, module = seeded_here
@@ -388,8 +421,7 @@ class SeededRandomness:
             device = args[0].device
         else:
             device = _device(args, kwargs)
-        takes = _TAKES_GENERATOR.get(func)
-        if given is not None or (takes if takes is not None else _takes_generator(func)):
+        if given is not None or _takes_generator(func):
             generator = _generators.by_device.get(device) or _private_generator(device)
             generator.manual_seed(seed)  # (a private generator, seeded)
             kwargs["generator"] = generator
@@ -476,16 +508,16 @@ class _Generators(threading.local):
 
 
 _generators = _Generators()
-_TAKES_GENERATOR: dict[OpOverload, bool] = {}
+_TAKES_GENERATOR: dict[int, tuple[OpOverload, bool]] = {}  # by id: OpOverload hashes in Python
 
 
 def _takes_generator(func: OpOverload) -> bool:
     """Whether ``func`` has a ``generator=`` argument."""
-    takes = _TAKES_GENERATOR.get(func)
-    if takes is None:
+    known = _TAKES_GENERATOR.get(id(func))
+    if known is None or known[0] is not func:
         takes = any(a.name == "generator" for a in op_schema(func).arguments)
-        _TAKES_GENERATOR[func] = takes
-    return takes
+        known = _TAKES_GENERATOR[id(func)] = (func, takes)
+    return known[1]
 
 
 def _private_generator(device: torch.device) -> torch.Generator:

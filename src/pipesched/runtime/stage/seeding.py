@@ -362,7 +362,7 @@ class StageSeeding:
         after: list[torch.Tensor],
     ) -> bool:
         """Whether every watched generator is where it was, or moved only by a step seed's draw."""
-        if not (seed.explains(before[0], after[0]) or same_state(before[0], after[0])):
+        if not (same_state(before[0], after[0]) or seed.explains(before[0], after[0])):
             return False
         k = len(self.generators)
         if not all(map(same_state, before[1:k], after[1:k])):
