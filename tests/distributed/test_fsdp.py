@@ -36,7 +36,7 @@ CONFIGS = [
     "failstep:zb-v:never", "mlp:zb-h1:always:disk", "inf:zb-h1:never",
     "drop:zb-v:always", "drop:zb-v:always:whole", "drop:zb-v:always:disk",
     "drop:zb-v:always:whole:disk",
-    "mlp:1f1b:always:action", "mlp:zb-v:never:action", "gpt2:zb-h1:always:action",
+    "mlp:1f1b:always:action", "mlp:zb-v:never:action", "traced:zb-h1:always:action",
     "drop:zb-v:always:action",
 ]  # fmt: skip
 
