@@ -268,3 +268,34 @@ def test_the_window_ends_copies_go_where_grad_backup_says(backup):
         assert ratio <= 1.1, ratio
     else:  # the gradients scaled out of place, a copy of the parameters and of Adam's two
         assert ratio >= 4.5, ratio
+
+
+class _RebindingSGD(torch.optim.Optimizer):
+    """An old-style optimizer: it rebinds ``p.data`` instead of writing into it, then fails."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {"lr": 0.1})
+        self.fail = False
+
+    @torch.no_grad()
+    def step(self, closure=None):  # type: ignore[override]
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.data = p.data - group["lr"] * p.grad
+        if self.fail:
+            raise RuntimeError("optimizer failed after stepping")
+
+
+@pytest.mark.parametrize("backup", ["device", "disk"])
+def test_a_window_end_failing_after_rebinding_parameters_puts_them_back(backup):
+    pipe = Pipeline(_model(), 2, balance=[3, 3], devices=["cpu", "cpu"], grad_backup=backup)
+    optimizer = _RebindingSGD(pipe.parameters())
+    acc = GradientAccumulator(pipe, optimizer, accumulation_steps=2)
+    _step(acc, 0)
+    before = [p.detach().clone() for p in pipe.parameters()]
+    optimizer.fail = True
+    with pytest.raises(RuntimeError, match="after stepping"):
+        _step(acc, 1)
+    for got, want in zip(pipe.parameters(), before, strict=True):
+        assert torch.equal(got, want)

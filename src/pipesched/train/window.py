@@ -103,9 +103,13 @@ class WindowSnapshot:
             for entry in o.state.values()
             for key, value in entry.items()
         ]
-        off = [t for t in values.values() if in_place(backup, t)]
-        off += [v for _, _, v in states if isinstance(v, torch.Tensor) and in_place(backup, v)]
-        self.copied = off  # written back into, in this order
+        # Copied where grad_backup says: read back into each parameter as it is then (an
+        # optimizer may have rebound its .data) and into the state tensors kept as objects.
+        self.copied_params = [p for p in params.values() if in_place(backup, values[id(p)])]
+        self.copied_state = [
+            v for _, _, v in states if isinstance(v, torch.Tensor) and in_place(backup, v)
+        ]
+        off = [values[id(p)] for p in self.copied_params] + self.copied_state
         self.copies = copies_for(backup, off, "the parameters and optimizer state")
         copied = {id(t) for t in off}
         with torch.no_grad():
@@ -138,8 +142,9 @@ class WindowSnapshot:
             acc.loss_scale.growth_tracker = self.growth_tracker
             set_rng_state(self.rng)
             if self.copies is not None:  # last: if it fails, all the rest is back
+                targets = [p.detach() for p in self.copied_params] + self.copied_state
                 with torch.no_grad():
-                    read_back(self.copies, self.copied, _LOST)
+                    read_back(self.copies, targets, _LOST)
 
     def close(self) -> None:
         """Drops the copies (the window end succeeded)."""
