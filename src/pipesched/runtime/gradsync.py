@@ -112,7 +112,11 @@ class LocalSync:
         return False
 
     def norm(self, parameters: list[nn.Parameter]) -> float:
-        grads = [p.grad for p in parameters if p.grad is not None]
+        grads = [
+            g if g.layout == torch.strided else g.coalesce().values()  # sparse: its values
+            for g in (p.grad for p in parameters)
+            if g is not None
+        ]
         return float(torch.nn.utils.get_total_norm(grads)) if grads else 0.0
 
     def summed_gradients(self, parameters: list[nn.Parameter]) -> dict[int, torch.Tensor]:

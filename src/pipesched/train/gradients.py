@@ -47,6 +47,8 @@ def all_finite(grads: list[torch.Tensor]) -> bool:
     """Whether no gradient on any device holds an inf or a NaN (one host sync per device)."""
     by_device: dict[torch.device, list[torch.Tensor]] = {}
     for g in grads:
+        if g.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its values
+            g = g.coalesce().values()
         by_device.setdefault(g.device, []).append(g)
     return all(
         bool(torch.stack([torch.isfinite(g).all() for g in group]).all())
