@@ -41,3 +41,31 @@ def test_tied_weight_bitwise_run_to_run_and_exact(schedule: str) -> None:
     assert all(torch.equal(g, grads[0]) for g in grads)
     nn.functional.mse_loss(plain(X), Y).backward()
     torch.testing.assert_close(grads[0], plain[0].weight.grad, rtol=1e-12, atol=1e-15)
+
+
+def test_a_sparse_embedding_tied_to_a_dense_head_sums_like_the_plain_model():
+    # Stage 0's part is sparse, stage 1's dense: torch adds only dense + sparse.
+    def model():
+        torch.manual_seed(0)
+        embedding = nn.Embedding(10, 6, sparse=True)
+
+        class Head(nn.Module):
+            def __init__(self) -> None:
+                super().__init__()
+                self.embedding = embedding
+
+            def forward(self, x):
+                return x @ self.embedding.weight.t()
+
+        return nn.Sequential(embedding, nn.Linear(6, 6), nn.Linear(6, 6), Head())
+
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(0, 10, (8,), generator=g), torch.randint(0, 10, (8,), generator=g)
+    plain = model()
+    for _ in range(2):
+        nn.functional.cross_entropy(plain(x), y).backward()
+    pipe = Pipeline(model(), 4, balance=[2, 2], devices=["cpu"] * 2, schedule="1f1b")
+    for _ in range(2):
+        pipe.step(x, y, loss_fn=nn.functional.cross_entropy)
+    for got, want in zip(pipe.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(got.grad.to_dense(), want.grad.to_dense())

@@ -104,14 +104,14 @@ class TiedGradients:
                     continue
                 total = parts[0]
                 for part in parts[1:]:
-                    total = total + part
+                    total = _add(total, part)
                 grad = p.grad
                 if grad is None:
                     p.grad = total.clone() if total is parts[0] else total
                 elif grad.layout == torch.strided and total.layout == torch.strided:
                     grad.add_(total)
                 else:
-                    p.grad = grad + total
+                    p.grad = _add(grad, total)
         finally:
             self.end()
 
@@ -122,3 +122,9 @@ class TiedGradients:
         self._handles = []
         self._sums.clear()
         self._params = []
+
+
+def _add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b``, also where ``a`` is sparse and ``b`` dense (torch adds only dense + sparse;
+    the sum is the same either way round: floating-point addition commutes)."""
+    return b + a if a.layout != torch.strided and b.layout == torch.strided else a + b
