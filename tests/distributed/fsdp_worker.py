@@ -11,7 +11,8 @@ is put back and rerun); ``traced`` (a tied LM); ``gpt2`` (HF's, traced); ``ckpt`
 refused); ``meta`` (built on meta, loads that checkpoint); ``early`` (its optimizer
 built before the Pipeline); ``failstep`` (a window end failing on one rank inside
 optimizer.step, then flushed); ``inf`` (an inf in one replica's batch: its window
-skipped on every rank); ``hsdp`` (pp=1 x dp=4, shard groups of 2); ``resume``
+skipped on every rank); ``branch`` (a weight only replica 0's data reaches); ``frozen``
+(pp rank 0's stage frozen); ``hsdp`` (pp=1 x dp=4, shard groups of 2); ``resume``
 (on 2 ranks: the checkpoint at pp=2 x dp=1, unsharded). Each rank writes per config the
 parameters its stages use (whole), its bytes held and its reductions.
 """
@@ -69,6 +70,45 @@ def gpt2_loss(out: Any, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
 
 
+class Marked(nn.Module):
+    """Scales the rows whose first feature is above 2 by a weight of its own: only micro-batches
+    holding such a row use it ("branch": replica 0's only, so replica 1 has no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((6,), 1.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        marked = x[:, 0] > 2
+        if not bool(marked.any()):
+            return x
+        return torch.where(marked[:, None], x * self.weight, x)
+
+
+def branch_mlp() -> nn.Sequential:
+    return nn.Sequential(Marked(), *w.mlp(0.0))
+
+
+def branch_batch(
+    step: int, replica: int = 0, replicas: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``sharded_worker.batch`` with one marked row, row 0: in replica 0's share."""
+    x, y = w.batch(step)
+    x = x.clone()
+    x[:, 0] = -1.0
+    x[0, 0] = 3.0
+    share = w.ROWS // replicas
+    return x[replica * share : (replica + 1) * share], y[replica * share : (replica + 1) * share]
+
+
+def frozen_mlp() -> nn.Sequential:
+    """The MLP with its first stage (at pp=2) frozen: pp rank 0 trains nothing."""
+    model = w.mlp(0.0)
+    for layer in model[:4]:
+        layer.requires_grad_(False)
+    return model
+
+
 def pipeline(
     name: str, schedule: str, checkpoint: str, mesh: Any, backup: str = "device"
 ) -> Pipeline:
@@ -90,7 +130,11 @@ def pipeline(
             model, 2, balance=BALANCE[stages], mesh=mesh, schedule=schedule,
             checkpoint=checkpoint, init_weights="skip",
         )  # fmt: skip
-    model = w.mlp(0.0)  # (in the default dtype)
+    if name == "branch":
+        return Pipeline(
+            branch_mlp(), 2, balance=[5, 4], mesh=mesh, schedule=schedule, checkpoint=checkpoint
+        )
+    model = frozen_mlp() if name == "frozen" else w.mlp(0.0)  # (in the default dtype)
     if name == "drop":
         model[6] = LateDropout()  # for a Tanh: in the last stage
     return Pipeline(
@@ -240,6 +284,9 @@ def run(config: str, rank: int, out: Path) -> dict[str, Any]:
             acc.step(ids, ids, loss_fn=gpt2_loss)
         elif name == "failstep" and i == FAIL_AT:  # rank 1's optimizer raises after stepping
             failures = fail_window_end(acc, i, mesh.get_local_rank("dp"), dp)
+        elif name == "branch":
+            x, y = branch_batch(i, mesh.get_local_rank("dp"), dp)
+            acc.step(x, y, loss_fn=nn.functional.mse_loss)
         elif name == "inf" and i == INF_AT:  # one replica's gradients: the window is skipped
             x, y = w.batch(i, mesh.get_local_rank("dp"), dp)
             if mesh.get_local_rank("dp") == 0:

@@ -34,6 +34,7 @@ CONFIGS = [
     "mlp:1f1b:never:whole", "mlp32:zb-h1:never", "ckpt:zb-h1:always",
     "meta:zb-v:never", "early:1f1b:never", "hsdp:1f1b:always",
     "failstep:zb-v:never", "mlp:zb-h1:always:disk", "inf:zb-h1:never",
+    "branch:1f1b:never", "frozen:zb-h1:always",
     "drop:zb-v:always", "drop:zb-v:always:whole", "drop:zb-v:always:disk",
     "drop:zb-v:always:whole:disk",
     "mlp:1f1b:always:action", "mlp:zb-v:never:action", "traced:zb-h1:always:action",
@@ -49,7 +50,8 @@ def _plain(name: str, windows: int = f.WINDOWS) -> dict[str, torch.Tensor]:
     """
     torch.set_default_dtype(torch.float32 if name == "mlp32" else torch.float64)
     try:
-        model = {"traced": w.tied_lm, "gpt2": f.gpt2}.get(name, lambda: w.mlp(0.0))()
+        builds = {"traced": w.tied_lm, "gpt2": f.gpt2, "branch": f.branch_mlp}
+        model = {**builds, "frozen": f.frozen_mlp}.get(name, lambda: w.mlp(0.0))()
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.8)
         for window in range(windows):
@@ -59,6 +61,9 @@ def _plain(name: str, windows: int = f.WINDOWS) -> dict[str, torch.Tensor]:
             if name == "gpt2":
                 ids = torch.cat([f.gpt2_batch(s) for s in steps])
                 loss = f.gpt2_loss(model(ids), ids)
+            elif name == "branch":
+                x, y = (torch.cat(t) for t in zip(*map(f.branch_batch, steps), strict=True))
+                loss = nn.functional.mse_loss(model(x), y)
             elif name == "traced":
                 batches = [w.tokens(s) for s in steps]
                 items = sum(int((y != -100).sum()) for _, y in batches)

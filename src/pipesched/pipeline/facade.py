@@ -523,7 +523,8 @@ class Pipeline(Shadowing, Pinned):
         ``scale * rows_i`` (a mean). Returns the weighted sum, on every rank.
         """
         begin = time.perf_counter()
-        if not any(p.requires_grad for p in self.parameters()):  # every rank holds every name
+        # The model's own parameters: on a mesh it holds other ranks' too (on meta, frozen or not).
+        if not any(p.requires_grad for p in self._model[0].parameters()):
             raise ConfigError(
                 "the training step has nothing to train: no parameter of the model requires "
                 "grad (it has none, or all were frozen with requires_grad_(False)), so "

@@ -259,7 +259,7 @@ class GradientSync:
             self._reduce_after_step = False
         for stage in self.sharded:
             if reduce:
-                self.reduce_scatters += reduce_scatter(stage)
+                self.reduce_scatters += reduce_scatter(stage, self.info.dp_group)
             else:
                 stage.reshard()
 

@@ -10,7 +10,10 @@ groups' ``post_backward`` and the root's final callback by hand.
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
+import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -75,22 +78,34 @@ def accumulate(module: FSDPModule) -> None:
     module.set_requires_gradient_sync(False)
 
 
-def reduce_scatter(module: FSDPModule) -> int:
+def reduce_scatter(module: FSDPModule, replicas: Any) -> int:
     """Reduce-scatters the accumulated gradients into the sharded ``.grad``; reshards.
 
-    A param group no backward reached is a no-op. Returns the number of param
-    groups (a reduce-scatter each, where they have gradients).
+    A param group no backward reached is a no-op. First the ``replicas`` (the
+    process group of every rank holding a part of ``module``) agree on which
+    parameters have a gradient: one a replica did not reach (a branch only
+    another replica's data took) gets zeros there, so every rank reduces the
+    same tensors; one no replica reached keeps ``grad is None``. Returns the
+    number of param groups (a reduce-scatter each, where they have gradients).
     """
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)  # type: ignore[attr-defined]
-    groups = 0
-    for each in state._state_ctx.all_states:
-        for group in each._fsdp_param_groups:
-            group.post_backward()
-            groups += 1
+    groups = [g for each in state._state_ctx.all_states for g in each._fsdp_param_groups]
+    params = [fsdp_param.unsharded_param for g in groups for fsdp_param in g.fsdp_params]
+    if params:
+        device = params[0].device
+        reached = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+        reached = reached.to(device)
+        dist.all_reduce(reached, op=dist.ReduceOp.MAX, group=replicas)
+        with torch.no_grad():
+            for p, anywhere in zip(params, reached.tolist(), strict=True):
+                if anywhere and p.grad is None:
+                    p.grad = torch.zeros_like(p)
+    for group in groups:
+        group.post_backward()
     state._root_post_backward_final_callback()
     module.reshard()
     accumulate(module)
-    return groups
+    return len(groups)
