@@ -5,7 +5,7 @@ and a recomputation could draw other numbers. Every ``nondeterministic_seeded`` 
 operation is seeded from (step seed, micro-batch, innermost named module, draw count)
 on the thread's own generator, so masks depend on neither timing, cut, schedule nor
 process. Only those operations reach Python: each has a kernel at a dispatch key of its
-own, on only in a thread that seeds (compat's ``route_random_ops``); a dispatch mode on
+own, on only in a thread that seeds (``compat.random_routing``); a dispatch mode on
 every operation stays as the fallback. Draws outside the dispatcher are not covered.
 """
 
@@ -23,13 +23,8 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from pipesched.runtime.compat.internals import (
-    OpOverload,
-    TorchDispatchMode,
-    op_schema,
-    route_random_ops,
-    route_random_ops_here,
-)
+from pipesched.runtime.compat.internals import OpOverload, TorchDispatchMode, op_schema
+from pipesched.runtime.compat.random_routing import route_random_ops, route_random_ops_here
 
 __all__ = [
     "LOCK",
