@@ -10,6 +10,7 @@ Nothing of the model changes: buffers are cloned and the RNG state restored.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import time
 from collections.abc import Callable
@@ -37,7 +38,12 @@ class NodeCost:
         forward: seconds of its forward, or None when not timed.
         backward: seconds of its backward (0 where nothing needs a gradient).
         output_bytes: bytes of its output tensors.
-        activation_bytes: bytes of newly allocated output storage (views: 0).
+        activation_bytes: bytes held for the backward per input. A layer of a
+            Sequential: the storages autograd saved in its forward (its
+            parameters' and its input's apart), with its output where the next
+            layer saves that (see :func:`measure_sequential`). A traced
+            operation, or a meta layer: bytes of newly allocated output storage
+            (views: 0).
     """
 
     forward: float | None
@@ -60,9 +66,18 @@ def measure_sequential(
     Each layer runs as a copy on ``device``; ``module`` is left untouched.
     ``estimate``: a device type to estimate times for, from FLOPs counted on
     ``device`` (meta), instead of timing.
+
+    Why a layer's activation bytes are what autograd saves, not its output: a
+    Transformer layer keeps about twelve times its output for the backward
+    (attention scores, the feed-forward's inner width), a ``Linear`` none
+    beyond its input. A storage saved by a layer and by the next (a ReLU's
+    output, the next ``Linear``'s input) is the first's; a layer's input that
+    it saves is the previous layer's output, counted there: the bytes of
+    layers ``[i, j)`` and the stage's input are then what that stage holds.
     """
     x = _to(example, device)
-    costs = []
+    costs: list[NodeCost] = []
+    kept: dict[tuple[int, int], int] = {}  # the previous layer's own saved storages
     with _rng_fork(device):
         for k, layer in enumerate(module):
             # A copy: the layer's buffers (BatchNorm statistics) must not move.
@@ -70,11 +85,46 @@ def measure_sequential(
             leaves: list[torch.Tensor] = [p for p in copied.parameters() if p.requires_grad]
             if k > 0:  # the model's input needs no gradient; later layers' inputs do
                 x = map_tensors(x, functools.partial(_leaf, leaves=leaves))
+            given = x
             x, cost = _measure(
                 copied, (x,), {}, leaves, device, timing, repeats, view=False, estimate=estimate
             )
+            if device.type != "meta" and estimate is None:
+                saved, x = _saved(copied, given)  # its output is the next layer's input
+                inputs = {_storage(t) for t in tensors(given)}
+                own = {key: n for key, n in saved.items() if key not in inputs}
+                cost = dataclasses.replace(cost, activation_bytes=sum(own.values()))
+                if k > 0:  # the previous layer's output this one saves, unless it did: its
+                    last = costs[-1]
+                    held = sum(n for key, n in saved.items() if key in inputs and key not in kept)
+                    costs[-1] = dataclasses.replace(
+                        last, activation_bytes=last.activation_bytes + held
+                    )
+                kept = own
             costs.append(cost)
     return costs
+
+
+def _saved(layer: nn.Module, x: Any) -> tuple[dict[tuple[int, int], int], Any]:
+    """The storages autograd saves in one forward of ``layer`` on ``x``, with their bytes
+    (:func:`_storage` keys; its parameters and buffers left out), and its detached output."""
+    state = {_storage(t) for t in (*layer.parameters(), *layer.buffers())}
+    saved: dict[tuple[int, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage(t)
+        if key not in state:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = layer(x)
+    return saved, map_tensors(out, lambda t: t.detach())
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """Which storage ``t`` views: (device index, address); a storage's views share it."""
+    return (t.device.index or 0, t.untyped_storage().data_ptr())
 
 
 def measure_traced(

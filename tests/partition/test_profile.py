@@ -1,0 +1,54 @@
+"""A Sequential's layers profiled: the bytes each holds for its backward, against closed forms
+and against what malloc holds after a real forward."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+from pipesched.partition.profile import measure_sequential
+from tests.malloc_peak import AVAILABLE, malloc_bytes
+
+CPU = torch.device("cpu")
+
+
+def test_a_relu_holds_its_output_and_the_next_linear_adds_nothing():
+    """Linear saves its input (the ReLU's output before it), ReLU its output: one tensor of
+    rows x width per pair, counted once, at the ReLU; the first Linear's input is the stage's."""
+    rows, width = 32, 64
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.ReLU())])
+    costs = measure_sequential(model, torch.randn(rows, width), CPU, timing=False)
+    assert [c.activation_bytes for c in costs] == [0, 4 * rows * width] * 3
+
+
+def test_a_layer_whose_input_the_next_saves_holds_it():
+    """Tanh saves its output, the next Linear its input: the same storage, held once. A
+    Linear followed by a Linear: the second saves the first's output, counted at the first."""
+    rows = 8
+    model = nn.Sequential(nn.Linear(4, 16), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 2))
+    costs = measure_sequential(model, torch.randn(rows, 4), CPU, timing=False)
+    assert [c.activation_bytes for c in costs] == [4 * rows * 16, 0, 4 * rows * 16, 0]
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2")
+def test_a_transformer_layer_holds_what_its_forward_keeps_alive():
+    """The profile's bytes against malloc's: a forward's graph, its output freed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.TransformerEncoderLayer(64, 4, 256, dropout=0.1, batch_first=True) for _ in range(3)]
+    )
+    x = torch.randn(8, 32, 64)
+    costs = measure_sequential(model, x, CPU, timing=False)
+    profiled = sum(c.activation_bytes for c in costs)
+    assert profiled > 8 * costs[0].output_bytes  # far more than the outputs alone
+    gc.collect()
+    before = malloc_bytes()
+    y = model(x)
+    y = y.sum()  # the output itself is not held for backward
+    gc.collect()
+    held = malloc_bytes() - before
+    del y
+    assert held == pytest.approx(profiled, rel=0.1)
