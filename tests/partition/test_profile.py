@@ -52,3 +52,43 @@ def test_a_transformer_layer_holds_what_its_forward_keeps_alive():
     held = malloc_bytes() - before
     del y
     assert held == pytest.approx(profiled, rel=0.1)
+
+
+def test_between_b_and_w_a_linear_chain_holds_each_linear_s_input_and_output_gradient():
+    """W of each Linear needs its input (the ReLU's output before it, counted there) and
+    its output's gradient, with its bias's part of it summed in B (counted at the Linear);
+    the stage's input is the stage's."""
+    rows, width = 32, 64
+    model = nn.Sequential(*[m for _ in range(3) for m in (nn.Linear(width, width), nn.ReLU())])
+    costs = measure_sequential(model, torch.randn(rows, width), CPU, timing=False)
+    one, bias = 4 * rows * width, 4 * width
+    assert [c.split_bytes for c in costs] == [one + bias, one] * 2 + [one + bias, 0]
+
+
+@pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2")
+def test_between_b_and_w_a_transformer_layer_holds_what_its_store_keeps_alive():
+    """The profile's bytes against malloc's after a real split B, W not yet run."""
+    from pipesched.runtime.backward import backward_input
+    from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
+
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True) for _ in range(3)]
+    )
+    x = torch.randn(8, 32, 64)
+    costs = measure_sequential(model, x, CPU, timing=False)
+    profiled = sum(c.split_bytes or 0 for c in costs)
+    assert profiled > sum(c.activation_bytes for c in costs)  # more than after the forward
+    store = WeightStore()
+    seed = torch.ones(8, 32, 64)
+    gc.collect()
+    before = malloc_bytes()
+    with DeferredWeightsMode(store):
+        y = model(x)
+    (gx,), w = backward_input([y], [seed], [x], store)
+    del y
+    gc.collect()
+    held = malloc_bytes() - before
+    w.run()
+    assert gx is None
+    assert held == pytest.approx(profiled, rel=0.1)

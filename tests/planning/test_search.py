@@ -180,3 +180,20 @@ def test_a_parameter_shared_by_layers_on_one_worker_is_held_once() -> None:
     whole = plan_layers(layers(True), 1, 4, schedules=["1f1b"], checkpoints=["never"])
     apart = plan_layers(layers(False), 1, 4, schedules=["1f1b"], checkpoints=["never"])
     assert apart.pick.peak_bytes - whole.pick.peak_bytes == 2000.0
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_peak_bytes_counts_what_a_micro_batch_holds_between_b_and_w(schedule) -> None:
+    p, m = 2, 6
+    timeline = get_schedule(schedule, p, m).simulate()
+    stages = timeline.num_stages
+    held, fixed = [(1.0, 10.0)] * stages, [0.0] * p
+    plain = peak_bytes(timeline, 0, held, fixed)
+    assert peak_bytes(timeline, 0, held, fixed, [10.0] * stages) == plain
+    more = peak_bytes(timeline, 0, held, fixed, [25.0] * stages)
+    less = peak_bytes(timeline, 0, held, fixed, [2.0] * stages)
+    assert less <= plain < more  # the peak may come while none waits for its W
+    # One micro-batch at a time (F, B, W in turn) holds the larger of the two.
+    alone = get_schedule("zb-h1", 1, 3).simulate()
+    assert peak_bytes(alone, 0, [(1.0, 10.0)], [0.0], [15.0]) == 15.0
+    assert peak_bytes(alone, 0, [(1.0, 10.0)], [0.0], [3.0]) == 10.0

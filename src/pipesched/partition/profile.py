@@ -24,7 +24,9 @@ from torch import fx, nn
 from pipesched.partition.call import Call
 from pipesched.partition.estimate import count_flops, estimated_seconds, tensor_bytes
 from pipesched.partition.trace import TracedModel
+from pipesched.runtime.backward import backward_input
 from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree
+from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
 from pipesched.runtime.stage.tree import map_tensors, tensors
 
 __all__ = ["NodeCost", "device_kind", "measure_sequential", "measure_traced"]
@@ -44,12 +46,17 @@ class NodeCost:
             layer saves that (see :func:`measure_sequential`). A traced
             operation, or a meta layer: bytes of newly allocated output storage
             (views: 0).
+        split_bytes: bytes held per input between a split backward's B and its
+            W (the operands of the deferred weight products), counted as
+            ``activation_bytes`` is; None: not measured (a traced operation, a
+            meta layer).
     """
 
     forward: float | None
     backward: float | None
     output_bytes: int
     activation_bytes: int
+    split_bytes: int | None = None
 
 
 def measure_sequential(
@@ -78,6 +85,7 @@ def measure_sequential(
     x = _to(example, device)
     costs: list[NodeCost] = []
     kept: dict[tuple[int, int], int] = {}  # the previous layer's own saved storages
+    kept_split: dict[tuple[int, int], int] = {}  # and those it keeps from its B for its W
     with _rng_fork(device):
         for k, layer in enumerate(module):
             # A copy: the layer's buffers (BatchNorm statistics) must not move.
@@ -91,18 +99,52 @@ def measure_sequential(
             )
             if device.type != "meta" and estimate is None:
                 saved, x = _saved(copied, given)  # its output is the next layer's input
+                waiting = _waiting(copied, given)
                 inputs = {_storage(t) for t in tensors(given)}
                 own = {key: n for key, n in saved.items() if key not in inputs}
-                cost = dataclasses.replace(cost, activation_bytes=sum(own.values()))
-                if k > 0:  # the previous layer's output this one saves, unless it did: its
+                own_split = {key: n for key, n in waiting.items() if key not in inputs}
+                cost = dataclasses.replace(
+                    cost,
+                    activation_bytes=sum(own.values()),
+                    split_bytes=sum(own_split.values()),
+                )
+                if k > 0:  # the previous layer's output this one keeps, unless it did: its
                     last = costs[-1]
-                    held = sum(n for key, n in saved.items() if key in inputs and key not in kept)
+                    held = _more(saved, inputs, kept)
                     costs[-1] = dataclasses.replace(
-                        last, activation_bytes=last.activation_bytes + held
+                        last,
+                        activation_bytes=last.activation_bytes + held,
+                        split_bytes=(last.split_bytes or 0) + _more(waiting, inputs, kept_split),
                     )
-                kept = own
+                kept, kept_split = own, own_split
             costs.append(cost)
     return costs
+
+
+def _more(
+    found: dict[tuple[int, int], int], inputs: set[tuple[int, int]], kept: dict[Any, int]
+) -> int:
+    """Bytes of the storages in ``found`` that are among ``inputs`` and not in ``kept``."""
+    return sum(n for key, n in found.items() if key in inputs and key not in kept)
+
+
+def _waiting(layer: nn.Module, x: Any) -> dict[tuple[int, int], int]:
+    """The storages a split backward of ``layer`` on ``x`` keeps from its B for its W, with
+    their bytes (as :func:`_saved`): the deferred weight products' operands."""
+    store = WeightStore()
+    with torch.enable_grad(), DeferredWeightsMode(store):
+        out = layer(x)
+    roots = [t for t in tensors(out) if t.requires_grad]
+    if not roots:
+        return {}
+    backward_input(roots, [torch.ones_like(t) for t in roots], list(tensors(x)), store)
+    state = {_storage(t) for t in (*layer.parameters(), *layer.buffers())}
+    found = {
+        _storage(t): t.untyped_storage().nbytes()
+        for _, _, payload in store.entries
+        for t in tensors(payload)
+    }
+    return {key: n for key, n in found.items() if key not in state}
 
 
 def _saved(layer: nn.Module, x: Any) -> tuple[dict[tuple[int, int], int], Any]:

@@ -46,6 +46,8 @@ class Layer:
         param_bytes: their bytes, each parameter counted once.
         forward_time, backward_time: sums over its nodes (None: not profiled).
         activation_bytes: bytes of new storage its nodes allocate.
+        split_bytes: bytes it holds between a split backward's B and W (None:
+            not measured; see :class:`~pipesched.partition.profile.NodeCost`).
     """
 
     name: str
@@ -55,6 +57,7 @@ class Layer:
     forward_time: float | None
     backward_time: float | None
     activation_bytes: int | None
+    split_bytes: int | None = None
 
 
 def sequential_graph(
@@ -179,6 +182,7 @@ def layers(graph: nx.DiGraph) -> list[Layer]:
                 forward_time=_total(d["forward_time"] for d in data),
                 backward_time=_total(d["backward_time"] for d in data),
                 activation_bytes=_total(d["activation_bytes"] for d in data),
+                split_bytes=_total(d.get("split_bytes") for d in data),
             )
         )
     return result
@@ -250,12 +254,14 @@ def _cost_attributes(cost: NodeCost | None) -> dict[str, Any]:
             "forward_time": None,
             "backward_time": None,
             "activation_bytes": None,
+            "split_bytes": None,
             "output_bytes": None,
         }
     return {
         "forward_time": cost.forward,
         "backward_time": cost.backward,
         "activation_bytes": cost.activation_bytes,
+        "split_bytes": cost.split_bytes,
         "output_bytes": cost.output_bytes,
     }
 

@@ -26,6 +26,8 @@ class LayerCost:
         backward_input, backward_weight: seconds of its backward's B (input
             gradient) and W (weight gradient) run apart, as zero-bubble
             schedules run them; None: ``backward`` split evenly.
+        split_bytes: bytes it holds between B and W when they run apart (the
+            deferred weight products' operands); None: its ``activation_bytes``.
         shared: ``(name, bytes)`` of each of its parameters that other
             layers use too (a tied embedding and LM head): a worker running
             several of those layers holds the parameter, and its gradient,
@@ -41,6 +43,7 @@ class LayerCost:
     backward_input: float | None = None
     backward_weight: float | None = None
     shared: tuple[tuple[str, float], ...] = ()
+    split_bytes: float | None = None
 
 
 @dataclass(frozen=True)

@@ -133,6 +133,7 @@ def _layer_costs(
                 backward_input[k],
                 backward_weight[k],
                 shared,
+                None if u.split_bytes is None else float(u.split_bytes),
             )
         )
     return result, source, traced

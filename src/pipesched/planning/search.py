@@ -4,7 +4,8 @@ Pure Python over per-layer :class:`~pipesched.planning.candidate.LayerCost`. For
 built-in schedule and checkpoint mode the cuts are searched by simulation within the
 memory budget, and a schedule is synthesized for each placement's best cut. Every
 candidate is scored alike: its step by :func:`~pipesched.analysis.prediction.predict`,
-its memory swept over that timeline (parameters, gradients, held activations).
+its memory swept over that timeline (parameters, gradients, held activations, and
+what waits from each B for its W).
 """
 
 from __future__ import annotations
@@ -145,6 +146,7 @@ def peak_bytes(
     stop: int | Sequence[int],
     held: Sequence[tuple[float, float]],
     fixed: Sequence[float],
+    between: Sequence[float] | None = None,
 ) -> float:
     """The fullest worker's memory over ``timeline`` (see the module docstring).
 
@@ -154,20 +156,27 @@ def peak_bytes(
         held: per stage, (bytes of a checkpointed micro-batch before its
             backward, bytes of a whole one).
         fixed: per worker, bytes held all step.
+        between: per stage, bytes of a micro-batch whose B has run and whose W
+            has not (what W needs); None: a whole one's.
     """
-    last = WEIGHT if any(e.action.kind == WEIGHT for e in timeline.events) else BACKWARD
+    split = {(s, i) for (s, kind, i), _, _, _ in timeline.events if kind == WEIGHT}
     stops = [stop] * timeline.num_stages if isinstance(stop, int) else list(stop)
     changes: list[list[tuple[float, int, float]]] = [[] for _ in fixed]
     for e in timeline.events:
         s, kind, i = e.action
         light, whole = held[s]
+        waiting = whole if between is None else between[s]
         delta = changes[e.worker]
         if kind == FORWARD:
             delta.append((e.start, 1, light if i < stops[s] else whole))
         if kind == BACKWARD and i < stops[s]:
             delta.append((e.start, 1, whole - light))
-        if kind == last:
+        if kind == BACKWARD and (s, i) in split:  # what W needs stays; the rest is freed
+            delta.append((e.end, 1 if waiting > whole else 0, waiting - whole))
+        elif kind == BACKWARD:
             delta.append((e.end, 0, -whole))
+        if kind == WEIGHT:
+            delta.append((e.end, 0, -waiting))
     peak = 0.0
     for w, delta in enumerate(changes):
         level = top = fixed[w]
@@ -258,7 +267,8 @@ def _score(
         fixed[schedule.placement[k]] += 2.0 * (table.params[j] - table.params[i])
     for w in range(schedule.num_workers):
         fixed[w] -= table.counted_twice([spans[k] for k in schedule.stages_of(w)])
-    peak = peak_bytes(timeline, stops, [table.held(i, j) for i, j in spans], fixed)
+    held = [table.held(i, j) for i, j in spans]
+    peak = peak_bytes(timeline, stops, held, fixed, [table.between(i, j) for i, j in spans])
     return Candidate(
         name,
         table.mode,

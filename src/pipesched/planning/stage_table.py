@@ -37,6 +37,9 @@ class StageTable:
             ),
         )
         self.activation = prefix_sums(x.activation_bytes for x in layers)
+        self.waiting = prefix_sums(  # between B and W: measured, else the activations
+            x.activation_bytes if x.split_bytes is None else x.split_bytes for x in layers
+        )
         self.params = prefix_sums(x.param_bytes for x in layers)
         self.shared = [x.shared for x in layers]
         self.input = [x.input_bytes for x in layers]
@@ -66,6 +69,10 @@ class StageTable:
     def held(self, i: int, j: int) -> tuple[float, float]:
         """(bytes of a checkpointed micro-batch before its backward, of a kept one)."""
         return self.input[i], self.input[i] + self.activation[j] - self.activation[i]
+
+    def between(self, i: int, j: int) -> float:
+        """Bytes a micro-batch of layers ``[i, j)`` holds between its B and its W."""
+        return float(self.input[i] + self.waiting[j] - self.waiting[i])
 
     def search_passes(self, k: int, i: int, j: int) -> tuple[float, float, float]:
         """For the cut search: (F, B with recomputation, bytes per held micro-batch)."""
