@@ -92,3 +92,17 @@ def test_between_b_and_w_a_transformer_layer_holds_what_its_store_keeps_alive():
     w.run()
     assert gx is None
     assert held == pytest.approx(profiled, rel=0.1)
+
+
+def test_layers_that_change_their_input_in_place_are_profiled():
+    """ReLU(inplace=True) on a later layer's input (a leaf in the profile) refuses to run on
+    it; the probe runs on a copy. All of ReLU, Dropout and the Linear before them share one
+    storage in a real run, which the copies cannot see: an upper bound, never below."""
+    rows = 4
+    model = nn.Sequential(
+        nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Dropout(0.5, inplace=True), nn.Linear(8, 8)
+    )
+    costs = measure_sequential(model, torch.randn(rows, 8), CPU, timing=False)
+    one = 4 * rows * 8  # the shared storage, and the dropout's mask
+    assert 2 * one <= sum(c.activation_bytes for c in costs) <= 3 * one
+    assert all(c.split_bytes is not None for c in costs)

@@ -102,19 +102,21 @@ def measure_sequential(
                 waiting = _waiting(copied, given)
                 inputs = {_storage(t) for t in tensors(given)}
                 own = {key: n for key, n in saved.items() if key not in inputs}
-                own_split = {key: n for key, n in waiting.items() if key not in inputs}
+                own_split = {key: n for key, n in (waiting or {}).items() if key not in inputs}
                 cost = dataclasses.replace(
                     cost,
                     activation_bytes=sum(own.values()),
-                    split_bytes=sum(own_split.values()),
+                    split_bytes=None if waiting is None else sum(own_split.values()),
                 )
                 if k > 0:  # the previous layer's output this one keeps, unless it did: its
                     last = costs[-1]
-                    held = _more(saved, inputs, kept)
+                    split = last.split_bytes
+                    if split is not None and waiting is not None:
+                        split += _more(waiting, inputs, kept_split)
                     costs[-1] = dataclasses.replace(
                         last,
-                        activation_bytes=last.activation_bytes + held,
-                        split_bytes=(last.split_bytes or 0) + _more(waiting, inputs, kept_split),
+                        activation_bytes=last.activation_bytes + _more(saved, inputs, kept),
+                        split_bytes=split,
                     )
                 kept, kept_split = own, own_split
             costs.append(cost)
@@ -128,40 +130,71 @@ def _more(
     return sum(n for key, n in found.items() if key in inputs and key not in kept)
 
 
-def _waiting(layer: nn.Module, x: Any) -> dict[tuple[int, int], int]:
+def _waiting(layer: nn.Module, x: Any) -> dict[tuple[int, int], int] | None:
     """The storages a split backward of ``layer`` on ``x`` keeps from its B for its W, with
-    their bytes (as :func:`_saved`): the deferred weight products' operands."""
+    their bytes (as :func:`_saved`): the deferred weight products' operands.
+
+    None where the layer cannot run a split backward by itself (the planner then counts
+    its activations there): only zero-bubble schedules need one, and a profile must not
+    refuse a model whose schedule does not.
+    """
+    try:
+        return _waiting_for(layer, x)
+    except Exception:
+        return None
+
+
+def _waiting_for(layer: nn.Module, x: Any) -> dict[tuple[int, int], int]:
     store = WeightStore()
+    probe, alias = _cloned(x)
     with torch.enable_grad(), DeferredWeightsMode(store):
-        out = layer(x)
+        out = layer(probe)
     roots = [t for t in tensors(out) if t.requires_grad]
     if not roots:
         return {}
     backward_input(roots, [torch.ones_like(t) for t in roots], list(tensors(x)), store)
     state = {_storage(t) for t in (*layer.parameters(), *layer.buffers())}
-    found = {
-        _storage(t): t.untyped_storage().nbytes()
-        for _, _, payload in store.entries
-        for t in tensors(payload)
-    }
-    return {key: n for key, n in found.items() if key not in state}
+    found: dict[tuple[int, int], int] = {}
+    for _, _, payload in store.entries:
+        for t in tensors(payload):
+            key = _storage(t)
+            if key not in state:
+                found[alias.get(key, key)] = t.untyped_storage().nbytes()
+    return found
 
 
 def _saved(layer: nn.Module, x: Any) -> tuple[dict[tuple[int, int], int], Any]:
     """The storages autograd saves in one forward of ``layer`` on ``x``, with their bytes
     (:func:`_storage` keys; its parameters and buffers left out), and its detached output."""
     state = {_storage(t) for t in (*layer.parameters(), *layer.buffers())}
+    probe, alias = _cloned(x)
     saved: dict[tuple[int, int], int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         key = _storage(t)
         if key not in state:
-            saved[key] = t.untyped_storage().nbytes()
+            saved[alias.get(key, key)] = t.untyped_storage().nbytes()
         return t
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = layer(x)
+        out = layer(probe)
     return saved, map_tensors(out, lambda t: t.detach())
+
+
+def _cloned(x: Any) -> tuple[Any, dict[tuple[int, int], tuple[int, int]]]:
+    """``x`` with each leaf that requires grad cloned (a layer may change its input in
+    place, as ``ReLU(inplace=True)`` does, which a leaf refuses), and each clone's storage
+    key mapped to its original's: a storage the layer keeps of its input is its input's."""
+    alias: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def clone(t: torch.Tensor) -> torch.Tensor:
+        if not (t.requires_grad and t.is_leaf):
+            return t
+        copied = t.clone()
+        alias[_storage(copied)] = _storage(t)
+        return copied
+
+    return map_tensors(x, clone), alias
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
