@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipesched.partition.profile import measure_sequential
+from pipesched.partition.profile import NodeCost, measure_sequential
 from tests.malloc_peak import AVAILABLE, malloc_bytes
 
 CPU = torch.device("cpu")
@@ -33,15 +33,23 @@ def test_a_layer_whose_input_the_next_saves_holds_it():
     assert [c.activation_bytes for c in costs] == [4 * rows * 16, 0, 4 * rows * 16, 0]
 
 
+def _encoders(dropout: float) -> tuple[nn.Module, torch.Tensor, list[NodeCost]]:
+    """3 x TransformerEncoderLayer(64), an input of 8 x 32 tokens, and their profile."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        *[
+            nn.TransformerEncoderLayer(64, 4, 256, dropout=dropout, batch_first=True)
+            for _ in range(3)
+        ]
+    )
+    x = torch.randn(8, 32, 64)
+    return model, x, measure_sequential(model, x, CPU, timing=False)
+
+
 @pytest.mark.skipif(not AVAILABLE, reason="needs glibc's mallinfo2")
 def test_a_transformer_layer_holds_what_its_forward_keeps_alive():
     """The profile's bytes against malloc's: a forward's graph, its output freed."""
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        *[nn.TransformerEncoderLayer(64, 4, 256, dropout=0.1, batch_first=True) for _ in range(3)]
-    )
-    x = torch.randn(8, 32, 64)
-    costs = measure_sequential(model, x, CPU, timing=False)
+    model, x, costs = _encoders(dropout=0.1)
     profiled = sum(c.activation_bytes for c in costs)
     assert profiled > 8 * costs[0].output_bytes  # far more than the outputs alone
     gc.collect()
@@ -71,12 +79,7 @@ def test_between_b_and_w_a_transformer_layer_holds_what_its_store_keeps_alive():
     from pipesched.runtime.backward import backward_input
     from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
 
-    torch.manual_seed(0)
-    model = nn.Sequential(
-        *[nn.TransformerEncoderLayer(64, 4, 256, dropout=0.0, batch_first=True) for _ in range(3)]
-    )
-    x = torch.randn(8, 32, 64)
-    costs = measure_sequential(model, x, CPU, timing=False)
+    model, x, costs = _encoders(dropout=0.0)
     profiled = sum(c.split_bytes or 0 for c in costs)
     assert profiled > sum(c.activation_bytes for c in costs)  # more than after the forward
     store = WeightStore()
