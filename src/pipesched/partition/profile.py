@@ -93,12 +93,18 @@ def measure_sequential(
             leaves: list[torch.Tensor] = [p for p in copied.parameters() if p.requires_grad]
             if k > 0:  # the model's input needs no gradient; later layers' inputs do
                 x = map_tensors(x, functools.partial(_leaf, leaves=leaves))
-            given = x
-            x, cost = _measure(
-                copied, (x,), {}, leaves, device, timing, repeats, view=False, estimate=estimate
-            )
-            if device.type != "meta" and estimate is None:
+            if device.type == "meta" or estimate is not None:
+                x, cost = _measure(
+                    copied, (x,), {}, leaves, device, timing, repeats, view=False, estimate=estimate
+                )
+            else:
+                given = x
                 saved, x = _saved(copied, given)  # its output is the next layer's input
+                cost = _cost(x, None, None, view=False)
+                if timing:
+                    _, cost = _measure(
+                        copied, (given,), {}, leaves, device, True, repeats, view=False
+                    )
                 waiting = _waiting(copied, given)
                 inputs = {_storage(t) for t in tensors(given)}
                 own = {key: n for key, n in saved.items() if key not in inputs}
@@ -153,7 +159,7 @@ def _waiting_for(layer: nn.Module, x: Any) -> dict[tuple[int, int], int]:
     if not roots:
         return {}
     backward_input(roots, [torch.ones_like(t) for t in roots], list(tensors(x)), store)
-    state = {_storage(t) for t in (*layer.parameters(), *layer.buffers())}
+    state = _state(layer)
     found: dict[tuple[int, int], int] = {}
     for _, _, payload in store.entries:
         for t in tensors(payload):
@@ -166,7 +172,7 @@ def _waiting_for(layer: nn.Module, x: Any) -> dict[tuple[int, int], int]:
 def _saved(layer: nn.Module, x: Any) -> tuple[dict[tuple[int, int], int], Any]:
     """The storages autograd saves in one forward of ``layer`` on ``x``, with their bytes
     (:func:`_storage` keys; its parameters and buffers left out), and its detached output."""
-    state = {_storage(t) for t in (*layer.parameters(), *layer.buffers())}
+    state = _state(layer)
     probe, alias = _cloned(x)
     saved: dict[tuple[int, int], int] = {}
 
@@ -195,6 +201,11 @@ def _cloned(x: Any) -> tuple[Any, dict[tuple[int, int], tuple[int, int]]]:
         return copied
 
     return map_tensors(x, clone), alias
+
+
+def _state(layer: nn.Module) -> set[tuple[int, int]]:
+    """The storages of ``layer``'s parameters and buffers: never counted as held per input."""
+    return {_storage(t) for t in (*layer.parameters(), *layer.buffers())}
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
