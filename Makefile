@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile $(TORCH_SPEC)
 	$(BIN)/python -m pip install -q --disable-pip-version-check --no-compile -e ".[viz,test]"
+	$(BIN)/python -m pipesched.runtime.compat.native_rng
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -96,6 +96,11 @@ def _constant_draw(
 _generators: dict[int, torch.Generator] = {}
 
 
+def _constant_seed(self: SeededRandomness) -> int:
+    """The C++ kernel's ask for a seed, answered with a constant."""
+    return 0
+
+
 @contextlib.contextmanager
 def seeding(mode: str) -> Any:
     """Runs the block with stages seeded as ``mode`` says (:data:`MODES`)."""
@@ -103,8 +108,10 @@ def seeding(mode: str) -> Any:
         yield
         return
     saved = StageSeeding.forward, StageSeeding.backward, SeededRandomness.draw
+    fast_seed = SeededRandomness.fast_seed
     if mode == "routed":
         SeededRandomness.draw = _constant_draw  # type: ignore[method-assign]
+        SeededRandomness.fast_seed = _constant_seed  # type: ignore[method-assign]
     else:
         StageSeeding.forward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
         StageSeeding.backward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
@@ -112,6 +119,7 @@ def seeding(mode: str) -> Any:
         yield
     finally:
         StageSeeding.forward, StageSeeding.backward, SeededRandomness.draw = saved  # type: ignore[method-assign]
+        SeededRandomness.fast_seed = fast_seed  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -155,6 +155,15 @@ class TorchInternalsWarning(PipeschedWarning):
     """
 
 
+class NativeKernelWarning(PipeschedWarning):
+    """pipesched's C++ kernel for random operations could not be built or loaded.
+
+    Random operations then take its Python kernel: the same numbers, about 20 us
+    more per draw. The message says what failed (no C++ compiler or ninja, a
+    failed compile); ``PIPESCHED_NATIVE_RNG=0`` skips the kernel without a warning.
+    """
+
+
 def warn_user(message: str, category: type[Warning]) -> None:
     """Warns at the first caller outside pipesched and torch: the user's own line.
 

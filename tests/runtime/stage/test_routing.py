@@ -60,14 +60,23 @@ def _seeding(model: nn.Module) -> StageSeeding:
 
 
 def _drawn(model: nn.Module, x: torch.Tensor, seeding: StageSeeding, seed: int = 3):
+    """The pass's output and the random operations that reached Python: the Python kernel's
+    (by name) and the C++ kernel's seed asks ("seeded in C++")."""
     ops: list[str] = []
-    draw = rng.SeededRandomness.draw
+    draw, fast_seed = rng.SeededRandomness.draw, rng.SeededRandomness.fast_seed
 
     def counted(self, func, args, kwargs, run):
         ops.append(str(func))
         return draw(self, func, args, kwargs, run)
 
+    def asked(self):
+        seed = fast_seed(self)
+        if seed != -1:  # -1: handed to draw, counted there
+            ops.append("seeded in C++")
+        return seed
+
     rng.SeededRandomness.draw = counted  # type: ignore[method-assign]
+    rng.SeededRandomness.fast_seed = asked  # type: ignore[method-assign]
     for m in model.modules():  # a generator of the model's own: each pass from its seed
         if isinstance(getattr(m, "g", None), torch.Generator):
             m.g.manual_seed(7)
@@ -76,6 +85,7 @@ def _drawn(model: nn.Module, x: torch.Tensor, seeding: StageSeeding, seed: int =
             out = model(x)
     finally:
         rng.SeededRandomness.draw = draw  # type: ignore[method-assign]
+        rng.SeededRandomness.fast_seed = fast_seed  # type: ignore[method-assign]
     return out, ops
 
 

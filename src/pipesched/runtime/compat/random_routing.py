@@ -19,9 +19,18 @@ import torch
 import torch.library
 from torch._ops import OpOverload
 
+from pipesched.errors import NativeKernelWarning, warn_user
+from pipesched.runtime.compat import native_rng
 from pipesched.runtime.compat.internals import _missing, _probe
 
-__all__ = ["RandomHandler", "route_random_ops", "route_random_ops_here"]
+__all__ = [
+    "RandomHandler",
+    "SeedCallback",
+    "native_draws",
+    "route_random_ops",
+    "route_random_ops_here",
+    "seed_here_with",
+]
 
 RandomHandler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any], Callable[..., Any]], Any]
 """Called for each random operation while routing is on: ``(op, args, kwargs, run)``, where
@@ -35,6 +44,14 @@ _rng_names: set[str] = set()  # the operations (qualified names) looked at alrea
 _rng_handler: RandomHandler | None = None
 _rng_state: dict[str, bool] = {}  # "supported": the probe's verdict
 _rng_seen: dict[str, tuple[int, int]] = {"fingerprint": (-1, -1)}
+_native: dict[str, Any] = {}  # "module": the C++ kernel's (native_rng), while it routes
+_native_names: set[str] = set()  # the operations routed through it
+
+SeedCallback = Callable[[], int | None]
+"""A thread's seed for a draw the C++ kernel makes (:func:`seed_here_with`): called with no
+arguments one Python frame below the operation's caller (``sys._getframe(1)`` there is the
+caller's frame). Returns the seed, None to draw unseeded, or -1 to hand the draw to the
+:data:`RandomHandler`."""
 
 
 def _rng_fingerprint() -> tuple[int, int]:
@@ -65,6 +82,22 @@ def _rng_kernel(op: OpOverload) -> Callable[..., Any]:
     return kernel
 
 
+def _load_native() -> Any:
+    """The C++ kernel's module (:mod:`~pipesched.runtime.compat.native_rng`); None (with one
+    warning where it failed) for the Python kernel."""
+    try:
+        return native_rng.load()
+    except Exception as error:
+        warn_user(
+            f"pipesched's C++ kernel for random operations could not be built or loaded "
+            f"({type(error).__name__}: {str(error).strip().splitlines()[-1][:300]}); random "
+            f"operations take its Python kernel: the same numbers, about 20 us more per draw. "
+            f"Install a C++ compiler and ninja, or set PIPESCHED_NATIVE_RNG=0 to silence this.",
+            NativeKernelWarning,
+        )
+        return None
+
+
 def _rng_register() -> None:
     """Routes the operations registered since the last call (a library may add some)."""
     from torch.library import Library, fallthrough_kernel
@@ -76,6 +109,8 @@ def _rng_register() -> None:
     if "_" not in _rng_libraries:  # operations with no kernel at the key skip it
         fallback = _rng_libraries["_"] = Library("_", "IMPL")  # type: ignore[no-untyped-call]
         fallback.fallback(fallthrough_kernel, dispatch_key="CustomRNGKeyId")  # type: ignore[no-untyped-call]
+    if "module" not in _native:
+        _native["module"] = _load_native()
     for name in torch._C._dispatch_get_all_op_names():
         if name in _rng_names:
             continue
@@ -88,6 +123,10 @@ def _rng_register() -> None:
             continue
         if seeded in op.tags:
             kernel: Any = _rng_kernel(op)
+            native = _native.get("module")
+            if native is not None and native.route(f"{namespace}::{op_name}", overload, kernel):
+                _native_names.add(name)
+                continue  # the C++ kernel, the Python one behind it
         elif has_computed(name, "CustomRNGKeyId") and not has_kernel(name, "BackendSelect"):
             # A composite kernel torch put at every backend key: skipped, as at the CPU's.
             # (BackendSelect kernels recompute the keys without the per-operation
@@ -133,6 +172,59 @@ def _check_random_ops() -> bool:
     )
 
 
+def _check_native() -> bool:
+    """The C++ kernel seeds a CPU draw as a generator given the callback's seed would, asks
+    the callback once per draw, and hands a draw it answers -1 to the Python kernel."""
+    global _rng_handler
+    native = _native["module"]
+    asked: list[int] = []
+    handled: list[str] = []
+
+    def seed() -> int:
+        asked.append(len(asked))
+        return 1234 if len(asked) == 1 else -1
+
+    def handler(op: OpOverload, args: Any, kwargs: Any, run: Callable[..., Any]) -> Any:
+        handled.append(str(op))
+        return run(*args, **kwargs)
+
+    _rng_handler = handler
+    previous = native.seed_with(seed)
+    was = route_random_ops_here(True)
+    try:
+        fast = torch.empty(64).bernoulli_(0.5)
+        torch.empty(3).bernoulli_(0.5)  # answered -1
+    finally:
+        route_random_ops_here(was)
+        native.seed_with(previous)
+        _rng_handler = None
+    expected = torch.empty(64).bernoulli_(0.5, generator=torch.Generator().manual_seed(1234))
+    return torch.equal(fast, expected) and asked == [0, 1] and handled == ["aten.bernoulli_.float"]
+
+
+def seed_here_with(callback: SeedCallback | None) -> SeedCallback | None:
+    """Sets this thread's :data:`SeedCallback` (None: every draw goes to the handler); returns
+    the previous one. Does nothing (returns None) where the C++ kernel does not route."""
+    native = _native.get("module")
+    return None if native is None else native.seed_with(callback)
+
+
+def native_draws() -> tuple[int, int] | None:
+    """(draws the C++ kernel seeded, draws it handed to the handler) in this process; None
+    where it does not route."""
+    native = _native.get("module")
+    return None if native is None else tuple(native.draws())
+
+
+def _drop_native() -> None:
+    """The C++ kernel off: the operations it routed get the Python kernel."""
+    _native["module"].unroute()
+    _native["module"] = None
+    _rng_names.difference_update(_native_names)
+    _native_names.clear()
+    _rng_register()
+
+
 def route_random_ops(handler: RandomHandler, *, refresh: bool = False) -> bool:
     """Routes every random operation to ``handler`` where a thread turns routing on.
 
@@ -162,10 +254,19 @@ def route_random_ops(handler: RandomHandler, *, refresh: bool = False) -> bool:
             _rng_state["supported"] = False
         if "supported" not in _rng_state:
             _rng_state["supported"] = _probe(_check_random_ops)
+            if _native.get("module") is not None and not _probe(_check_native):
+                _drop_native()
+                _missing(
+                    "pipesched's C++ kernel for random operations (its probe)",
+                    "random operations take its Python kernel (about 20 us more per draw)",
+                )
         if not _rng_state["supported"]:
             for library in _rng_libraries.values():
                 library._destroy()
             _rng_libraries.clear()
+            if _native.get("module") is not None:
+                _native["module"].unroute()
+                _native["module"] = None
             _missing(
                 "the dispatch key CustomRNGKeyId",
                 "random operations are seeded by a TorchDispatchMode (a Python call per operation)",

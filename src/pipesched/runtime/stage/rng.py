@@ -24,7 +24,11 @@ import torch.utils.checkpoint
 from torch import nn
 
 from pipesched.runtime.compat.internals import OpOverload, TorchDispatchMode, op_schema
-from pipesched.runtime.compat.random_routing import route_random_ops, route_random_ops_here
+from pipesched.runtime.compat.random_routing import (
+    route_random_ops,
+    route_random_ops_here,
+    seed_here_with,
+)
 
 __all__ = [
     "LOCK",
@@ -355,7 +359,8 @@ class SeededRandomness:
 
     def __enter__(self) -> SeededRandomness:
         if _routing["on"]:
-            self._exit.append((_active.seeder, route_random_ops_here(True)))
+            fast = seed_here_with(self.fast_seed)
+            self._exit.append((_active.seeder, route_random_ops_here(True), fast))
             _active.seeder, self._site = self, 4
         else:
             self._site = 2
@@ -369,8 +374,25 @@ class SeededRandomness:
         if isinstance(undo, _Mode):
             undo.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         else:
-            _active.seeder, was = undo
+            _active.seeder, was, fast = undo
             route_random_ops_here(was)
+            seed_here_with(fast)
+
+    def fast_seed(self) -> int | None:
+        """The seed of a draw the C++ kernel makes on the CPU from a default generator (what
+        :meth:`draw` gives such a draw); -1 where :meth:`draw` must make it (the step's
+        seed not drawn yet, or the pass learns whether the operation drew). Called one
+        frame below the operation's caller (``compat.random_routing.SeedCallback``).
+        """
+        context = self.context
+        if context.seed._value is None or context.learns:
+            return -1
+        seeded_here = context.seed_for(sys._getframe(1))
+        if seeded_here is None:  # outside the modules seeded: drawn as is (a tripwire sees it)
+            return None
+        seed, module = seeded_here
+        context.drawn[id(module)] = module
+        return seed
 
     def draw(
         self,

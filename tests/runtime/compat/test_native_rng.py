@@ -1,0 +1,111 @@
+"""The C++ kernel for random operations: it draws what the Python kernel draws, and where it
+cannot be built, the Python kernel takes over with one warning and the same numbers.
+
+Each configuration runs in an interpreter of its own (routing is set up once per process):
+the C++ kernel (built, or loaded from the cache), the Python kernel by choice
+(``PIPESCHED_NATIVE_RNG=0``), and a build that fails (``CXX=false``, an empty cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+_SCRIPT = r"""
+import hashlib, json, warnings
+import torch
+import torch.nn.functional as F
+from torch import nn
+from pipesched import Pipeline
+from pipesched.errors import NativeKernelWarning
+from pipesched.runtime.compat import random_routing
+
+class Noise(nn.Module):  # a draw in a forward of the user's own, not a dropout
+    def forward(self, x):
+        return x + 0.1 * torch.rand_like(x)
+
+torch.manual_seed(0)
+torch.set_num_threads(1)
+model = nn.Sequential(
+    nn.Linear(16, 16), nn.Dropout(0.2), Noise(),
+    nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True),
+    nn.RReLU(), nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True),
+)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    pipe = Pipeline(model, 4, balance=[3, 3], devices=["cpu", "cpu"], schedule="1f1b",
+                    checkpoint="except_last")
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    x, y = torch.randn(8, 5, 16), torch.randn(8, 5, 16)
+    for _ in range(3):
+        opt.zero_grad()
+        pipe.step(x, y, loss_fn=F.mse_loss)
+        opt.step()
+digest = hashlib.sha256()
+for p in model.parameters():
+    digest.update(p.detach().numpy().tobytes())
+print(json.dumps({
+    "params": digest.hexdigest(),
+    "draws": random_routing.native_draws(),
+    "warned": [type(w.message).__name__ for w in caught
+               if issubclass(w.category, NativeKernelWarning)],
+}))
+"""
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
+    """The script under each kernel, the three interpreters started at once."""
+    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    envs = {
+        "native": base,
+        "python": {**base, "PIPESCHED_NATIVE_RNG": "0"},
+        "broken": {
+            **base,
+            "CXX": "false",
+            "PIPESCHED_CACHE": str(tmp_path_factory.mktemp("empty-cache")),
+        },
+    }
+    procs = {
+        name: subprocess.Popen(
+            [sys.executable, "-c", _SCRIPT],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for name, env in envs.items()
+    }
+    out: dict[str, dict[str, object]] = {}
+    for name, proc in procs.items():
+        try:
+            stdout, stderr = proc.communicate(timeout=300)
+        except subprocess.TimeoutExpired:
+            for p in procs.values():
+                p.kill()
+            raise
+        assert proc.returncode == 0, f"{name}: {stderr[-3000:]}"
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_the_cpp_kernel_seeds_the_draws_and_draws_what_the_python_kernel_draws(runs):
+    native, python = runs["native"], runs["python"]
+    if native["draws"] is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler or ninja)")
+    seeded_in_cpp, via_python = native["draws"]
+    # The first step learns where stages draw (all in Python); rand_like has no generator=.
+    assert seeded_in_cpp > via_python > 0, native
+    assert python["draws"] is None and native["warned"] == [] and python["warned"] == []
+    assert native["params"] == python["params"]  # bitwise: three steps of training
+
+
+def test_a_kernel_that_cannot_be_built_leaves_the_python_kernel_with_one_warning(runs):
+    broken = runs["broken"]
+    assert broken["draws"] is None
+    assert broken["warned"] == ["NativeKernelWarning"]
+    assert broken["params"] == runs["python"]["params"]
