@@ -60,7 +60,8 @@ print(json.dumps({
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object]]:
     """The script under each kernel, the three interpreters started at once."""
-    base = {**os.environ, "OMP_NUM_THREADS": "1"}
+    base = {k: v for k, v in os.environ.items() if k != "PIPESCHED_NATIVE_RNG"}
+    base["OMP_NUM_THREADS"] = "1"
     envs = {
         "native": base,
         "python": {**base, "PIPESCHED_NATIVE_RNG": "0"},
