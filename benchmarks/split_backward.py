@@ -396,6 +396,8 @@ def main() -> None:
         passes = ("whole", "B", "W", "whole_ckpt", "B_ckpt", "W_ckpt")
         faults = (f"{k} {statistics.median(r[k + '_faults'] for r in rounds):.0f}" for k in passes)
         print("  page faults:", ", ".join(faults))
+    if not verdicts:
+        parser.error(f"--only {args.only!r} names none of: {', '.join(models())}")
     print("ratios: medians of the per-round ratios; target <=", LIMIT)
     print(
         "on the bests (min over rounds): B+W / whole, B+W ckpt / (F + whole), "
