@@ -502,8 +502,11 @@ def _mha_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, An
     proj = _Linear.apply(query, w_in, b_in, False, store, declaration())  # type: ignore[no-untyped-call]
     # _in_projection_packed: (3, E), not (E, 3), as torch packs it
     proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
-    proj = proj.contiguous()
-    q, k, v = proj[0], proj[1], proj[2]
+    # Why unbind, where torch indexes proj[0], proj[1], proj[2]: the same views, but each
+    # select's backward fills a zero tensor of all three and the engine adds the three (half
+    # the in-projection's backward at width 256); unbind's stacks them. The same values (a
+    # zero's sign aside: -0.0 + 0.0 is 0.0 there).
+    q, k, v = proj.contiguous().unbind(0)
     q = q.view(tgt_len, bsz * heads, head_dim).transpose(0, 1)
     k = k.view(k.shape[0], bsz * heads, head_dim).transpose(0, 1)
     v = v.view(v.shape[0], bsz * heads, head_dim).transpose(0, 1)
