@@ -110,3 +110,36 @@ def test_a_kernel_that_cannot_be_built_leaves_the_python_kernel_with_one_warning
     assert broken["draws"] is None
     assert broken["warned"] == ["NativeKernelWarning"]
     assert broken["params"] == runs["python"]["params"]
+
+
+def test_errors_inside_the_cpp_kernel_reach_the_caller_as_they_were_raised():
+    import torch
+
+    from pipesched.runtime.compat import random_routing
+    from pipesched.runtime.stage import rng
+
+    if not rng.prepare():  # pipesched's own handler: this thread seeds nothing
+        pytest.skip("random operations are not routed in this torch")
+    if random_routing.native_draws() is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler or ninja)")
+
+    def broken_seed() -> int:
+        raise KeyError("the seed callback's own error")
+
+    was = random_routing.route_random_ops_here(True)
+    previous = random_routing.seed_here_with(broken_seed)
+    try:
+        with pytest.raises(KeyError, match="seed callback's own error"):
+            torch.empty(3).bernoulli_(0.5)  # seeded in C++: the callback raises
+        random_routing.seed_here_with(lambda: 5)
+        with pytest.raises(RuntimeError, match="bernoulli_ expects p"):
+            torch.empty(3).bernoulli_(2.0)  # the operation's own error, seeded in C++
+        with pytest.raises(RuntimeError, match="bernoulli_ expects p"):  # the Python kernel's
+            torch.empty(3).bernoulli_(2.0, generator=torch.Generator())
+        seeded = torch.empty(64).bernoulli_(0.5)
+    finally:
+        random_routing.seed_here_with(previous)
+        random_routing.route_random_ops_here(was)
+    assert torch.equal(
+        seeded, torch.empty(64).bernoulli_(0.5, generator=torch.Generator().manual_seed(5))
+    )
