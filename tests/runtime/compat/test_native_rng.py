@@ -1,9 +1,11 @@
 """The C++ kernel for random operations: it draws what the Python kernel draws, and where it
-cannot be built, the Python kernel takes over with one warning and the same numbers.
+cannot be built or its probe fails, the Python kernel takes over with one warning and the
+same numbers.
 
 Each configuration runs in an interpreter of its own (routing is set up once per process):
 the C++ kernel (built, or loaded from the cache), the Python kernel by choice
-(``PIPESCHED_NATIVE_RNG=0``), and a build that fails (``CXX=false``, an empty cache).
+(``PIPESCHED_NATIVE_RNG=0``), a build that fails (``CXX=false``, an empty cache), and a
+kernel whose probe fails.
 """
 
 from __future__ import annotations
@@ -16,13 +18,16 @@ import sys
 import pytest
 
 _SCRIPT = r"""
-import hashlib, json, warnings
+import hashlib, json, os, warnings
 import torch
 import torch.nn.functional as F
 from torch import nn
 from pipesched import Pipeline
-from pipesched.errors import NativeKernelWarning
+from pipesched.errors import NativeKernelWarning, TorchInternalsWarning
 from pipesched.runtime.compat import random_routing
+
+if os.environ.get("TEST_NATIVE_PROBE_FAILS"):  # the C++ kernel built, but its probe fails
+    random_routing._check_native = lambda: False
 
 class Noise(nn.Module):  # a draw in a forward of the user's own, not a dropout
     def forward(self, x):
@@ -52,7 +57,7 @@ print(json.dumps({
     "params": digest.hexdigest(),
     "draws": random_routing.native_draws(),
     "warned": [type(w.message).__name__ for w in caught
-               if issubclass(w.category, NativeKernelWarning)],
+               if issubclass(w.category, (NativeKernelWarning, TorchInternalsWarning))],
 }))
 """
 
@@ -70,6 +75,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object
             "CXX": "false",
             "PIPESCHED_CACHE": str(tmp_path_factory.mktemp("empty-cache")),
         },
+        "refused": {**base, "TEST_NATIVE_PROBE_FAILS": "1"},
     }
     procs = {
         name: subprocess.Popen(
@@ -103,6 +109,15 @@ def test_the_cpp_kernel_seeds_the_draws_and_draws_what_the_python_kernel_draws(r
     assert seeded_in_cpp > via_python > 0, native
     assert python["draws"] is None and native["warned"] == [] and python["warned"] == []
     assert native["params"] == python["params"]  # bitwise: three steps of training
+
+
+def test_a_kernel_whose_probe_fails_gives_its_operations_back_to_the_python_kernel(runs):
+    refused = runs["refused"]
+    if runs["native"]["draws"] is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler or ninja)")
+    assert refused["draws"] is None
+    assert refused["warned"] == ["TorchInternalsWarning"]
+    assert refused["params"] == runs["python"]["params"]
 
 
 def test_a_kernel_that_cannot_be_built_leaves_the_python_kernel_with_one_warning(runs):

@@ -1,12 +1,15 @@
-"""Random operations routed to Python, and only they: a kernel of pipesched's at CustomRNGKeyId.
+"""Random operations routed to pipesched, and only they: its kernels at CustomRNGKeyId.
 
 Why: torch reserves the dispatch key CustomRNGKeyId for out-of-tree generators: below
 autograd and Python, above every backend, and in stock torch no operation has a kernel of
-its own there. Every operation tagged ``nondeterministic_seeded`` gets a Python kernel at
-that key, every other one a fallthrough (the dispatcher then skips the key at no cost),
-and a thread turns the key on in its own dispatch state while it seeds. So only random
-operations cost a Python call, and only in a thread that seeds. A private torch API like
-those of :mod:`~pipesched.runtime.compat.internals`, probed and switched off the same way.
+its own there. Every operation tagged ``nondeterministic_seeded`` gets a kernel at that
+key, every other one a fallthrough (the dispatcher then skips the key at no cost), and a
+thread turns the key on in its own dispatch state while it seeds. The kernel is C++
+(``rng_kernel.cpp``, :mod:`~pipesched.runtime.compat.native_rng`) where it can be built:
+it asks the thread's :data:`SeedCallback` for a CPU draw's seed and hands every other
+draw to the Python kernel (the :data:`RandomHandler`), which is the whole kernel where
+it cannot. A private torch API like those of :mod:`~pipesched.runtime.compat.internals`,
+probed and switched off the same way.
 """
 
 from __future__ import annotations
@@ -228,7 +231,8 @@ def _drop_native() -> None:
 def route_random_ops(handler: RandomHandler, *, refresh: bool = False) -> bool:
     """Routes every random operation to ``handler`` where a thread turns routing on.
 
-    Installs the kernels on the first call (about 0.2 s) and probes them; a later
+    Installs the kernels on the first call (about 0.2 s, and the C++ kernel's build the
+    first time on a machine) and probes them; a later
     call routes the operations defined since (seen by :func:`_rng_fingerprint`, or
     all with ``refresh``). Called where no stage runs (the dispatcher's tables change).
 
