@@ -52,12 +52,17 @@ def load() -> ModuleType | None:
     """
     if "module" in _loaded:
         return _loaded["module"]
-    _loaded["module"] = None
     if os.environ.get("PIPESCHED_NATIVE_RNG", "1") == "0":
+        _loaded["module"] = None
         return None
     path = library_path()
-    _loaded["module"] = _build(path) if not path.exists() else _import(path)
-    return _loaded["module"]
+    try:
+        module = _build(path) if not path.exists() else _import(path)
+    except Exception:
+        _loaded["module"] = None  # (an interrupt is not a failure: the next call builds)
+        raise
+    _loaded["module"] = module
+    return module
 
 
 def _build(path: Path) -> ModuleType:
