@@ -44,9 +44,9 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
     "runtime/placement.py": ({"_apply"}, "moves a layer's tensors as Module.to does"),
     "runtime/stage/recompute.py": ({"_buffers"}, "restores a recomputed layer's own buffers"),
     "runtime/stage/seeding.py": ({"_modules"}, "walks children without Module's dedup"),
-    "runtime/stage/rng.py": (
+    "runtime/stage/draw_keys.py": (
         {"_DropoutNd", "_cdata"},
-        "seeds dropout layers, tells generators apart",
+        "names the layers that draw, tells generators apart",
     ),
     "runtime/stage/batchnorm.py": ({"_BatchNorm"}, "DeferredBatchNorm is a _BatchNorm"),
     "runtime/engine.py": ({"_BatchNorm"}, "a step puts back every BatchNorm's statistics"),

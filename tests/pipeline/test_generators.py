@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from pipesched import Pipeline, is_recomputing
-from pipesched.runtime.stage.rng import StepSeed
+from pipesched.runtime.stage.draw_keys import StepSeed
 from pipesched.runtime.stage.seeding import StageSeeding, UnseededDraws
 
 pytestmark = pytest.mark.usefixtures("fp64")

@@ -22,7 +22,7 @@ from pipesched.partition.trace import TracedModel
 from pipesched.partition.traced_stage import ModeCheck, RandomOp, Switch, TracedStage
 from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
-from pipesched.runtime.stage.rng import RANDOM_MODULES
+from pipesched.runtime.stage.draw_keys import RANDOM_MODULES
 
 __all__ = ["split_traced"]
 

@@ -30,7 +30,7 @@ from pipesched.runtime.mesh import MeshInfo
 from pipesched.runtime.passes import StepInputs, StepState
 from pipesched.runtime.placement import stage_parameters
 from pipesched.runtime.stage.batchnorm import commit_all
-from pipesched.runtime.stage.rng import StepSeed, draw_seed, module_names
+from pipesched.runtime.stage.draw_keys import StepSeed, draw_seed, module_names
 from pipesched.runtime.stage.seeding import StageSeeding, UnseededDraws
 from pipesched.runtime.transaction import StepSnapshot, deferred_interrupts
 from pipesched.schedule import Schedule, Timeline
@@ -235,7 +235,7 @@ class Engine:
         self.sync.stage_done(stage)
 
     def _seed(self) -> int | None:
-        """This step's seed for random operations (:mod:`pipesched.runtime.stage.rng`), or None.
+        """This step's seed for random operations (see ``stage.draw_keys``), or None.
 
         On a mesh every rank draws it from torch's default CPU generator, and
         they run with pp rank 0's. Otherwise None: drawn at the step's first

@@ -20,7 +20,7 @@ import torch
 
 from pipesched.runtime.mailbox import Aborted
 from pipesched.runtime.passes import StagePasses, StepInputs, StepState
-from pipesched.runtime.stage.rng import StepSeed
+from pipesched.runtime.stage.draw_keys import StepSeed
 from pipesched.runtime.streams import join_stream, use_stream
 from pipesched.runtime.threads import ThreadState
 from pipesched.runtime.transport import Transport

@@ -24,8 +24,8 @@ from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.deferred import WeightStore
 from pipesched.runtime.deferred_layers import Deferral, deferral
 from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
+from pipesched.runtime.stage.draw_keys import StepSeed
 from pipesched.runtime.stage.recompute import checkpoint
-from pipesched.runtime.stage.rng import StepSeed
 from pipesched.runtime.stage.seeding import StageSeeding, loss_draws_nothing
 from pipesched.runtime.stage.tree import map_tensors, tensors
 from pipesched.runtime.streams import Stream, copy_to, new_stream
@@ -48,7 +48,7 @@ class StepInputs:
         loss_weights: each micro-batch's loss is multiplied by its weight.
         checkpoint_stop: micro-batches ``i < checkpoint_stop`` are checkpointed
             (a tuple: stage ``s``'s ``i < checkpoint_stop[s]``).
-        seed: this call's seed for random operations (see :mod:`pipesched.runtime.stage.rng`);
+        seed: this call's seed for random operations (see :mod:`pipesched.runtime.stage.draw_keys`);
             None: drawn from torch's default CPU generator when first needed.
     """
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from pipesched import Pipeline
 from pipesched.runtime.stage import rng
-from pipesched.runtime.stage.rng import StepSeed, module_names
+from pipesched.runtime.stage.draw_keys import StepSeed, module_names
 from pipesched.runtime.stage.seeding import StageSeeding
 from tests.runtime.stage.random_kinds import KINDS, model_of
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from pipesched import ConfigError, Pipeline
-from pipesched.runtime.stage.rng import StepSeed
+from pipesched.runtime.stage.draw_keys import StepSeed
 from pipesched.runtime.stage.seeding import StageSeeding, UnseededDraws
 from tests.runtime.stage.random_kinds import model_of
 

@@ -1,27 +1,22 @@
-"""Randomness inside stages: every random draw a pure function of (step seed, micro-batch, place).
+"""Random operations inside stages run seeded: each with its key's seed, on its own generator.
 
 Why: stages in threads share torch's generators, so masks would depend on timing
 and a recomputation could draw other numbers. Every ``nondeterministic_seeded`` ATen
-operation is seeded from (step seed, micro-batch, innermost named module, draw count)
-on the thread's own generator, so masks depend on neither timing, cut, schedule nor
-process. Only those operations reach Python: each has a kernel at a dispatch key of its
-own, on only in a thread that seeds (``compat.random_routing``); a dispatch mode on
-every operation stays as the fallback. Draws outside the dispatcher are not covered.
+operation draws with the seed :mod:`~pipesched.runtime.stage.draw_keys` gives it, on
+the thread's own generator. Only those operations leave the dispatcher: each has a
+kernel at a dispatch key of its own, on only in a thread that seeds
+(``compat.random_routing``); a dispatch mode on every operation stays as the
+fallback. Draws outside the dispatcher are not covered.
 """
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import sys
 import threading
-from collections.abc import Callable, Sequence
-from types import CodeType, FrameType
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils.checkpoint
-from torch import nn
 
 from pipesched.runtime.compat.internals import OpOverload, TorchDispatchMode, op_schema
 from pipesched.runtime.compat.random_routing import (
@@ -29,306 +24,17 @@ from pipesched.runtime.compat.random_routing import (
     route_random_ops_here,
     seed_here_with,
 )
-
-__all__ = [
-    "LOCK",
-    "RANDOM_MODULES",
-    "DrawContext",
-    "SeededRandomness",
-    "StepSeed",
-    "draw_seed",
-    "generator_key",
-    "generator_of",
-    "module_names",
-    "prepare",
-    "same_state",
-]
-
-RANDOM_MODULES: tuple[type[nn.Module], ...] = (
-    nn.modules.dropout._DropoutNd,
-    nn.AlphaDropout,
-    nn.FeatureAlphaDropout,
-    nn.RReLU,
+from pipesched.runtime.stage.draw_keys import (
+    LOCK,
+    DrawContext,
+    StepSeed,
+    generator_key,
+    same_state,
 )
-"""Modules that draw random numbers in training mode (a traced graph calls them as layers)."""
+
+__all__ = ["SeededRandomness", "generator_of", "prepare"]
 
 _SEEDED = torch.Tag.nondeterministic_seeded
-LOCK = threading.RLock()
-"""Held around every seeded draw (and by anything that reads a generator's state)."""
-_CHECKPOINT = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
-
-
-class StepSeed:
-    """A step's seed: given, or drawn from a generator when first asked for.
-
-    The step's seed is drawn from torch's default CPU generator; a user's
-    generator that the step's operations draw from gets a seed of its own,
-    drawn from it (:meth:`of`). A seed drawn for an operation that then drew
-    nothing (a dropout of p = 0) is given back (:meth:`undraw`): whether a
-    step consumes a generator depends only on whether the model drew from it,
-    never on how pipesched seeded it.
-
-    Args:
-        value: the seed (every rank of a mesh must use one value); None: draw it lazily.
-        generator: where it is drawn from; None: torch's default CPU generator.
-
-    Attributes:
-        transition: the generator's state just before and just after the
-            draw (None: not drawn here), so a tripwire can tell it from an
-            unseeded draw.
-    """
-
-    def __init__(self, value: int | None = None, generator: torch.Generator | None = None) -> None:
-        self._value = value
-        self._given = value is not None
-        self._kept = self._given  # an operation drew with it: it stays (see keep)
-        self.generator = generator
-        self.transition: tuple[torch.Tensor, torch.Tensor] | None = None
-        self._users: dict[int, StepSeed] = {}  # user's generator (generator_key) -> its seed
-
-    @property
-    def drawn(self) -> bool:
-        """Whether the seed is known (given, or drawn already)."""
-        return self._value is not None
-
-    def get(self) -> int:
-        """The seed, drawing it on the first call (thread-safe)."""
-        if self._kept:  # no one can give it back any more: no lock (every draw reads it)
-            return self._value  # type: ignore[return-value]
-        with LOCK:
-            if self._value is None:
-                generator = self.generator or torch.default_generator
-                before = generator.get_state()
-                self._value = draw_seed(self.generator)
-                self.transition = (before, generator.get_state())
-            return self._value
-
-    def keep(self) -> None:
-        """An operation drew numbers with the seed: readers need no lock from now on (only a
-        failed step's :meth:`put_back` gives it back, with every stage stopped)."""
-        self._kept = self._value is not None
-
-    def undraw(self) -> None:
-        """Gives a drawn seed back: its generator returns to its state before the draw."""
-        with LOCK:
-            if not self._given and self.transition is not None:
-                (self.generator or torch.default_generator).set_state(self.transition[0])
-                self._value, self._kept = None, False
-
-    def of(self, generator: torch.Generator) -> StepSeed:
-        """The step's seed for draws from ``generator`` (a user's own), drawn from it lazily."""
-        key = generator_key(generator)
-        seed = self._users.get(key)
-        if seed is None:
-            with LOCK:
-                seed = self._users.setdefault(key, StepSeed(generator=generator))
-        return seed
-
-    def seen(self, generator: torch.Generator) -> StepSeed | None:
-        """The seed of ``generator`` this step, if one was asked for (:meth:`of`)."""
-        return self._users.get(generator_key(generator))
-
-    def put_back(self) -> None:
-        """A failed step: every user's generator it drew a seed from goes back (not the CPU's:
-        the step's transaction restores that one)."""
-        for seed in self._users.values():
-            seed.undraw()
-
-    def explains(self, before: torch.Tensor, after: torch.Tensor) -> bool:
-        """Whether the generator going from ``before`` to ``after`` is this seed's draw."""
-        if self.transition is None:
-            return False
-        return all(any(same_state(s, t) for t in self.transition) for s in (before, after))
-
-
-def generator_key(generator: torch.Generator) -> int:
-    """Which generator ``generator`` is: the C++ object's address.
-
-    Why not ``id``: the dispatcher hands an operation's ``generator=`` to a
-    dispatch mode as a new Python object for the same generator.
-    """
-    return int(getattr(generator, "_cdata", id(generator)))
-
-
-def same_state(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two generator states (CPU byte tensors) are equal.
-
-    Their bytes compared: half the time of ``torch.equal``'s dispatch (tripwires
-    compare states around every pass of a stage).
-    """
-    return bool(a.numpy().tobytes() == b.numpy().tobytes())
-
-
-def draw_seed(generator: torch.Generator | None = None) -> int:
-    """A 62-bit seed from ``generator`` (None: torch's default CPU generator)."""
-    if generator is None:
-        return int(torch.randint(0, 2**62, ()).item())
-    return int(torch.randint(0, 2**62, (), generator=generator, device=generator.device).item())
-
-
-def module_names(
-    model: nn.Module, stages: Sequence[nn.Module], extra: Sequence[nn.Module] = ()
-) -> list[dict[int, str]]:
-    """Per stage, ``id(module) -> name`` for the modules of ``model``: the places of draws.
-
-    Names are the model's own, so places do not depend on the cut; a module
-    that runs in several stages (one Dropout called twice in a Sequential)
-    gets the stage in its name there, or both calls would draw alike.
-    ``extra`` adds modules (a traced model's random operations) under their names.
-    """
-    names: dict[int, str] = {}
-    for root in (model, *extra):
-        for name, module in root.named_modules():
-            if name:
-                names.setdefault(id(module), name)
-    holders: dict[int, set[int]] = {}
-    for s, stage in enumerate(stages):
-        for module in stage.modules():
-            holders.setdefault(id(module), set()).add(s)
-    shared = [i for i, held in holders.items() if len(held) > 1 and i in names]
-    if not shared:
-        return [names] * len(stages)
-    return [names | {i: f"{names[i]}@stage{s}" for i in shared} for s in range(len(stages))]
-
-
-_METHODS: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, first argument is self)
-
-
-def _is_method(code: CodeType) -> bool:
-    return bool(code.co_argcount) and code.co_varnames[0] == "self"
-
-
-class DrawContext:
-    """One stage's forward (or recomputation) of one micro-batch: what its draws are keyed by.
-
-    Args:
-        names: the model's modules by id (:func:`module_names`).
-        seed: the step's seed.
-        microbatch: the micro-batch index.
-        place: the first element of every draw's key (e.g. ``"loss"``).
-        entry: the frame that runs the pass (a stage's forward): the search
-            for modules and checkpoints stops there.
-
-    Attributes:
-        counts: draws so far per module name (a user's generator's apart): a
-            recomputation starts from zero again in a fresh context, so it draws
-            what the forward drew.
-        drawn: the innermost named module of each operation that drew numbers
-            (None: no named module); a dropout of p = 0 draws none.
-        checkpointed: a draw ran inside ``torch.utils.checkpoint`` (the model
-            checkpoints itself): its backward recomputes, and must be seeded.
-        users: the user's own generators drawn from (``generator=``), by :func:`generator_key`.
-        only: seed only the draws made inside these modules (ids of modules seen
-            drawing); None: every draw.
-        learns: whether :attr:`drawn` is read after the pass; False: it may list
-            a module whose operation drew nothing (telling costs two generator states).
-    """
-
-    def __init__(
-        self,
-        names: dict[int, str],
-        seed: StepSeed,
-        microbatch: int,
-        place: str = "",
-        entry: FrameType | None = None,
-    ) -> None:
-        self.names = names
-        self.entry = entry
-        self.seed = seed
-        self.microbatch = microbatch
-        self.place = place
-        self.counts: dict[str, int] = {}
-        self._bases: dict[int, int] = {}  # step seed -> (step seed, micro-batch, place) mixed
-        self.drawn: dict[int, nn.Module | None] = {}
-        self.checkpointed = False
-        self.users: dict[int, torch.Generator] = {}
-        self.only: frozenset[int] | None = None
-        self.learns = True
-
-    def seed_for(
-        self, frame: FrameType | None, user: StepSeed | None = None
-    ) -> tuple[int, nn.Module | None] | None:
-        """The seed of the next draw made from ``frame``: (step, micro-batch, place, count).
-
-        The place is the innermost of the model's named modules running a
-        method on the call stack (its ``forward``, or a function of it that
-        the model checkpoints): a recomputation that starts inside the model
-        (torch's ``checkpoint`` of one layer) finds the same place as the
-        forward did.
-        Sets :attr:`checkpointed` when the draw is inside a ``torch.utils.checkpoint``
-        that the pass runs (pipesched's own checkpoint of a stage runs the pass).
-
-        Args:
-            frame: where the draw is made.
-            user: the seed of the user's generator the draw names
-                (:meth:`StepSeed.of`); None: a draw from a default generator.
-                Its draws are counted apart.
-
-        Returns the seed and that module (None: none); None where :attr:`only`
-        leaves the draw unseeded (no module of it on the call stack).
-        """
-        names, only, entry, methods = self.names, self.only, self.entry, _METHODS
-        name, innermost, covered = "", None, only is None
-        while frame is not None and frame is not entry:
-            code = frame.f_code
-            if code is _CHECKPOINT:
-                self.checkpointed = True
-                break
-            method = methods.get(id(code))
-            if method is None or method[0] is not code:
-                method = methods[id(code)] = (code, _is_method(code))
-            if method[1]:
-                module = frame.f_locals.get("self")  # a method of one of the model's modules?
-                ident = id(module)
-                place = names.get(ident)
-                if place is not None:
-                    if innermost is None:
-                        name, innermost = place, module
-                    covered = covered or ident in only  # type: ignore[operator]
-                    if covered:
-                        break
-            frame = frame.f_back
-        while frame is not None and frame is not entry and not self.checkpointed:
-            if frame.f_code is _CHECKPOINT:  # the rest of the stack: only for a checkpoint
-                self.checkpointed = True
-                break
-            frame = frame.f_back
-        if not covered:
-            return None
-        if user is not None:  # draws from a user's generator are counted apart
-            name += "#generator"
-        count = self.counts.get(name, 0)
-        self.counts[name] = count + 1
-        value = (self.seed if user is None else user).get()
-        base = self._bases.get(value)
-        if base is None:  # once per pass and step seed
-            base = _mix(_mix(_mix(value) ^ self.microbatch) ^ _hash(self.place))
-            self._bases[value] = base
-        named = _HASHES.get(name)
-        if named is None:
-            named = _hash(name)
-        return _mix(((base ^ named) + count) & _MASK) >> 1, innermost
-
-
-_MASK = (1 << 64) - 1
-_HASHES: dict[str, int] = {}  # a place's or module's name -> its 64-bit hash (see _hash)
-
-
-def _hash(text: str) -> int:
-    """A 64-bit hash of ``text`` that no process or run changes (unlike ``hash``)."""
-    value = _HASHES.get(text)
-    if value is None:
-        digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
-        value = _HASHES[text] = int.from_bytes(digest, "little")
-    return value
-
-
-def _mix(z: int) -> int:
-    """SplitMix64's finalizer: a bijection of 64-bit integers, every output bit depending
-    on every input bit (two multiplications: a draw's seed in place of a hash of its key)."""
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK
-    return z ^ (z >> 31)
 
 
 class SeededRandomness:

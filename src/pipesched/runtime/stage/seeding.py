@@ -22,16 +22,14 @@ from torch import nn
 
 from pipesched.errors import PipeschedError
 from pipesched.runtime.compat.internals import global_module_hooks, has_module_hooks
-from pipesched.runtime.stage.rng import (
+from pipesched.runtime.stage.draw_keys import (
     LOCK,
     DrawContext,
-    SeededRandomness,
     StepSeed,
     generator_key,
-    generator_of,
-    prepare,
     same_state,
 )
+from pipesched.runtime.stage.rng import SeededRandomness, generator_of, prepare
 
 __all__ = ["StageSeeding", "UnseededDraws", "draws_nothing", "loss_draws_nothing"]
 
@@ -139,7 +137,7 @@ class StageSeeding:
     """How one stage's forwards (and backwards) seed their random operations.
 
     Args:
-        names: the model's modules by id (:func:`pipesched.runtime.stage.rng.module_names`).
+        names: the model's modules by id (:func:`pipesched.runtime.stage.draw_keys.module_names`).
         module: the stage (its children's ``training`` flags pick what was learned).
         device: the stage's device (its generator is watched with the CPU's).
         adaptive: learn where to seed (see the module's docstring); False:
