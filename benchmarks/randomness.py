@@ -3,9 +3,9 @@
 Run: .venv/bin/python benchmarks/randomness.py [--rounds 9] [--json out.json]
 
 Random operations reach pipesched through a dispatch key of their own, in the
-threads that seed (:mod:`pipesched.runtime.stage.rng`): a C++ kernel there asks
-Python for each CPU draw's seed, one call without arguments (the Python kernel
-behind it takes the rest); a stage of torch's draw-free layers is not seeded at
+threads that seed (:mod:`pipesched.runtime.stage.rng`): a C++ kernel there keys and
+seeds each CPU draw from a default generator without calling Python (the Python
+kernel behind it takes the rest); a stage of torch's draw-free layers is not seeded at
 all. This measures that cost on the local benchmark's model (8 x Linear(1024) + ReLU, batch 256,
 chunks 8, 2 CPU stages, 1F1B, checkpoint "except_last"), the target being
 below 2% of step time, and on a small Transformer (4 x
@@ -13,11 +13,7 @@ TransformerEncoderLayer(64, 4, 128), batch 64 x 16 tokens, chunks 8, 2 stages:
 many small operations, the worst case) without dropout and with dropout 0.1,
 the target being below 5%. "off" is the same pipeline with the seeding
 replaced by a no-op (not a configuration users can pick: unseeded draws are
-wrong under threads and recomputation); "routed" routes every random operation
-as "on" does but only gives it a generator seeded with a constant (the seed
-callback and the Python kernel both answer one): the floor of any seeding
-through the dispatcher, so "cost" minus "routing" is
-what pipesched's own seeding adds. Rounds alternate on, routed and off so
+wrong under threads and recomputation). Rounds alternate on and off so
 machine noise hits both alike; the cost by medians of wall time per step, by
 minima (noise only ever adds time: on a machine whose cores other jobs share,
 the minima tell the work added, the medians mostly the neighbours), and
@@ -35,9 +31,7 @@ import argparse
 import contextlib
 import json
 import statistics
-import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,7 +39,6 @@ from mlp_bench import BATCH, CHUNKS, LAYERS, WIDTH, loss_fn, mlp
 from torch import nn
 
 from pipesched import Pipeline
-from pipesched.runtime.stage.rng import SeededRandomness
 from pipesched.runtime.stage.seeding import StageSeeding
 
 TARGET = 0.02
@@ -87,27 +80,8 @@ def timed(pipe: Pipeline, x: torch.Tensor, y: torch.Tensor, steps: int) -> tuple
     return (time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps
 
 
-MODES = ("on", "routed", "off")
-"""The contenders: seeded as pipesched seeds; random operations routed to Python, each
-given a generator seeded with a constant (the least any seeding through the dispatcher
-can do: the call into Python and back, a ``manual_seed``); no seeding at all."""
-
-
-def _constant_draw(
-    self: SeededRandomness, func: Any, args: Any, kwargs: dict[str, Any], run: Callable[..., Any]
-) -> Any:
-    generator = _generators.setdefault(threading.get_ident(), torch.Generator())
-    generator.manual_seed(0)  # (so the tripwire sees no draw from the default generator)
-    kwargs["generator"] = generator
-    return run(*args, **kwargs)
-
-
-_generators: dict[int, torch.Generator] = {}
-
-
-def _constant_seed(self: SeededRandomness) -> int:
-    """The C++ kernel's ask for a seed, answered with a constant."""
-    return 0
+MODES = ("on", "off")
+"""The contenders: seeded as pipesched seeds; no seeding at all."""
 
 
 @contextlib.contextmanager
@@ -116,19 +90,13 @@ def seeding(mode: str) -> Any:
     if mode == "on":
         yield
         return
-    saved = StageSeeding.forward, StageSeeding.backward, SeededRandomness.draw
-    fast_seed = SeededRandomness.fast_seed
-    if mode == "routed":
-        SeededRandomness.draw = _constant_draw  # type: ignore[method-assign]
-        SeededRandomness.fast_seed = _constant_seed  # type: ignore[method-assign]
-    else:
-        StageSeeding.forward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
-        StageSeeding.backward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
+    saved = StageSeeding.forward, StageSeeding.backward
+    StageSeeding.forward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
+    StageSeeding.backward = lambda *args: contextlib.nullcontext()  # type: ignore[method-assign]
     try:
         yield
     finally:
-        StageSeeding.forward, StageSeeding.backward, SeededRandomness.draw = saved  # type: ignore[method-assign]
-        SeededRandomness.fast_seed = fast_seed  # type: ignore[method-assign]
+        StageSeeding.forward, StageSeeding.backward = saved  # type: ignore[method-assign]
 
 
 def _paired(on: list[float], off: list[float]) -> float:
@@ -144,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     results = {}
     print(
-        f"{'model':<30}{'on ms':>9}{'routed':>9}{'off ms':>9}{'cost':>8}{'routing':>9}"
+        f"{'model':<30}{'on ms':>9}{'off ms':>9}{'cost':>8}"
         f"{'min on':>9}{'min off':>9}{'cost':>8}{'paired':>8}{'cpu':>8}"
     )
     for name, (pipe, x, y) in cases().items():
@@ -154,24 +122,24 @@ def main() -> None:
             with seeding(mode):
                 timed(pipe, x, y, 2)
         for r in range(args.rounds):
-            for mode in MODES[r % 3 :] + MODES[: r % 3]:  # the order rotates
+            for mode in MODES[r % 2 :] + MODES[: r % 2]:  # the order alternates
                 with seeding(mode):
                     wall, used = timed(pipe, x, y, args.steps)
                     times[mode].append(wall)
                     cpu[mode].append(used)
-        on_ms, routed_ms, off_ms = (1000 * statistics.median(times[k]) for k in MODES)
+        on_ms, off_ms = (1000 * statistics.median(times[k]) for k in MODES)
         on_min, off_min = (1000 * min(times[k]) for k in ("on", "off"))
-        cost, routing, min_cost = on_ms / off_ms - 1, routed_ms / off_ms - 1, on_min / off_min - 1
+        cost, min_cost = on_ms / off_ms - 1, on_min / off_min - 1
         paired = _paired(times["on"], times["off"])
         cpu_cost = _paired(cpu["on"], cpu["off"])
         results[name] = {
-            "on_ms": on_ms, "routed_ms": routed_ms, "off_ms": off_ms, "cost": cost,
-            "routing": routing, "on_min_ms": on_min, "off_min_ms": off_min, "min_cost": min_cost,
-            "paired_cost": paired, "cpu_cost": cpu_cost,
+            "on_ms": on_ms, "off_ms": off_ms, "cost": cost, "on_min_ms": on_min,
+            "off_min_ms": off_min, "min_cost": min_cost, "paired_cost": paired,
+            "cpu_cost": cpu_cost,
         }  # fmt: skip
         print(
-            f"{name:<30}{on_ms:>9.2f}{routed_ms:>9.2f}{off_ms:>9.2f}{100 * cost:>7.1f}%"
-            f"{100 * routing:>8.1f}%{on_min:>9.2f}{off_min:>9.2f}{100 * min_cost:>7.1f}%"
+            f"{name:<30}{on_ms:>9.2f}{off_ms:>9.2f}{100 * cost:>7.1f}%"
+            f"{on_min:>9.2f}{off_min:>9.2f}{100 * min_cost:>7.1f}%"
             f"{100 * paired:>7.1f}%{100 * cpu_cost:>7.1f}%"
         )
     for name, target in (
@@ -184,7 +152,7 @@ def main() -> None:
             f"target: seeding costs < {100 * target:.0f}% on {name}: "
             f"{100 * row['cpu_cost']:.1f}% of CPU time {verdict} (wall time: paired "
             f"{100 * row['paired_cost']:.1f}%, by medians {100 * row['cost']:.1f}%, by minima "
-            f"{100 * row['min_cost']:.1f}%; routing alone {100 * row['routing']:.1f}%)"
+            f"{100 * row['min_cost']:.1f}%)"
         )
     if args.json:
         with open(args.json, "w") as f:

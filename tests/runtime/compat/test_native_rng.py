@@ -4,8 +4,8 @@ same numbers.
 
 Each configuration runs in an interpreter of its own (routing is set up once per process):
 the C++ kernel (built, or loaded from the cache), the Python kernel by choice
-(``PIPESCHED_NATIVE_RNG=0``), a build that fails (``CXX=false``, an empty cache), and a
-kernel whose probe fails.
+(``PIPESCHED_NATIVE_RNG=0``), a build that fails (``CXX=false``, an empty cache), a
+kernel whose probe fails, and one whose walk of the call stack fails its probe.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ _SCRIPT = r"""
 import hashlib, json, os, warnings
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from pipesched import Pipeline
 from pipesched.errors import NativeKernelWarning, TorchInternalsWarning
@@ -28,21 +29,39 @@ from pipesched.runtime.compat import random_routing
 
 if os.environ.get("TEST_NATIVE_PROBE_FAILS"):  # the C++ kernel built, but its probe fails
     random_routing._check_native = lambda: False
+if os.environ.get("TEST_WALK_PROBE_FAILS"):  # its walk of the stack unlike the Python one
+    from pipesched.runtime.stage import draw_keys
+    draw_keys._walks_agree = lambda native: False
 
 class Noise(nn.Module):  # a draw in a forward of the user's own, not a dropout
     def forward(self, x):
         return x + 0.1 * torch.rand_like(x)
 
+class Direct(nn.Module):  # what the walk tells apart: a method called directly, a held self
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.3)
+
+    def noisy(self, x):
+        return F.dropout(self.inner(x), 0.2, self.training)
+
+    def forward(self, x):
+        def held():  # self in a cell
+            return self.noisy(x)
+        return self.drop(held()) + torch.utils.checkpoint.checkpoint(
+            self.noisy, x, use_reentrant=False)  # the model checkpoints itself
+
 torch.manual_seed(0)
 torch.set_num_threads(1)
 model = nn.Sequential(
-    nn.Linear(16, 16), nn.Dropout(0.2), Noise(),
+    nn.Linear(16, 16), nn.Dropout(0.2), Noise(), Direct(),
     nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True),
     nn.RReLU(), nn.TransformerEncoderLayer(16, 2, 32, dropout=0.1, batch_first=True),
 )
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    pipe = Pipeline(model, 4, balance=[3, 3], devices=["cpu", "cpu"], schedule="1f1b",
+    pipe = Pipeline(model, 4, balance=[4, 3], devices=["cpu", "cpu"], schedule="1f1b",
                     checkpoint="except_last")
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     x, y = torch.randn(8, 5, 16), torch.randn(8, 5, 16)
@@ -76,6 +95,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, object
             "PIPESCHED_CACHE": str(tmp_path_factory.mktemp("empty-cache")),
         },
         "refused": {**base, "TEST_NATIVE_PROBE_FAILS": "1"},
+        "unwalked": {**base, "TEST_WALK_PROBE_FAILS": "1"},
     }
     procs = {
         name: subprocess.Popen(
@@ -120,6 +140,29 @@ def test_a_kernel_whose_probe_fails_gives_its_operations_back_to_the_python_kern
     assert refused["params"] == runs["python"]["params"]
 
 
+def test_a_walk_unlike_pythons_leaves_every_draw_to_the_python_kernel(runs):
+    unwalked, native = runs["unwalked"], runs["native"]
+    if native["draws"] is None:
+        pytest.skip("the C++ kernel could not be built here (no compiler or ninja)")
+    seeded_in_cpp, via_python = unwalked["draws"]
+    assert seeded_in_cpp <= 1 < native["draws"][0]  # (1: the kernel's own probe)
+    assert via_python > native["draws"][1]
+    assert unwalked["warned"] == ["TorchInternalsWarning"]
+    assert unwalked["params"] == runs["python"]["params"]
+
+
+def test_the_walks_probe_fails_where_the_cpp_keys_differ(monkeypatch):
+    from pipesched.runtime.compat import random_routing
+    from pipesched.runtime.stage import draw_keys, rng
+
+    if not rng.prepare() or random_routing.native_module() is None:
+        pytest.skip("the C++ kernel does not route here")
+    native = random_routing.native_module()
+    assert draw_keys._walks_agree(native)
+    monkeypatch.setattr(draw_keys, "_mix", lambda z: z)  # the Python keys only
+    assert not draw_keys._walks_agree(native)
+
+
 def test_a_kernel_that_cannot_be_built_leaves_the_python_kernel_with_one_warning(runs):
     broken = runs["broken"]
     assert broken["draws"] is None
@@ -129,6 +172,7 @@ def test_a_kernel_that_cannot_be_built_leaves_the_python_kernel_with_one_warning
 
 def test_errors_inside_the_cpp_kernel_reach_the_caller_as_they_were_raised():
     import torch
+    import torch.utils.checkpoint
 
     from pipesched.runtime.compat import random_routing
     from pipesched.runtime.stage import rng
@@ -138,23 +182,25 @@ def test_errors_inside_the_cpp_kernel_reach_the_caller_as_they_were_raised():
     if random_routing.native_draws() is None:
         pytest.skip("the C++ kernel could not be built here (no compiler or ninja)")
 
-    def broken_seed() -> int:
-        raise KeyError("the seed callback's own error")
-
+    native = random_routing.native_module()
+    code = torch.utils.checkpoint.checkpoint.__wrapped__.__code__
+    names = native.Names([], [99], [0], 0, code)
+    keys, twin = native.Keys(names, 0, 1, None), native.Keys(names, 0, 1, None)
+    keys.learns, keys.known = False, 5
     was = random_routing.route_random_ops_here(True)
-    previous = random_routing.seed_here_with(broken_seed)
+    previous = random_routing.keys_here(keys)
     try:
-        with pytest.raises(KeyError, match="seed callback's own error"):
-            torch.empty(3).bernoulli_(0.5)  # seeded in C++: the callback raises
-        random_routing.seed_here_with(lambda: 5)
         with pytest.raises(RuntimeError, match="bernoulli_ expects p"):
             torch.empty(3).bernoulli_(2.0)  # the operation's own error, seeded in C++
         with pytest.raises(RuntimeError, match="bernoulli_ expects p"):  # the Python kernel's
             torch.empty(3).bernoulli_(2.0, generator=torch.Generator())
         seeded = torch.empty(64).bernoulli_(0.5)
     finally:
-        random_routing.seed_here_with(previous)
+        random_routing.keys_here(previous)
         random_routing.route_random_ops_here(was)
+    twin.seed_for(None, 5, False)  # the failed draw counted, as in keys
+    seed, module = twin.seed_for(None, 5, False)
+    assert module is None
     assert torch.equal(
-        seeded, torch.empty(64).bernoulli_(0.5, generator=torch.Generator().manual_seed(5))
+        seeded, torch.empty(64).bernoulli_(0.5, generator=torch.Generator().manual_seed(seed))
     )

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipesched import Pipeline
+from pipesched.runtime.compat import random_routing
 from pipesched.runtime.stage import rng
 from pipesched.runtime.stage.draw_keys import StepSeed, module_names
 from pipesched.runtime.stage.seeding import StageSeeding
@@ -60,32 +61,27 @@ def _seeding(model: nn.Module) -> StageSeeding:
 
 
 def _drawn(model: nn.Module, x: torch.Tensor, seeding: StageSeeding, seed: int = 3):
-    """The pass's output and the random operations that reached Python: the Python kernel's
-    (by name) and the C++ kernel's seed asks ("seeded in C++")."""
+    """The pass's output and the random operations that were seeded: in Python (by name) or
+    by the C++ kernel ("seeded in C++")."""
     ops: list[str] = []
-    draw, fast_seed = rng.SeededRandomness.draw, rng.SeededRandomness.fast_seed
+    draw = rng.SeededRandomness.draw
 
     def counted(self, func, args, kwargs, run):
         ops.append(str(func))
         return draw(self, func, args, kwargs, run)
 
-    def asked(self):
-        seed = fast_seed(self)
-        if seed != -1:  # -1: handed to draw, counted there
-            ops.append("seeded in C++")
-        return seed
-
     rng.SeededRandomness.draw = counted  # type: ignore[method-assign]
-    rng.SeededRandomness.fast_seed = asked  # type: ignore[method-assign]
     for m in model.modules():  # a generator of the model's own: each pass from its seed
         if isinstance(getattr(m, "g", None), torch.Generator):
             m.g.manual_seed(7)
+    before = random_routing.native_draws()
     try:
         with seeding.forward(StepSeed(seed), 0):
             out = model(x)
     finally:
         rng.SeededRandomness.draw = draw  # type: ignore[method-assign]
-        rng.SeededRandomness.fast_seed = fast_seed  # type: ignore[method-assign]
+    if before is not None:  # draws the C++ kernel keyed itself, without Python
+        ops += ["seeded in C++"] * (random_routing.native_draws()[0] - before[0])
     return out, ops
 
 

@@ -6,20 +6,22 @@ its own there. Every operation tagged ``nondeterministic_seeded`` gets a kernel 
 key, every other one a fallthrough (the dispatcher then skips the key at no cost), and a
 thread turns the key on in its own dispatch state while it seeds. The kernel is C++
 (``rng_kernel.cpp``, :mod:`~pipesched.runtime.compat.native_rng`) where it can be built:
-it asks the thread's :data:`SeedCallback` for a CPU draw's seed and hands every other
-draw to the Python kernel (the :data:`RandomHandler`), which is the whole kernel where
-it cannot. A private torch API like those of :mod:`~pipesched.runtime.compat.internals`,
-probed and switched off the same way.
+it keys and seeds a CPU draw by the thread's ``Keys`` (:func:`keys_here`) and hands
+every other draw to the Python kernel (the :data:`RandomHandler`), which is the whole
+kernel where it cannot. A private torch API like those of
+:mod:`~pipesched.runtime.compat.internals`, probed and switched off the same way.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.library
+import torch.utils.checkpoint
 from torch._ops import OpOverload
 
 from pipesched.errors import NativeKernelWarning, warn_user
@@ -28,11 +30,12 @@ from pipesched.runtime.compat.internals import _missing, _probe
 
 __all__ = [
     "RandomHandler",
-    "SeedCallback",
+    "keys_here",
     "native_draws",
+    "native_module",
     "route_random_ops",
     "route_random_ops_here",
-    "seed_here_with",
+    "walking_native",
 ]
 
 RandomHandler = Callable[[OpOverload, tuple[Any, ...], dict[str, Any], Callable[..., Any]], Any]
@@ -45,16 +48,10 @@ _RNG_KEY: Any = None  # torch._C.DispatchKey.CustomRNGKeyId (not named in torch'
 _rng_libraries: dict[str, Any] = {}  # namespace -> torch.library.Library holding our kernels
 _rng_names: set[str] = set()  # the operations (qualified names) looked at already
 _rng_handler: RandomHandler | None = None
-_rng_state: dict[str, bool] = {}  # "supported": the probe's verdict
+_rng_state: dict[str, bool] = {}  # "supported", "walk": the probes' verdicts
 _rng_seen: dict[str, tuple[int, int]] = {"fingerprint": (-1, -1)}
 _native: dict[str, Any] = {}  # "module": the C++ kernel's (native_rng), while it routes
 _native_names: set[str] = set()  # the operations routed through it
-
-SeedCallback = Callable[[], int | None]
-"""A thread's seed for a draw the C++ kernel makes (:func:`seed_here_with`): called with no
-arguments one Python frame below the operation's caller (``sys._getframe(1)`` there is the
-caller's frame). Returns the seed, None to draw unseeded, or -1 to hand the draw to the
-:data:`RandomHandler`."""
 
 
 def _rng_fingerprint() -> tuple[int, int]:
@@ -176,40 +173,65 @@ def _check_random_ops() -> bool:
 
 
 def _check_native() -> bool:
-    """The C++ kernel seeds a CPU draw as a generator given the callback's seed would, asks
-    the callback once per draw, and hands a draw it answers -1 to the Python kernel."""
+    """The C++ kernel seeds a CPU draw as a generator given its ``Keys``' seed would, and
+    hands a draw to the Python kernel where the keys say so (a pass that learns)."""
     global _rng_handler
     native = _native["module"]
-    asked: list[int] = []
     handled: list[str] = []
-
-    def seed() -> int:
-        asked.append(len(asked))
-        return 1234 if len(asked) == 1 else -1
 
     def handler(op: OpOverload, args: Any, kwargs: Any, run: Callable[..., Any]) -> Any:
         handled.append(str(op))
         return run(*args, **kwargs)
 
+    code = inspect.unwrap(torch.utils.checkpoint.checkpoint).__code__
+    names = native.Names([], [12345], [0], 0, code)
+    fast, twin = native.Keys(names, 3, 77, None), native.Keys(names, 3, 77, None)
+    fast.learns, fast.known = False, 1234
     _rng_handler = handler
-    previous = native.seed_with(seed)
+    previous = native.keys_here(fast)
     was = route_random_ops_here(True)
     try:
-        fast = torch.empty(64).bernoulli_(0.5)
-        torch.empty(3).bernoulli_(0.5)  # answered -1
+        drawn = torch.empty(64).bernoulli_(0.5)
+        fast.learns = True
+        torch.empty(3).bernoulli_(0.5)  # the Python kernel's
     finally:
         route_random_ops_here(was)
-        native.seed_with(previous)
+        native.keys_here(previous)
         _rng_handler = None
-    expected = torch.empty(64).bernoulli_(0.5, generator=torch.Generator().manual_seed(1234))
-    return torch.equal(fast, expected) and asked == [0, 1] and handled == ["aten.bernoulli_.float"]
+    seed, _ = twin.seed_for(None, 1234, False)
+    expected = torch.empty(64).bernoulli_(0.5, generator=torch.Generator().manual_seed(seed))
+    return torch.equal(drawn, expected) and handled == ["aten.bernoulli_.float"]
 
 
-def seed_here_with(callback: SeedCallback | None) -> SeedCallback | None:
-    """Sets this thread's :data:`SeedCallback` (None: every draw goes to the handler); returns
-    the previous one. Does nothing (returns None) where the C++ kernel does not route."""
-    native = _native.get("module")
-    return None if native is None else native.seed_with(callback)
+def native_module() -> Any:
+    """The C++ kernel's module while it routes (its ``Keys`` and ``Names``: see
+    ``rng_kernel.cpp``); None where the Python kernel routes, or nothing does."""
+    return _native.get("module") if _rng_state.get("supported") else None
+
+
+def walking_native(check: Callable[[Any], bool]) -> Any:
+    """:func:`native_module`, where its walk of the call stack passes ``check`` (given the
+    module; run once per process, one ``TorchInternalsWarning`` where it fails); None
+    where it does not route, or the walk failed."""
+    native = native_module()
+    if native is None:
+        return None
+    agrees = _rng_state.get("walk")
+    if agrees is None:
+        agrees = _rng_state["walk"] = _probe(lambda: check(native))
+        if not agrees:
+            _missing(
+                "pipesched's C++ kernel's walk of the call stack (its probe)",
+                "every random operation takes the Python kernel (about 35 us more per draw)",
+            )
+    return native if agrees else None
+
+
+def keys_here(keys: Any) -> Any:
+    """Sets the ``Keys`` the C++ kernel seeds this thread's CPU draws by (None: it hands them
+    all to the :data:`RandomHandler`); returns the previous ones. Only where
+    :func:`native_module` is not None."""
+    return _native["module"].keys_here(keys)
 
 
 def native_draws() -> tuple[int, int] | None:

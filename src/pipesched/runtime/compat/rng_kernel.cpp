@@ -2,24 +2,37 @@
 //
 // Why C++: a Python kernel costs a call into Python per random operation, its
 // arguments converted both ways (about 20 us per draw, 5% of a small Transformer's
-// step before any seeding). Here a draw on the CPU asks Python for its seed only
-// (one call, no arguments), seeds this thread's own generator and runs the
-// operation with it. Everything else (a user's generator, another device, a step
-// whose seed is not drawn yet, a pass that learns what drew) goes to the Python
-// kernel, with the arguments and results converted as torch's own Python kernels
-// convert them. The masks are the same either way: the seed is Python's, and
-// seeding a CPU generator is torch.Generator.manual_seed's set_current_seed.
+// step before any seeding), and with stages in threads each call into Python waits
+// for the GIL. Here a draw on the CPU from a default generator is keyed and seeded
+// without Python: its place is found on this thread's own call stack (Keys, the twin
+// of draw_keys.DrawContext.seed_for), this thread's own generator is seeded with its
+// seed, and the operation runs with it. Everything else (a user's generator, another
+// device, a step whose seed is not known yet, a pass that learns what drew) goes to
+// the Python kernel, with the arguments and results converted as torch's own Python
+// kernels convert them. The masks are the same either way: one Keys counts every draw
+// of a pass, and seeding a CPU generator is torch.Generator.manual_seed's
+// set_current_seed.
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
+// This thread's Python frames, read without the GIL: only this thread changes them, and it
+// is in here, inside an operation, while they are read. Their layout is CPython's own (the
+// headers of the Python the library is built for: it is kept per Python version).
+#define Py_BUILD_CORE 1
+#include <internal/pycore_frame.h>
+#undef Py_BUILD_CORE
+
 #include <atomic>
+#include <cstring>
 #include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+#include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace {
@@ -27,9 +40,225 @@ namespace {
 namespace py = pybind11;
 constexpr auto kKey = c10::DispatchKey::CustomRNGKeyId;
 
-// This thread's seed callback (a strong reference; nullptr: every draw takes the Python
-// kernel): () -> int seed | None (run unseeded) | -1 (take the Python kernel).
-thread_local PyObject* tl_seed = nullptr;
+#if PY_VERSION_HEX >= 0x030D0000
+_PyInterpreterFrame* currentFrame(PyThreadState* state) {
+  return state->current_frame;
+}
+PyCodeObject* codeOf(_PyInterpreterFrame* frame) {
+  return _PyFrame_GetCode(frame);
+}
+#elif PY_VERSION_HEX >= 0x030B0000
+_PyInterpreterFrame* currentFrame(PyThreadState* state) {
+  return state->cframe->current_frame;
+}
+PyCodeObject* codeOf(_PyInterpreterFrame* frame) {
+  return frame->f_code;
+}
+#else
+#error "pipesched's kernel reads frames as CPython 3.11 to 3.13 lay them out"
+#endif
+
+// The first complete frame from `frame` on (what a frame object's f_back finds).
+_PyInterpreterFrame* complete(_PyInterpreterFrame* frame) {
+  while (frame != nullptr && _PyFrame_IsIncomplete(frame)) {
+    frame = frame->previous;
+  }
+  return frame;
+}
+
+// What frame.f_locals.get("self") is in a frame whose code's first argument is named
+// "self" (nullptr: not such a frame, or self unbound). A self that a closure captures is
+// held in a cell.
+PyObject* selfOf(_PyInterpreterFrame* frame) {
+  PyCodeObject* code = codeOf(frame);
+  if (code->co_argcount == 0) {
+    return nullptr;
+  }
+  PyObject* name = PyTuple_GET_ITEM(code->co_localsplusnames, 0);
+  if (!PyUnicode_IS_COMPACT_ASCII(name) || PyUnicode_GET_LENGTH(name) != 4 ||
+      std::memcmp(PyUnicode_DATA(name), "self", 4) != 0) {
+    return nullptr;
+  }
+  PyObject* value = frame->localsplus[0];
+  if (value != nullptr && PyCell_Check(value)) {
+    value = PyCell_GET(value);
+  }
+  return value;
+}
+
+uint64_t mix(uint64_t z) {  // draw_keys._mix: SplitMix64's finalizer
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+// A stage's places for Keys (draw_keys.module_names, as draw_keys.native_names gives them):
+// each module's name as an index, each name's hash, the name its user-generator draws count
+// under (name + "#generator").
+struct Names {
+  std::unordered_map<const PyObject*, int> index;  // module -> name
+  std::vector<uint64_t> hashes;  // name -> draw_keys._hash(name)
+  std::vector<int> user;  // name -> the index of name + "#generator"
+  int nameless = 0;  // "": a draw inside none of the modules
+  py::object checkpoint;  // torch.utils.checkpoint.checkpoint's code (held)
+};
+
+std::shared_ptr<Names> makeNames(
+    const std::vector<std::pair<uintptr_t, int>>& index,
+    std::vector<uint64_t> hashes,
+    std::vector<int> user,
+    int nameless,
+    py::object checkpoint) {
+  auto names = std::make_shared<Names>();
+  for (const auto& [module, name] : index) {
+    names->index.emplace(reinterpret_cast<const PyObject*>(module), name);
+  }
+  names->hashes = std::move(hashes);
+  names->user = std::move(user);
+  names->nameless = nameless;
+  names->checkpoint = std::move(checkpoint);
+  return names;
+}
+
+// One pass's keys (draw_keys.DrawContext, whose twin it is): what the next draw from a
+// frame is seeded with. Used by one thread: the one running the pass.
+class Keys {
+ public:
+  Keys(std::shared_ptr<const Names> names, uint64_t microbatch, uint64_t place, py::object entry)
+      : names_(std::move(names)),
+        microbatch_(microbatch),
+        place_(place),
+        entry_(std::move(entry)),
+        counts_(names_->hashes.size(), 0) {}
+
+  // DrawContext.seed_for from `frame`: false where `only` leaves the draw unseeded, else
+  // the seed and the module (nullptr: none). Calls no Python and needs no GIL.
+  bool seedFor(
+      _PyInterpreterFrame* frame, uint64_t value, bool user, uint64_t* seed, PyObject** module) {
+    const _PyInterpreterFrame* entry = entry_.is_none()
+        ? nullptr
+        : reinterpret_cast<PyFrameObject*>(entry_.ptr())->f_frame;
+    const PyObject* checkpoint = names_->checkpoint.ptr();
+    int name = names_->nameless;
+    PyObject* innermost = nullptr;
+    bool covered = !only_.has_value();
+    bool inside = false;  // inside a torch.utils.checkpoint the pass runs
+    for (frame = complete(frame); frame != nullptr && frame != entry;
+         frame = complete(frame->previous)) {
+      if (reinterpret_cast<PyObject*>(codeOf(frame)) == checkpoint) {
+        inside = true;
+        break;
+      }
+      PyObject* self = selfOf(frame);  // a method of one of the model's modules?
+      if (self == nullptr) {
+        continue;
+      }
+      auto found = names_->index.find(self);
+      if (found == names_->index.end()) {
+        continue;
+      }
+      if (innermost == nullptr) {
+        name = found->second;
+        innermost = self;
+      }
+      covered = covered || only_->count(self) > 0;
+      if (covered) {
+        break;
+      }
+    }
+    for (; !inside && !checkpointed_ && frame != nullptr && frame != entry;
+         frame = complete(frame->previous)) {  // the rest of the stack: only for a checkpoint
+      inside = reinterpret_cast<PyObject*>(codeOf(frame)) == checkpoint;
+    }
+    checkpointed_ = checkpointed_ || inside;
+    if (!covered) {
+      return false;
+    }
+    if (user) {  // draws from a user's generator are counted apart
+      name = names_->user[name];
+    }
+    const uint64_t count = static_cast<uint64_t>(counts_[name]++);
+    auto base = bases_.find(value);
+    if (base == bases_.end()) {  // once per pass and step seed
+      base = bases_.emplace(value, mix(mix(mix(value) ^ microbatch_) ^ place_)).first;
+    }
+    *seed = mix((base->second ^ names_->hashes[name]) + count) >> 1;
+    *module = innermost;
+    return true;
+  }
+
+  // The seed of a draw this thread makes now from a default generator (SeededRandomness's
+  // fast path): false where the Python kernel must make it (the step's seed not kept yet,
+  // the pass learns whether operations drew, no Python frame); true with *unseeded where
+  // `only` leaves it unseeded.
+  bool fastSeed(uint64_t* seed, bool* unseeded) {
+    if (learns_ || !known_.has_value()) {
+      return false;
+    }
+    PyThreadState* state = PyGILState_GetThisThreadState();
+    _PyInterpreterFrame* frame = state == nullptr ? nullptr : complete(currentFrame(state));
+    if (frame == nullptr) {
+      return false;
+    }
+    PyObject* module = nullptr;
+    *unseeded = !seedFor(frame, *known_, false, seed, &module);
+    if (!*unseeded) {
+      drawn_.insert(module);
+    }
+    return true;
+  }
+
+  py::object pySeedFor(py::object frame, uint64_t value, bool user) {
+    uint64_t seed = 0;
+    PyObject* module = nullptr;
+    auto* start =
+        frame.is_none() ? nullptr : reinterpret_cast<PyFrameObject*>(frame.ptr())->f_frame;
+    if (!seedFor(start, value, user, &seed, &module)) {
+      return py::none();
+    }
+    return py::make_tuple(
+        seed, module == nullptr ? py::none() : py::reinterpret_borrow<py::object>(module));
+  }
+
+  void setOnly(py::object only) {
+    only_.reset();
+    if (!only.is_none()) {
+      only_.emplace();
+      for (py::handle ident : only) {
+        only_->insert(reinterpret_cast<const PyObject*>(ident.cast<uintptr_t>()));
+      }
+    }
+  }
+
+  // The modules this kernel's draws drew in (None: in none): the model's named modules,
+  // which their stage keeps alive.
+  py::list drawn() const {
+    py::list modules;
+    for (PyObject* module : drawn_) {
+      modules.append(module == nullptr ? py::none() : py::reinterpret_borrow<py::object>(module));
+    }
+    return modules;
+  }
+
+  bool learns_ = true;
+  std::optional<uint64_t> known_;  // the step's seed, once kept (StepSeed.keep)
+  bool checkpointed_ = false;
+
+ private:
+  std::shared_ptr<const Names> names_;
+  uint64_t microbatch_;
+  uint64_t place_;
+  py::object entry_;  // the frame running the pass (None: none): the walk stops there
+  std::vector<int64_t> counts_;  // draws so far per name
+  std::unordered_map<uint64_t, uint64_t> bases_;  // step seed -> it mixed with the pass's
+  std::optional<std::unordered_set<const PyObject*>> only_;
+  std::unordered_set<PyObject*> drawn_;
+};
+
+// This thread's keys: the Python object (a strong reference) and the Keys in it; nullptr:
+// every draw takes the Python kernel.
+thread_local PyObject* tl_keys_object = nullptr;
+thread_local Keys* tl_keys = nullptr;
 thread_local std::optional<at::Generator> tl_cpu;  // this thread's own CPU generator
 
 std::atomic<int64_t> fast_draws{0};
@@ -48,7 +277,7 @@ class RandomKernel final : public c10::OperatorKernel {
 
   void operator()(
       const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-    if (tl_seed != nullptr && generator_ >= 0 && fast(op, keys, stack)) {
+    if (tl_keys != nullptr && generator_ >= 0 && fast(op, keys, stack)) {
       return;
     }
     viaPython(op, keys, stack);
@@ -64,34 +293,11 @@ class RandomKernel final : public c10::OperatorKernel {
       return false;
     }
     uint64_t seed = 0;
-    bool seeded = true;
-    {
-      py::gil_scoped_acquire gil;
-      c10::impl::ExcludeDispatchKeyGuard exclude(kKey);
-      PyObject* answer = PyObject_CallNoArgs(tl_seed);
-      if (answer == nullptr) {
-        throw py::error_already_set();
-      }
-      if (answer == Py_None) {
-        seeded = false;
-      } else {
-        int overflow = 0;
-        const long long value = PyLong_AsLongLongAndOverflow(answer, &overflow);
-        if (value == -1 && overflow == 0) {  // the Python kernel's draw
-          Py_DECREF(answer);
-          if (PyErr_Occurred()) {
-            throw py::error_already_set();
-          }
-          return false;
-        }
-        seed = PyLong_AsUnsignedLongLong(answer);
-        if (PyErr_Occurred()) {
-          Py_DECREF(answer);
-          throw py::error_already_set();
-        }
-      }
-      Py_DECREF(answer);
+    bool unseeded = false;
+    if (!tl_keys->fastSeed(&seed, &unseeded)) {
+      return false;
     }
+    const bool seeded = !unseeded;
     if (seeded) {
       if (!tl_cpu.has_value()) {
         tl_cpu = at::detail::createCPUGenerator();
@@ -215,13 +421,16 @@ void unroute() {
   registrations->clear();
 }
 
-// Sets this thread's seed callback (None: none); returns the previous one.
-py::object seed_with(py::object callback) {
-  py::object previous =
-      tl_seed == nullptr ? py::none() : py::reinterpret_steal<py::object>(tl_seed);
-  tl_seed = nullptr;
-  if (!callback.is_none()) {
-    tl_seed = callback.release().ptr();
+// Sets this thread's keys (None: none); returns the previous ones.
+py::object keys_here(py::object keys) {
+  py::object previous = tl_keys_object == nullptr
+      ? py::none()
+      : py::reinterpret_steal<py::object>(tl_keys_object);
+  tl_keys_object = nullptr;
+  tl_keys = nullptr;
+  if (!keys.is_none()) {
+    tl_keys = keys.cast<Keys*>();
+    tl_keys_object = keys.release().ptr();
   }
   return previous;
 }
@@ -237,6 +446,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "pipesched's kernel for random operations (see rng_kernel.cpp)";
   m.def("route", &route, "Routes one operation's draws through this kernel.");
   m.def("unroute", &unroute, "Takes every kernel of this module off the key.");
-  m.def("seed_with", &seed_with, "Sets this thread's seed callback; returns the previous.");
+  m.def("keys_here", &keys_here, "Sets this thread's Keys (None: none); returns the previous.");
+  py::class_<Names, std::shared_ptr<Names>>(m, "Names")
+      .def(py::init(&makeNames),
+           "(module id, name index) pairs, hashes, user-generator name indices, the nameless "
+           "name's index, torch.utils.checkpoint's code.");
+  py::class_<Keys>(m, "Keys")
+      .def(py::init([](std::shared_ptr<Names> names, uint64_t microbatch, uint64_t place,
+                       py::object entry) {
+             return new Keys(std::move(names), microbatch, place, std::move(entry));
+           }))
+      .def("seed_for", &Keys::pySeedFor, "DrawContext.seed_for: (seed, module) or None.")
+      .def("set_only", &Keys::setOnly, "Seed only draws inside these module ids (None: all).")
+      .def("drawn", &Keys::drawn, "The modules the C++ kernel's draws drew in (None: none).")
+      .def_readwrite("learns", &Keys::learns_)
+      .def_readwrite("known", &Keys::known_)
+      .def_readonly("checkpointed", &Keys::checkpointed_);
   m.def("draws", &draws, "(draws seeded in C++, draws that took the Python kernel).");
 }

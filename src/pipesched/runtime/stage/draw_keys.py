@@ -12,22 +12,30 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import sys
 import threading
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from types import CodeType, FrameType
+from typing import Any
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from pipesched.runtime.compat.random_routing import walking_native
+
 __all__ = [
     "LOCK",
     "RANDOM_MODULES",
     "DrawContext",
+    "NativeNames",
     "StepSeed",
     "draw_seed",
     "generator_key",
     "module_names",
+    "native_table",
     "same_state",
 ]
 
@@ -177,6 +185,113 @@ def module_names(
     return [names | {i: f"{names[i]}@stage{s}" for i in shared} for s in range(len(stages))]
 
 
+@dataclass(frozen=True)
+class NativeNames:
+    """A stage's names (:func:`module_names`) as the C++ kernel's ``Keys`` read them.
+
+    Attributes:
+        module: the C++ kernel's module (``compat.random_routing.native_module``).
+        names: its ``Names``: each module's name as an index, the names' hashes.
+    """
+
+    module: Any
+    names: Any
+
+
+def native_table(names: dict[int, str]) -> NativeNames | None:
+    """``names`` for the C++ kernel, which then keys draws without Python (see
+    :class:`DrawContext`); None where it does not route, or where its walk of the call
+    stack does not find what :meth:`DrawContext.seed_for` finds (its probe, once per
+    process: it reads CPython's frames as laid out in the Python it was built for)."""
+    native = walking_native(_walks_agree)
+    return None if native is None else _table(native, names)
+
+
+def _table(native: Any, names: dict[int, str]) -> NativeNames:
+    strings: dict[str, int] = {}  # every name counted apart -> its index
+    pairs = [(ident, strings.setdefault(name, len(strings))) for ident, name in names.items()]
+    nameless = strings.setdefault("", len(strings))
+    user = {  # each name's draws from a user's generator are counted apart
+        i: strings.setdefault(f"{name}#generator", len(strings))
+        for name, i in list(strings.items())
+    }
+    return NativeNames(
+        native,
+        native.Names(
+            pairs,
+            [_hash(name) for name in strings],
+            [user.get(i, i) for i in range(len(strings))],
+            nameless,
+            _CHECKPOINT,
+        ),
+    )
+
+
+def _walks_agree(native: Any) -> bool:
+    """The C++ walk and :meth:`DrawContext.seed_for` key alike from a stack with what the
+    walk must tell apart: a module's method called directly, a ``self`` a closure holds,
+    a function, a checkpoint, a module outside the names, the pass's entry frame."""
+    model = _Outer()
+    root = nn.Sequential(model)  # (a model's root is not named: its children are)
+    names = module_names(root, [root])[0]
+    table = _table(native, names)
+    entry = sys._getframe()
+    onlys = [None, frozenset(), frozenset({id(model)}), frozenset({id(model.inner)})]
+    answers: list[tuple[bool, bool, bool]] = []  # (alike, checkpointed, seeded)
+
+    def look(frame: FrameType) -> None:
+        for only in onlys:
+            for user in (None, StepSeed(11)):
+                contexts = [
+                    DrawContext(names, StepSeed(5), 2, "p", entry, t) for t in (None, table)
+                ]
+                for context in contexts:
+                    context.only, context.learns = only, False
+                got = [[c.seed_for(frame, user), c.seed_for(frame, user)] for c in contexts]
+                python, native = (c.checkpointed for c in contexts)
+                alike = got[0] == got[1] and python == native
+                answers.append((alike, python, got[0][1] is not None))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model(look)
+    return (
+        len(answers) == 4 * 8
+        and all(alike for alike, _, _ in answers)
+        and any(checkpointed for _, checkpointed, _ in answers)
+        and sum(seeded for _, _, seeded in answers) > len(answers) // 2
+    )
+
+
+class _Inner(nn.Module):
+    def helper(self, look: Callable[[FrameType], None]) -> None:  # called directly
+        _plain(look)
+
+
+def _plain(look: Callable[[FrameType], None]) -> None:  # a function, not a method
+    look(sys._getframe())
+
+
+class _Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = _Inner()
+
+    def forward(self, look: Callable[[FrameType], None]) -> None:
+        def closure() -> None:  # holds self in a cell
+            self.inner.helper(look)
+
+        look(sys._getframe())
+        closure()
+        _Free()(look)  # a module outside the names
+        torch.utils.checkpoint.checkpoint(closure, use_reentrant=False)
+
+
+class _Free(nn.Module):
+    def forward(self, look: Callable[[FrameType], None]) -> None:
+        look(sys._getframe())
+
+
 _METHODS: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, first argument is self)
 
 
@@ -194,20 +309,17 @@ class DrawContext:
         place: the first element of every draw's key (e.g. ``"loss"``).
         entry: the frame that runs the pass (a stage's forward): the search
             for modules and checkpoints stops there.
+        table: the stage's names for the C++ kernel (:func:`native_table`); None:
+            keyed in Python only.
 
     Attributes:
         counts: draws so far per module name (a user's generator's apart): a
             recomputation starts from zero again in a fresh context, so it draws
-            what the forward drew.
-        drawn: the innermost named module of each operation that drew numbers
-            (None: no named module); a dropout of p = 0 draws none.
-        checkpointed: a draw ran inside ``torch.utils.checkpoint`` (the model
-            checkpoints itself): its backward recomputes, and must be seeded.
+            what the forward drew. (With a ``table``, its C++ twin :attr:`keys` counts.)
         users: the user's own generators drawn from (``generator=``), by :func:`generator_key`.
-        only: seed only the draws made inside these modules (ids of modules seen
-            drawing); None: every draw.
-        learns: whether :attr:`drawn` is read after the pass; False: it may list
-            a module whose operation drew nothing (telling costs two generator states).
+        keys: the C++ kernel's ``Keys`` for this pass (None: none): it keys and seeds
+            the pass's CPU draws from default generators without calling Python,
+            walking the same stack by the same rule, and :meth:`seed_for` asks it.
     """
 
     def __init__(
@@ -217,6 +329,7 @@ class DrawContext:
         microbatch: int,
         place: str = "",
         entry: FrameType | None = None,
+        table: NativeNames | None = None,
     ) -> None:
         self.names = names
         self.entry = entry
@@ -225,11 +338,58 @@ class DrawContext:
         self.place = place
         self.counts: dict[str, int] = {}
         self._bases: dict[int, int] = {}  # step seed -> (step seed, micro-batch, place) mixed
-        self.drawn: dict[int, nn.Module | None] = {}
-        self.checkpointed = False
+        self._drawn: dict[int, nn.Module | None] = {}
+        self._checkpointed = False
         self.users: dict[int, torch.Generator] = {}
-        self.only: frozenset[int] | None = None
-        self.learns = True
+        self._only: frozenset[int] | None = None
+        self._learns = True
+        self.keys: Any = None  # the C++ kernel's twin of this context (see native_table)
+        if table is not None:
+            self.keys = table.module.Keys(table.names, microbatch, _hash(place), entry)
+            if seed._kept:  # (else the first draw that keeps it tells the keys: seed_for)
+                self.keys.known = seed._value
+
+    @property
+    def drawn(self) -> dict[int, nn.Module | None]:
+        """The innermost named module of each operation that drew numbers, by id (None:
+        no named module); a dropout of p = 0 draws none."""
+        if self.keys is None:
+            return self._drawn
+        return self._drawn | {id(module): module for module in self.keys.drawn()}
+
+    def drew(self, module: nn.Module | None) -> None:
+        """An operation drew numbers in ``module`` (found by :meth:`seed_for`)."""
+        self._drawn[id(module)] = module
+
+    @property
+    def checkpointed(self) -> bool:
+        """A draw ran inside ``torch.utils.checkpoint`` (the model checkpoints itself): its
+        backward recomputes, and must be seeded."""
+        return self._checkpointed or (self.keys is not None and self.keys.checkpointed)
+
+    @property
+    def only(self) -> frozenset[int] | None:
+        """Seed only the draws made inside these modules (ids of modules seen drawing); None:
+        every draw."""
+        return self._only
+
+    @only.setter
+    def only(self, only: frozenset[int] | None) -> None:
+        self._only = only
+        if self.keys is not None:
+            self.keys.set_only(None if only is None else list(only))
+
+    @property
+    def learns(self) -> bool:
+        """Whether :attr:`drawn` is read after the pass; False: it may list a module whose
+        operation drew nothing (telling costs two generator states)."""
+        return self._learns
+
+    @learns.setter
+    def learns(self, learns: bool) -> None:
+        self._learns = learns
+        if self.keys is not None:
+            self.keys.learns = learns
 
     def seed_for(
         self, frame: FrameType | None, user: StepSeed | None = None
@@ -253,12 +413,18 @@ class DrawContext:
         Returns the seed and that module (None: none); None where :attr:`only`
         leaves the draw unseeded (no module of it on the call stack).
         """
+        if self.keys is not None:  # the C++ twin, which counts the C++ kernel's draws too
+            step = self.seed if user is None else user
+            value = step.get()
+            if user is None and step._kept and self.keys.known is None:
+                self.keys.known = value  # from now on the C++ kernel seeds draws itself
+            return self.keys.seed_for(frame, value, user is not None)  # type: ignore[no-any-return]
         names, only, entry, methods = self.names, self.only, self.entry, _METHODS
         name, innermost, covered = "", None, only is None
         while frame is not None and frame is not entry:
             code = frame.f_code
             if code is _CHECKPOINT:
-                self.checkpointed = True
+                self._checkpointed = True
                 break
             method = methods.get(id(code))
             if method is None or method[0] is not code:
@@ -274,9 +440,9 @@ class DrawContext:
                     if covered:
                         break
             frame = frame.f_back
-        while frame is not None and frame is not entry and not self.checkpointed:
+        while frame is not None and frame is not entry and not self._checkpointed:
             if frame.f_code is _CHECKPOINT:  # the rest of the stack: only for a checkpoint
-                self.checkpointed = True
+                self._checkpointed = True
                 break
             frame = frame.f_back
         if not covered:

@@ -20,9 +20,10 @@ import torch
 
 from pipesched.runtime.compat.internals import OpOverload, TorchDispatchMode, op_schema
 from pipesched.runtime.compat.random_routing import (
+    keys_here,
+    native_module,
     route_random_ops,
     route_random_ops_here,
-    seed_here_with,
 )
 from pipesched.runtime.stage.draw_keys import (
     LOCK,
@@ -56,17 +57,31 @@ class SeededRandomness:
     """
 
     def __init__(self, context: DrawContext) -> None:
-        self.context = context
+        self._context = context
         self._exit: list[Any] = []  # how to undo each __enter__ (a mode, or routing's state)
         # Where a draw's call stack starts, counted from _draw: past draw and the mode's
         # __torch_dispatch__, or, routed, past draw, _handle and compat's kernel (see
         # RandomHandler): frames the walk need not build, each a fresh object per draw.
         self._site = 2
 
+    @property
+    def context(self) -> DrawContext:
+        """The pass the draws belong to: a recomputation inside a backward swaps its own in
+        (seeding's nested pass), and the C++ kernel then keys by its keys."""
+        return self._context
+
+    @context.setter
+    def context(self, context: DrawContext) -> None:
+        self._context = context
+        if self._exit and _routing["native"] and not isinstance(self._exit[-1], _Mode):
+            keys_here(context.keys)
+
     def __enter__(self) -> SeededRandomness:
         if _routing["on"]:
-            fast = seed_here_with(self.fast_seed)
-            self._exit.append((_active.seeder, route_random_ops_here(True), fast))
+            # The C++ kernel keys this thread's CPU draws by the context's keys (none: each
+            # goes to draw): set even where None, or an outer pass's keys would key them.
+            keys = keys_here(self.context.keys) if _routing["native"] else None
+            self._exit.append((_active.seeder, route_random_ops_here(True), keys))
             _active.seeder, self._site = self, 4
         else:
             self._site = 2
@@ -80,25 +95,10 @@ class SeededRandomness:
         if isinstance(undo, _Mode):
             undo.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         else:
-            _active.seeder, was, fast = undo
+            _active.seeder, was, keys = undo
             route_random_ops_here(was)
-            seed_here_with(fast)
-
-    def fast_seed(self) -> int | None:
-        """The seed of a draw the C++ kernel makes on the CPU from a default generator (what
-        :meth:`draw` gives such a draw); -1 where :meth:`draw` must make it (the step's
-        seed not drawn yet, or the pass learns whether the operation drew). Called one
-        frame below the operation's caller (``compat.random_routing.SeedCallback``).
-        """
-        context = self.context
-        if context.seed._value is None or context.learns:
-            return -1
-        seeded_here = context.seed_for(sys._getframe(1))
-        if seeded_here is None:  # outside the modules seeded: drawn as is (a tripwire sees it)
-            return None
-        seed, module = seeded_here
-        context.drawn[id(module)] = module
-        return seed
+            if _routing["native"]:
+                keys_here(keys)
 
     def draw(
         self,
@@ -149,7 +149,7 @@ class SeededRandomness:
             generator.manual_seed(seed)  # (a private generator, seeded)
             kwargs["generator"] = generator
             if not (fresh or context.learns):  # whether anything was drawn matters to no one
-                context.drawn[id(module)] = module
+                context.drew(module)
                 return run(*args, **kwargs)
             before = generator.get_state()
             result = run(*args, **kwargs)
@@ -166,7 +166,7 @@ class SeededRandomness:
                     drew = not same_state(before, generator.get_state())
                     generator.set_state(saved)
         if drew:
-            context.drawn[id(module)] = module
+            context.drew(module)
             if fresh:
                 (context.seed if user is None else user).keep()
         elif fresh:
@@ -200,7 +200,7 @@ class _Active(threading.local):
 
 
 _active = _Active()
-_routing = {"on": False}
+_routing = {"on": False, "native": False}  # routed; by the C++ kernel
 
 
 def _handle(
@@ -222,6 +222,7 @@ def prepare(*, refresh: bool = False) -> bool:
     torch's registries say, before a rerun). Returns whether routing works here.
     """
     _routing["on"] = route_random_ops(_handle, refresh=refresh)
+    _routing["native"] = native_module() is not None
     return _routing["on"]
 
 

@@ -27,6 +27,7 @@ from pipesched.runtime.stage.draw_keys import (
     DrawContext,
     StepSeed,
     generator_key,
+    native_table,
     same_state,
 )
 from pipesched.runtime.stage.rng import SeededRandomness, generator_of, prepare
@@ -192,6 +193,7 @@ class StageSeeding:
         self._learning: set[bool] = set()  # modes seeded throughout since the last settle()
         self._quiet: bool | None = None  # during a step: nothing in it can draw (begin())
         self.routed = prepare()  # random operations routed to Python, once per process (rng)
+        self.table = native_table(names) if self.routed else None  # (the C++ kernel's names)
         self._only: frozenset[int] = frozenset()  # routed: the modules seen drawing (hooked)
 
     @property
@@ -291,7 +293,7 @@ class StageSeeding:
             yield  # nothing in it can draw: no seeding, no tripwire
             return
         training = self.training
-        context = DrawContext(self.names, seed, microbatch, place, entry)
+        context = DrawContext(self.names, seed, microbatch, place, entry, self.table)
         previous, _thread.context = _thread.context, context
         mode = _thread.mode
         if mode is not None:  # nested (a recomputation inside a backward): the inner pass keys
