@@ -19,8 +19,10 @@
 #include <torch/csrc/utils/pybind.h>
 
 // This thread's Python frames, read without the GIL: only this thread changes them, and it
-// is in here, inside an operation, while they are read. Their layout is CPython's own (the
-// headers of the Python the library is built for: it is kept per Python version).
+// is in here, inside an operation, while they are read; nothing is written, no reference
+// counted. Their layout is CPython's own (the headers of the Python the library is built
+// for: it is kept per Python version), so a probe (draw_keys._walks_agree) checks this walk
+// against the Python one before any pipeline uses it.
 #define Py_BUILD_CORE 1
 #include <internal/pycore_frame.h>
 #undef Py_BUILD_CORE
