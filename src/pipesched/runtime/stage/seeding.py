@@ -27,9 +27,9 @@ from pipesched.runtime.stage.draw_keys import (
     DrawContext,
     StepSeed,
     generator_key,
-    native_table,
     same_state,
 )
+from pipesched.runtime.stage.native_keys import native_table
 from pipesched.runtime.stage.rng import SeededRandomness, generator_of, prepare
 
 __all__ = ["StageSeeding", "UnseededDraws", "draws_nothing", "loss_draws_nothing"]
