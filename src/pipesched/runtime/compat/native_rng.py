@@ -57,6 +57,11 @@ def load() -> ModuleType | None:
         return None
     path = library_path()
     try:
+        if not (3, 11) <= sys.version_info[:2] <= (3, 13):
+            raise RuntimeError(  # (rng_kernel.cpp reads frames as those versions lay them out)
+                f"it reads Python's frames as CPython 3.11 to 3.13 lay them out, not "
+                f"{sys.implementation.name} {sys.version.split()[0]}"
+            )
         module = _build(path) if not path.exists() else _import(path)
     except Exception:
         _loaded["module"] = None  # (an interrupt is not a failure: the next call builds)

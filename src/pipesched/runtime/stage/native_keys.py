@@ -96,9 +96,9 @@ def _walks_agree(native: Any) -> bool:
                 for context in contexts:
                     context.only, context.learns = only, False
                 got = [[c.seed_for(frame, user), c.seed_for(frame, user)] for c in contexts]
-                python, native = (c.checkpointed for c in contexts)
-                alike = got[0] == got[1] and python == native
-                answers.append((alike, python, got[0][1] is not None))
+                in_python, in_cpp = (c.checkpointed for c in contexts)
+                alike = got[0] == got[1] and in_python == in_cpp
+                answers.append((alike, in_python, got[0][0] is not None))
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
