@@ -44,6 +44,7 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
     "runtime/placement.py": ({"_apply"}, "moves a layer's tensors as Module.to does"),
     "runtime/stage/recompute.py": ({"_buffers"}, "restores a recomputed layer's own buffers"),
     "runtime/stage/seeding.py": ({"_modules"}, "walks children without Module's dedup"),
+    "runtime/stage/draw_free.py": ({"_modules"}, "walks a stage's modules per step, without dedup"),
     "runtime/stage/draw_keys.py": (
         {"_DropoutNd", "_cdata"},
         "names the layers that draw, tells generators apart",

@@ -24,9 +24,10 @@ from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.deferred import WeightStore
 from pipesched.runtime.deferred_layers import Deferral, deferral
 from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
+from pipesched.runtime.stage.draw_free import loss_draws_nothing
 from pipesched.runtime.stage.draw_keys import StepSeed
 from pipesched.runtime.stage.recompute import checkpoint
-from pipesched.runtime.stage.seeding import StageSeeding, loss_draws_nothing
+from pipesched.runtime.stage.seeding import StageSeeding
 from pipesched.runtime.stage.tree import map_tensors, tensors
 from pipesched.runtime.streams import Stream, copy_to, new_stream
 from pipesched.runtime.tied import TiedGradients

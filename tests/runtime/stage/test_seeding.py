@@ -293,33 +293,6 @@ def test_hugging_face_layers_that_checkpoint_themselves_train_as_without():
         assert torch.equal(a, b)
 
 
-def test_only_stages_of_torchs_draw_free_layers_skip_seeding():
-    from torch.nn.utils import parametrizations
-
-    from pipesched.runtime.stage.seeding import draws_nothing
-
-    plain = nn.Sequential(nn.Linear(3, 3), nn.ReLU(), nn.LayerNorm(3), nn.Sequential(nn.GELU()))
-    assert draws_nothing(plain)
-    assert not draws_nothing(nn.Sequential(nn.Linear(3, 3), nn.Dropout(0.1)))
-    assert not draws_nothing(nn.Sequential(nn.RReLU()))  # draws in training
-
-    class MyLinear(nn.Linear):  # a subclass may override forward
-        pass
-
-    assert not draws_nothing(nn.Sequential(MyLinear(3, 3)))
-    hooked = nn.Sequential(nn.Linear(3, 3))
-    handle = hooked[0].register_forward_hook(lambda m, i, o: o)
-    assert not draws_nothing(hooked)
-    handle.remove()
-    assert draws_nothing(hooked)
-    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
-    try:
-        assert not draws_nothing(hooked)  # a hook on every module
-    finally:
-        handle.remove()
-    assert not draws_nothing(nn.Sequential(parametrizations.weight_norm(nn.Linear(3, 3))))
-
-
 @pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
 def test_a_hook_that_draws_added_to_a_plain_stage_is_seeded_from_then_on(schedule):
     """A stage of plain layers skips seeding only while nothing in it can draw."""
@@ -342,22 +315,6 @@ def test_a_hook_that_draws_added_to_a_plain_stage_is_seeded_from_then_on(schedul
     never, always = run("never"), run("always")
     # Recomputation redraws the hook's mask: equal only if the hook's draws are seeded.
     assert all(torch.equal(a, b) for a, b in zip(never, always, strict=True))
-
-
-def test_only_torchs_own_losses_skip_seeding():
-    from pipesched.runtime.stage.seeding import loss_draws_nothing
-
-    assert loss_draws_nothing(F.mse_loss) and loss_draws_nothing(F.cross_entropy)
-    assert loss_draws_nothing(nn.CrossEntropyLoss(ignore_index=-100))
-    assert not loss_draws_nothing(lambda y, t: F.mse_loss(y, t))  # may draw: seeded
-
-    class MyLoss(nn.MSELoss):
-        pass
-
-    assert not loss_draws_nothing(MyLoss())
-    hooked = nn.MSELoss()
-    hooked.register_forward_hook(lambda m, i, o: o)
-    assert not loss_draws_nothing(hooked)
 
 
 @pytest.mark.parametrize(("scenario", "world"), [("late", 2), ("late-dp", 4)])
