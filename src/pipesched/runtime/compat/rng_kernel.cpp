@@ -15,6 +15,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Generator.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/utils/pybind.h>
 
@@ -393,6 +394,46 @@ class RandomKernel final : public c10::OperatorKernel {
   int generator_;
 };
 
+// The states of some generators when it is made (stage.tripwire.Tripwire's): taken and
+// compared in one call each with the GIL held, where each tensor call from Python would
+// let the other stage thread take it.
+class States {
+ public:
+  explicit States(const py::list& generators) {
+    for (const py::handle& object : generators) {
+      if (!THPGenerator_Check(object.ptr())) {
+        throw py::type_error("States: generators must be torch.Generator objects");
+      }
+      at::Generator generator = reinterpret_cast<THPGenerator*>(object.ptr())->cdata;
+      states_.push_back(stateOf(generator));
+      generators_.push_back(std::move(generator));
+    }
+  }
+
+  // The generators whose state moved: (position, state then, state now).
+  py::list moved() {
+    py::list found;
+    for (size_t i = 0; i < generators_.size(); ++i) {
+      at::Tensor now = stateOf(generators_[i]);
+      const at::Tensor& then = states_[i];
+      if (now.nbytes() != then.nbytes() ||
+          std::memcmp(now.const_data_ptr(), then.const_data_ptr(), now.nbytes()) != 0) {
+        found.append(py::make_tuple(i, then, now));
+      }
+    }
+    return found;
+  }
+
+ private:
+  static at::Tensor stateOf(at::Generator& generator) {
+    std::lock_guard<std::mutex> lock(generator.mutex());  // as Generator.get_state locks
+    return generator.get_state();
+  }
+
+  std::vector<at::Generator> generators_;
+  std::vector<at::Tensor> states_;
+};
+
 // Puts `python` (the operation's Python kernel) behind this kernel at the key for the
 // operation `name` ("aten::bernoulli_") of overload `overload` ("float"; "" for default).
 bool route(const std::string& name, const std::string& overload, py::object python) {
@@ -464,5 +505,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readwrite("learns", &Keys::learns_)
       .def_readwrite("known", &Keys::known_)
       .def_readonly("checkpointed", &Keys::checkpointed_);
+  py::class_<States>(m, "States")
+      .def(py::init<const py::list&>(), "The generators' states now.")
+      .def("moved", &States::moved, "The generators moved since: (position, then, now).");
   m.def("draws", &draws, "(draws seeded in C++, draws that took the Python kernel).");
 }

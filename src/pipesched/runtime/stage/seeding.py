@@ -22,15 +22,10 @@ from torch import nn
 
 from pipesched.errors import PipeschedError
 from pipesched.runtime.stage.draw_free import draws_nothing
-from pipesched.runtime.stage.draw_keys import (
-    LOCK,
-    DrawContext,
-    StepSeed,
-    generator_key,
-    same_state,
-)
+from pipesched.runtime.stage.draw_keys import DrawContext, StepSeed, generator_key
 from pipesched.runtime.stage.native_keys import native_table
 from pipesched.runtime.stage.rng import SeededRandomness, generator_of, prepare
+from pipesched.runtime.stage.tripwire import Tripwire
 
 __all__ = ["StageSeeding", "UnseededDraws"]
 
@@ -229,12 +224,11 @@ class StageSeeding:
                 # In the rerun, seeded passes are watched too: a draw no seeding reaches (on
                 # another thread) fails the step with what to change, not silently.
                 watch = self.probing and mode is None and not self.checkpoints
-                users = list(self.users.values()) if watch else []
-                before = self._states(users) if watch else []
+                wire = self._wire() if watch else None
                 context.learns = not self.permanent or (backward and not self.recomputes)
                 with _seeded(context):
                     yield
-                if watch and not self._explained(seed, users, before, self._states(users)):
+                if wire is not None and not wire.explained(seed):
                     if self.deferred:
                         self.spoiled = True
                     else:
@@ -246,12 +240,10 @@ class StageSeeding:
                 with self._in_modules_seen(context):
                     yield
             else:
-                users = list(self.users.values())
-                before = self._states(users)
+                wire = self._wire()
                 with self._in_modules_seen(context):
                     yield
-                after = self._states(users)
-                if not self._explained(seed, users, before, after):
+                if not wire.explained(seed):
                     if self.spoiled:  # deferred, tripped already: the step reruns anyway
                         return  # (a recomputation of the same draw teaches nothing)
                     self.strikes += 1
@@ -275,28 +267,9 @@ class StageSeeding:
         context.only, context.learns = self._only, False
         return SeededRandomness(context)
 
-    def _states(self, users: list[torch.Generator]) -> list[torch.Tensor]:
-        with LOCK:
-            return [g.get_state() for g in (*self.generators, *users)]
-
-    def _explained(
-        self,
-        seed: StepSeed,
-        users: list[torch.Generator],
-        before: list[torch.Tensor],
-        after: list[torch.Tensor],
-    ) -> bool:
-        """Whether every watched generator is where it was, or moved only by a step seed's draw."""
-        if not (same_state(before[0], after[0]) or seed.explains(before[0], after[0])):
-            return False
-        k = len(self.generators)
-        if not all(map(same_state, before[1:k], after[1:k])):
-            return False
-        for g, b, a in zip(users, before[k:], after[k:], strict=True):
-            own = seed.seen(g)
-            if not (same_state(b, a) or (own is not None and own.explains(b, a))):
-                return False
-        return True
+    def _wire(self) -> Tripwire:
+        """A tripwire on the stage's default generators and the users' it has seen."""
+        return Tripwire([*self.generators, *self.users.values()], len(self.generators))
 
     def _tripped(self, microbatch: int, backward: bool) -> str:
         """What an unseeded draw means: a rerun (first time), or what the user must change."""
