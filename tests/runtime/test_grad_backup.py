@@ -14,7 +14,7 @@ from pipesched import (
     Pipeline,
 )
 from pipesched.errors import PipeschedWarning
-from pipesched.runtime.grad_backup import DiskCopies, HostCopies
+from pipesched.runtime.grad_backup import DiskCopies, HostCopies, read_back
 from pipesched.schedule import stages_per_worker
 from tests.malloc_peak import AVAILABLE, MallocPeak
 
@@ -268,3 +268,11 @@ def test_a_copy_that_cannot_be_read_back_says_the_window_is_lost(monkeypatch):
     assert isinstance(caught.value.__context__, RuntimeError)  # the copy's own error
     for name, b in pipe.named_buffers():  # all else is back
         assert torch.equal(b, statistics[name]), name
+
+
+def test_a_closed_disk_backup_cannot_be_read_back_and_says_so():
+    grads = [torch.ones(3)]
+    copies = DiskCopies(grads)
+    copies.close()
+    with pytest.raises(GradientBackupError, match="put back after it was closed"):
+        read_back(copies, grads, "the window's gradients are lost")

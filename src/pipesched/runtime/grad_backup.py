@@ -86,7 +86,8 @@ class DiskCopies:
 
     def put_back(self, grads: list[torch.Tensor]) -> None:
         """Reads the file back into ``grads`` (the same tensors, in order)."""
-        assert self.file is not None, "put back after close"  # internal: restore follows take
+        if self.file is None:  # pipesched's own order: a put-back always precedes close
+            raise RuntimeError("the gradient backup was put back after it was closed")
         self.file.seek(0)
         with torch.no_grad():
             for grad in grads:
