@@ -82,6 +82,37 @@ def test_a_model_that_draws_nothing_never_moves_the_generator(model):
         assert not _generator_moves(lambda: _evaluate(pipe, x))
 
 
+def _switch_dropout_on(model, p):
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = p
+        elif isinstance(module, nn.MultiheadAttention):
+            module.dropout = p
+
+
+def test_a_dropout_switched_on_between_steps_is_seeded_from_the_next_step():
+    # A stage of torch's layers at p = 0 is never seeded; switched on between steps, its
+    # next step draws exactly what a pipeline built with that dropout draws in its first.
+    x, y = _data(1)
+    model = _zero_dropout()
+    switched = _pipe(model)
+    switched.step(x, y, loss_fn=F.mse_loss)
+    _switch_dropout_on(model, 0.3)
+    fresh = _pipe(copy.deepcopy(model))
+    results = []
+    for pipe in (switched, fresh):
+        pipe.zero_grad()
+        torch.manual_seed(5)
+        loss = pipe.step(x, y, loss_fn=F.mse_loss)
+        results.append((loss, [p.grad.clone() for p in pipe.parameters()]))
+    (loss, grads), (expected, expected_grads) = results
+    assert loss == expected
+    assert all(torch.equal(a, b) for a, b in zip(grads, expected_grads, strict=True))
+    _switch_dropout_on(model, 0.0)  # and back: the masks are gone
+    torch.manual_seed(5)
+    assert switched.step(x, y, loss_fn=F.mse_loss) != loss
+
+
 def test_a_drawing_model_takes_one_seed_per_training_step_and_none_to_evaluate():
     pipe = _pipe(model_of("TransformerEncoderLayer"))
     x, y = _data(1)
