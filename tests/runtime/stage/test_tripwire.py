@@ -70,11 +70,18 @@ def test_both_kinds_see_the_same_moves(monkeypatch):
     prepare()
     if native_module() is None:
         pytest.skip("the C++ kernel is not built here (no compiler)")
+    # The C++ kernel copies a CPU generator's engine and cached normal samples, and makes
+    # the states' tensors only for one that moved: they must be get_state's, byte for byte.
     generators = _generators()
+    torch.randn(1, dtype=torch.float64)  # a cached normal sample in the state "then"
+    torch.randn(1, generator=generators[2])
     native = Tripwire(generators, devices=2)
     monkeypatch.setattr(tripwire, "native_module", lambda: None)
     python = Tripwire(generators, devices=2)
     torch.rand(2)
-    torch.rand(2, generator=generators[2])
-    for (i, a, b), (j, c, d) in zip(native.moved(), python.moved(), strict=True):
+    torch.randn(3)  # and in the state "now"
+    torch.rand(700, generator=generators[2])  # past one 624-word regeneration
+    moves = list(zip(native.moved(), python.moved(), strict=True))
+    assert [i for (i, _, _), _ in moves] == [0, 2]
+    for (i, a, b), (j, c, d) in moves:
         assert i == j and torch.equal(a, c) and torch.equal(b, d)

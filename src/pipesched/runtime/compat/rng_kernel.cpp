@@ -396,7 +396,10 @@ class RandomKernel final : public c10::OperatorKernel {
 
 // The states of some generators when it is made (stage.tripwire.Tripwire's): taken and
 // compared in one call each with the GIL held, where each tensor call from Python would
-// let the other stage thread take it.
+// let the other stage thread take it. A CPU generator's state is copied from its engine,
+// not serialized into a tensor: an allocation costs 10-20 us in a stage thread beside
+// another (its cache cold), the copy a few hundred ns. Tensors are made only for a
+// generator that moved (rare: a step seed's draw), exactly as Generator.get_state makes them.
 class States {
  public:
   explicit States(const py::list& generators) {
@@ -410,28 +413,76 @@ class States {
     }
   }
 
-  // The generators whose state moved: (position, state then, state now).
+  // The generators whose state moved: (position, state then, state now), the states as
+  // Generator.get_state gives them.
   py::list moved() {
     py::list found;
     for (size_t i = 0; i < generators_.size(); ++i) {
-      at::Tensor now = stateOf(generators_[i]);
-      const at::Tensor& then = states_[i];
-      if (now.nbytes() != then.nbytes() ||
-          std::memcmp(now.const_data_ptr(), then.const_data_ptr(), now.nbytes()) != 0) {
-        found.append(py::make_tuple(i, then, now));
+      State now = stateOf(generators_[i]);
+      if (!same(states_[i], now)) {
+        found.append(py::make_tuple(i, tensorOf(states_[i]), tensorOf(now)));
       }
     }
     return found;
   }
 
  private:
-  static at::Tensor stateOf(at::Generator& generator) {
+  // A CPU generator's engine and cached normal samples (all its get_state serializes);
+  // any other generator's get_state.
+  struct State {
+    bool cpu = false;
+    at::mt19937_data_pod engine{};
+    std::optional<float> float_normal;
+    std::optional<double> double_normal;
+    at::Tensor tensor;
+  };
+
+  static State stateOf(at::Generator& generator) {
     std::lock_guard<std::mutex> lock(generator.mutex());  // as Generator.get_state locks
-    return generator.get_state();
+    State state;
+    if (generator.device().is_cpu()) {
+      auto* cpu = generator.get<at::CPUGeneratorImpl>();
+      state.cpu = true;
+      state.engine = cpu->engine().data();
+      state.float_normal = cpu->next_float_normal_sample();
+      state.double_normal = cpu->next_double_normal_sample();
+    } else {
+      state.tensor = generator.get_state();
+    }
+    return state;
+  }
+
+  static bool same(const State& a, const State& b) {
+    if (!a.cpu) {
+      return a.tensor.nbytes() == b.tensor.nbytes() &&
+          std::memcmp(a.tensor.const_data_ptr(), b.tensor.const_data_ptr(), a.tensor.nbytes()) ==
+          0;
+    }
+    const auto& x = a.engine;
+    const auto& y = b.engine;
+    return x.seed_ == y.seed_ && x.left_ == y.left_ && x.seeded_ == y.seeded_ &&
+        x.next_ == y.next_ && x.state_ == y.state_ && a.float_normal == b.float_normal &&
+        a.double_normal == b.double_normal;
+  }
+
+  // What Generator.get_state returns for `state`: a CPU one through a scratch generator
+  // given that engine and those samples (get_state serializes nothing else).
+  static at::Tensor tensorOf(const State& state) {
+    if (!state.cpu) {
+      return state.tensor;
+    }
+    at::Generator scratch = at::detail::createCPUGenerator();
+    auto* cpu = scratch.get<at::CPUGeneratorImpl>();
+    at::mt19937 engine;
+    engine.set_data(state.engine);
+    cpu->set_engine(engine);
+    cpu->set_next_float_normal_sample(state.float_normal);
+    cpu->set_next_double_normal_sample(state.double_normal);
+    return scratch.get_state();
   }
 
   std::vector<at::Generator> generators_;
-  std::vector<at::Tensor> states_;
+  std::vector<State> states_;
 };
 
 // Puts `python` (the operation's Python kernel) behind this kernel at the key for the
