@@ -529,6 +529,21 @@ py::object keys_here(py::object keys) {
   return previous;
 }
 
+// SeededRandomness's entry in one call (each call from Python costs several microseconds
+// in a stage thread beside another): this thread's random operations routed here, keyed
+// by `keys`; returns what seedNoMore puts back (whether routing was on, the previous keys).
+py::tuple seedHere(py::object keys) {
+  const bool was = c10::impl::tls_is_dispatch_key_included(kKey);
+  c10::impl::tls_set_dispatch_key_included(kKey, true);
+  return py::make_tuple(was, keys_here(std::move(keys)));
+}
+
+// SeededRandomness's exit: routing and keys as seedHere found them.
+void seedNoMore(bool was, py::object keys) {
+  c10::impl::tls_set_dispatch_key_included(kKey, was);
+  keys_here(std::move(keys));
+}
+
 // (draws seeded here, draws that took the Python kernel) since the process started.
 std::pair<int64_t, int64_t> draws() {
   return {fast_draws.load(), python_draws.load()};
@@ -541,15 +556,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("route", &route, "Routes one operation's draws through this kernel.");
   m.def("unroute", &unroute, "Takes every kernel of this module off the key.");
   m.def("keys_here", &keys_here, "Sets this thread's Keys (None: none); returns the previous.");
+  m.def("seed_here", &seedHere, "Routing on here, keyed by these Keys: (was on, previous keys).");
+  m.def("seed_no_more", &seedNoMore, "Routing and keys back as seed_here found them.");
   py::class_<Names, std::shared_ptr<Names>>(m, "Names")
       .def(py::init(&makeNames),
            "(module id, name index) pairs, hashes, user-generator name indices, the nameless "
            "name's index, torch.utils.checkpoint's code.");
   py::class_<Keys>(m, "Keys")
       .def(py::init([](std::shared_ptr<Names> names, uint64_t microbatch, uint64_t place,
-                       py::object entry) {
-             return new Keys(std::move(names), microbatch, place, std::move(entry));
-           }))
+                       py::object entry, py::object only, bool learns) {
+             auto* keys = new Keys(std::move(names), microbatch, place, std::move(entry));
+             keys->setOnly(std::move(only));
+             keys->learns_ = learns;
+             return keys;
+           }),
+           py::arg("names"), py::arg("microbatch"), py::arg("place"), py::arg("entry"),
+           py::arg("only") = py::none(), py::arg("learns") = true)
       .def("seed_for", &Keys::pySeedFor, "DrawContext.seed_for: (seed, module) or None.")
       .def("set_only", &Keys::setOnly, "Seed only draws inside these module ids (None: all).")
       .def("drawn", &Keys::drawn, "The modules the C++ kernel's draws drew in (None: none).")

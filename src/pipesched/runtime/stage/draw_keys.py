@@ -203,6 +203,8 @@ class DrawContext:
         table: the stage's names for the C++ kernel
             (:func:`~pipesched.runtime.stage.native_keys.native_table`); None:
             keyed in Python only.
+        only: :attr:`only` from the start.
+        learns: :attr:`learns` from the start.
 
     Attributes:
         counts: draws so far per module name (a user's generator's apart): a
@@ -222,6 +224,9 @@ class DrawContext:
         place: str = "",
         entry: FrameType | None = None,
         table: NativeNames | None = None,
+        *,
+        only: frozenset[int] | None = None,
+        learns: bool = True,
     ) -> None:
         self.names = names
         self.entry = entry
@@ -233,11 +238,13 @@ class DrawContext:
         self._drawn: dict[int, nn.Module | None] = {}
         self._checkpointed = False
         self.users: dict[int, torch.Generator] = {}
-        self._only: frozenset[int] | None = None
-        self._learns = True
+        self._only = only
+        self._learns = learns
         self.keys: Any = None  # the C++ kernel's twin of this context (see native_table)
         if table is not None:
-            self.keys = table.module.Keys(table.names, microbatch, _hash(place), entry)
+            self.keys = table.module.Keys(
+                table.names, microbatch, _hash(place), entry, only, learns
+            )
             if seed._kept:  # (else the first draw that keeps it tells the keys: seed_for)
                 self.keys.known = seed._value
 
@@ -269,7 +276,7 @@ class DrawContext:
     def only(self, only: frozenset[int] | None) -> None:
         self._only = only
         if self.keys is not None:
-            self.keys.set_only(None if only is None else list(only))
+            self.keys.set_only(only)
 
     @property
     def learns(self) -> bool:

@@ -73,15 +73,19 @@ class SeededRandomness:
     @context.setter
     def context(self, context: DrawContext) -> None:
         self._context = context
-        if self._exit and _routing["native"] and not isinstance(self._exit[-1], _Mode):
+        if self._exit and _routing["native"] is not None and not isinstance(self._exit[-1], _Mode):
             keys_here(context.keys)
 
     def __enter__(self) -> SeededRandomness:
         if _routing["on"]:
             # The C++ kernel keys this thread's CPU draws by the context's keys (none: each
             # goes to draw): set even where None, or an outer pass's keys would key them.
-            keys = keys_here(self.context.keys) if _routing["native"] else None
-            self._exit.append((_active.seeder, route_random_ops_here(True), keys))
+            native = _routing["native"]
+            if native is not None:  # routing on and the keys set in one call
+                undo = native.seed_here(self.context.keys)
+            else:
+                undo = (route_random_ops_here(True), None)
+            self._exit.append((_active.seeder, undo))
             _active.seeder, self._site = self, 4
         else:
             self._site = 2
@@ -95,10 +99,12 @@ class SeededRandomness:
         if isinstance(undo, _Mode):
             undo.__exit__(None, None, None)  # type: ignore[no-untyped-call]
         else:
-            _active.seeder, was, keys = undo
-            route_random_ops_here(was)
-            if _routing["native"]:
-                keys_here(keys)
+            _active.seeder, (was, keys) = undo
+            native = _routing["native"]
+            if native is not None:
+                native.seed_no_more(was, keys)
+            else:
+                route_random_ops_here(was)
 
     def draw(
         self,
@@ -200,7 +206,7 @@ class _Active(threading.local):
 
 
 _active = _Active()
-_routing = {"on": False, "native": False}  # routed; by the C++ kernel
+_routing: dict[str, Any] = {"on": False, "native": None}  # routed; the C++ kernel (None: none)
 
 
 def _handle(
@@ -222,8 +228,8 @@ def prepare(*, refresh: bool = False) -> bool:
     torch's registries say, before a rerun). Returns whether routing works here.
     """
     _routing["on"] = route_random_ops(_handle, refresh=refresh)
-    _routing["native"] = native_module() is not None
-    return _routing["on"]
+    _routing["native"] = native_module()
+    return bool(_routing["on"])
 
 
 class _Generators(threading.local):

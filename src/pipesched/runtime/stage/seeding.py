@@ -213,12 +213,17 @@ class StageSeeding:
             yield  # nothing in it can draw: no seeding, no tripwire
             return
         training = self.training
-        context = DrawContext(self.names, seed, microbatch, place, entry, self.table)
-        previous, _thread.context = _thread.context, context
         mode = _thread.mode
+        seeded = self.recomputes or self.probing if backward else self.full[training]
+        # Not seeded throughout: routed, only the draws inside the modules seen drawing are
+        # (the context made so at once: each call costs microseconds in a stage thread).
+        only = self._only if self.routed and self._only and not (mode or seeded) else None
+        context = DrawContext(
+            self.names, seed, microbatch, place, entry, self.table, only=only, learns=not only
+        )
+        previous, _thread.context = _thread.context, context
         if mode is not None:  # nested (a recomputation inside a backward): the inner pass keys
             outer, mode.context = mode.context, context
-        seeded = self.recomputes or self.probing if backward else self.full[training]
         try:
             if mode is not None or seeded:
                 # In the rerun, seeded passes are watched too: a draw no seeding reaches (on
@@ -259,13 +264,12 @@ class StageSeeding:
             self.checkpoints = self.checkpoints or context.checkpointed
             self.recomputes = self.recomputes or context.checkpointed
 
-    def _in_modules_seen(self, context: DrawContext) -> AbstractContextManager[Any]:
-        """Routed: draws inside the modules seen drawing are seeded, the others run as they
-        are (the tripwire sees them). Not routed, the modules' hooks do it (:func:`_enter`)."""
-        if not (self.routed and self._only):
-            return _NOTHING
-        context.only, context.learns = self._only, False
-        return SeededRandomness(context)
+    @staticmethod
+    def _in_modules_seen(context: DrawContext) -> AbstractContextManager[Any]:
+        """Routed: draws inside the modules seen drawing (``context.only``, set by the
+        scope) are seeded, the others run as they are (the tripwire sees them). Not routed,
+        the modules' hooks do it (:func:`_enter`)."""
+        return _NOTHING if context.only is None else SeededRandomness(context)
 
     def _wire(self) -> Tripwire:
         """A tripwire on the stage's default generators and the users' it has seen."""
