@@ -395,8 +395,8 @@ class RandomKernel final : public c10::OperatorKernel {
 };
 
 // The states of some generators when it is made (stage.tripwire.Tripwire's): taken and
-// compared in one call each with the GIL held, where each tensor call from Python would
-// let the other stage thread take it. A CPU generator's state is copied from its engine,
+// compared in one call each, where each call from Python costs several microseconds in a
+// stage thread beside another. A CPU generator's state is copied from its engine,
 // not serialized into a tensor: an allocation costs 10-20 us in a stage thread beside
 // another (its cache cold), the copy a few hundred ns. Tensors are made only for a
 // generator that moved (rare: a step seed's draw), exactly as Generator.get_state makes them.

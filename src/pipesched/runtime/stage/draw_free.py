@@ -74,10 +74,9 @@ def draws_nothing(module: nn.Module) -> bool:
 
     Read at the start of every step (a layer may be swapped or hooked, or its
     dropout changed, between steps; :meth:`StageSeeding.begin`), and at every
-    pass outside a step; it
-    walks the modules' own dicts: about a microsecond for a stage of a few
-    layers. A parametrized layer (``weight_norm``, ...) has a class of its own,
-    so the exact-type test refuses it.
+    pass outside a step; it walks the modules' own dicts: about a microsecond
+    for a stage of a few layers. A parametrized layer (``weight_norm``, ...)
+    has a class of its own, so the exact-type test refuses it.
     """
     if global_module_hooks():
         return False
