@@ -2,8 +2,9 @@
 
 Why a C++ snapshot where the kernel is built: the tripwire runs around every pass of a
 stage that draws only in some modules, and in a stage thread beside another each call
-from Python costs 3-15x its time alone (a tensor's allocation, as ``get_state`` makes,
-about 11 us). The C++ kernel's ``States`` copies and compares the states in one call each.
+from Python costs several times its time alone, a tensor's allocation (as ``get_state``
+makes) most of all (docs/guide.md gives the figures). The C++ kernel's ``States`` copies
+and compares the states in one call each.
 """
 
 from __future__ import annotations
