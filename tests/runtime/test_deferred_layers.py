@@ -256,3 +256,52 @@ def test_a_layer_returning_none_runs_once() -> None:
     with deferring(WeightStore()):
         assert probe(torch.randn(2, 6, requires_grad=True)) is None
     assert probe.calls == 1
+
+
+class _PerSample(nn.Module):
+    """A layer applying its Linear per sample under ``torch.func.vmap``, then one directly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+        self.outer = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.outer(torch.func.vmap(self.inner)(x).tanh())
+
+
+@pytest.mark.parametrize("how", ["layers", "mode"])
+def test_a_layer_under_a_functorch_transform_runs_as_its_own(how) -> None:
+    """Inside ``vmap`` its operands are functorch's wrappers: torch's own op runs there
+    (the Functions have no vmap rule), the layer outside the transform still defers."""
+    torch.manual_seed(0)
+    model = _PerSample().to(DTYPE)
+    install_deferred_layers(model)
+    whole, _ = _grads(model, X, "whole")
+    split, stashed = _grads(model, X, how)
+    assert stashed == 1  # the outer Linear's; the inner one's gradients come from autograd in B
+    for a, b in zip(whole, split, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)
+
+
+class _UnderVmap(nn.Module):
+    """A Linear called inside ``vmap`` on a tensor vmap does not map (a constant's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        basis = torch.eye(6, dtype=x.dtype)
+        return torch.func.vmap(lambda row: self.inner(basis) @ row)(x.reshape(-1, 6)).view_as(x)
+
+
+def test_a_layer_inside_a_transform_on_a_plain_operand_runs_as_its_own() -> None:
+    torch.manual_seed(0)
+    model = _UnderVmap().to(DTYPE)
+    install_deferred_layers(model)
+    whole, _ = _grads(model, X, "whole")
+    split, stashed = _grads(model, X, "layers")
+    assert stashed == 0
+    for a, b in zip(whole, split, strict=True):
+        assert a is not None and b is not None and torch.equal(a, b)

@@ -24,7 +24,7 @@ from torch import nn
 
 from pipesched.runtime.compat.internals import top_saved_tensors_hooks
 from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
-from pipesched.runtime.deferred_ops import HANDLERS
+from pipesched.runtime.deferred_ops import HANDLERS, linear
 from pipesched.runtime.placement import is_traced
 
 __all__ = ["Deferral", "deferral", "deferring", "install_deferred_layers"]
@@ -117,8 +117,9 @@ class _DeferringForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
-        store = _local.store
-        if store is not None and torch.is_grad_enabled() and _saved_tensor_hooks() == _local.hooks:
+        local = _local
+        store = local.store
+        if store is not None and _grad_enabled() and _top_hooks() == local.hooks:
             out = self.deferred(module, store, args, kwargs)
             if out is not None or self.deferred in _WHOLE:
                 return out
@@ -147,7 +148,7 @@ def _deferred_forward(module: nn.Module) -> _Deferred | None:
 def _linear(module: Any, store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     if kwargs or len(args) != 1:
         return None
-    return HANDLERS[F.linear](store, (args[0], module.weight, module.bias), {})
+    return linear(store, args[0], module.weight, module.bias)
 
 
 def _layer_norm(
@@ -274,6 +275,10 @@ def _under_mode(
 
 def _saved_tensor_hooks() -> Any:
     return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks()
+
+
+_top_hooks: Callable[[], Any] = top_saved_tensors_hooks or (lambda: None)
+_grad_enabled = torch.is_grad_enabled
 
 
 _WHOLE = frozenset({_attention, _under_mode})

@@ -22,7 +22,7 @@ from pipesched.runtime.compat.internals import has_gradient_hooks
 if TYPE_CHECKING:
     from pipesched.runtime.deferred import WeightStore
 
-__all__ = ["HANDLERS", "accumulate", "input_edges", "linear_weight_grads"]
+__all__ = ["HANDLERS", "accumulate", "input_edges", "linear", "linear_weight_grads"]
 
 _aten = torch.ops.aten
 _LINEARS = (F.linear, _aten.linear.default)
@@ -44,8 +44,12 @@ _INDICES = frozenset({1})
 
 
 def _plain(x: Any, *params: Any) -> bool:
-    """Whether the op's operands are ones the Functions reproduce autograd's formulas for."""
-    if type(x) is not Tensor or x.is_complex():
+    """Whether the op's operands are ones the Functions reproduce autograd's formulas for.
+
+    Not inside a functorch transform (``vmap``, ``grad``): the Functions have no rule for
+    one, and torch's op has; nor a functorch wrapper (:func:`_run` does not unwrap).
+    """
+    if type(x) is not Tensor or x.is_complex() or _functorch_wrapped(x) or _transforms_active():
         return False
     device, dtype = x.device, x.dtype
     if torch.is_autocast_enabled(device.type):
@@ -78,16 +82,38 @@ def _deferring(ctx: Any) -> bool:
     return kind is not None and kind.deferred
 
 
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
+def _run(function: type[torch.autograd.Function], *args: Any) -> Any:
+    """``function.apply(*args)``: outside functorch transforms, torch's C ``apply`` itself.
+
+    Why not ``Function.apply``: its Python wrapper binds default arguments (these
+    Functions have no ``setup_context``, so it does not) and unwraps dead functorch
+    wrappers (:func:`_plain` turns those away), and costs half as much again as the op's
+    own Python at a layer's call: a stage thread pays it per layer and micro-batch.
+    """
+    if _transforms_active():
+        return function.apply(*args)  # type: ignore[no-untyped-call]
+    return _APPLY[function](*args)
+
+
 # ------------------------------------------------------------------ linear and addmm
 
 
 def _linear_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    x, weight, bias = _linear_args(*args, **kwargs)
+    return linear(store, *_linear_args(*args, **kwargs))
+
+
+def linear(store: WeightStore, x: Any, weight: Any, bias: Any) -> Tensor | None:
+    """``F.linear(x, weight, bias)``, its weight's and bias's gradients deferrable into
+    ``store``; None where the call is not one the Function reproduces."""
     if not (_plain(x, weight, bias) and _dim(weight) == 2 and x.dim() >= 1):
         return None
     if bias is not None and bias.shape != (weight.shape[0],):
         return None
-    return _Linear.apply(x, weight, bias, False, store, declaration())  # type: ignore[no-untyped-call]
+    return _run(_Linear, x, weight, bias, False, store, declaration())  # type: ignore[no-any-return]
 
 
 def _addmm_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -96,7 +122,7 @@ def _addmm_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, 
         return None
     if bias is None or bias.shape != (weight.shape[1],):
         return None
-    return _Linear.apply(x, weight, bias, True, store, declaration())  # type: ignore[no-untyped-call]
+    return _run(_Linear, x, weight, bias, True, store, declaration())
 
 
 def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
@@ -199,7 +225,7 @@ def _layer_norm_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[
         return None
     if not _plain(x, weight, bias):
         return None
-    return _LayerNorm.apply(x, tuple(shape), weight, bias, float(eps), store, declaration())  # type: ignore[no-untyped-call]
+    return _run(_LayerNorm, x, tuple(shape), weight, bias, float(eps), store, declaration())
 
 
 def _layer_norm_args(
@@ -282,7 +308,9 @@ def _embedding_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[s
         return None
     if indices.is_floating_point() or torch.is_autocast_enabled(weight.device.type):
         return None
-    return _Embedding.apply(weight, indices, int(padding_idx), bool(scale), store, declaration())  # type: ignore[no-untyped-call]
+    if _functorch_wrapped(weight) or _functorch_wrapped(indices) or _transforms_active():
+        return None
+    return _run(_Embedding, weight, indices, int(padding_idx), bool(scale), store, declaration())
 
 
 def _embedding_args(
@@ -371,7 +399,7 @@ def _conv_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, A
     if not isinstance(groups, int) or (bias is not None and bias.shape != (weight.shape[0],)):
         return None
     conv = (*options, int(groups))
-    return _Convolution.apply(x, weight, bias, conv, store, declaration())  # type: ignore[no-untyped-call]
+    return _run(_Convolution, x, weight, bias, conv, store, declaration())
 
 
 def _conv_args(
@@ -499,7 +527,7 @@ def _mha_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, An
     head_dim = embed_dim // heads
     if head_dim * heads != embed_dim or w_in.shape != (3 * embed_dim, embed_dim):
         return None
-    proj = _Linear.apply(query, w_in, b_in, False, store, declaration())  # type: ignore[no-untyped-call]
+    proj = _run(_Linear, query, w_in, b_in, False, store, declaration())
     # _in_projection_packed: (3, E), not (E, 3), as torch packs it
     proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
     # Why unbind, where torch indexes proj[0], proj[1], proj[2]: the same views, but each
@@ -517,7 +545,7 @@ def _mha_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, An
     out = F.scaled_dot_product_attention(q, k, v, None, dropout_p if training else 0.0, causal)
     del q, k, v
     out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
-    out = _Linear.apply(out, w_out, b_out, False, store, declaration())  # type: ignore[no-untyped-call]
+    out = _run(_Linear, out, w_out, b_out, False, store, declaration())
     return out.view(tgt_len, bsz, out.size(1)), None
 
 
@@ -584,6 +612,12 @@ HANDLERS: dict[Any, Callable[[WeightStore, tuple[Any, ...], dict[str, Any]], Any
     _aten.convolution.default: _aten_conv_handler,
 }
 """The ops the mode defers; each handler returns None where the call is not one it reproduces."""
+
+_C_APPLY: Any = vars(torch._C._FunctionBase)["apply"]
+"""What ``Function.apply`` calls past its Python: torch's C ``apply``, a class method."""
+_APPLY: dict[type[torch.autograd.Function], Callable[..., Any]] = {
+    f: _C_APPLY.__get__(None, f) for f in (_Linear, _LayerNorm, _Embedding, _Convolution)
+}
 
 
 def accumulate(p: Tensor, g: Tensor) -> None:
