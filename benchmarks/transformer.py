@@ -17,11 +17,20 @@ step's time is the slower worker's:
 
 Targets (issue 28): on each runtime the best zero-bubble schedule >= 1.05x our
 1f1b; on the distributed runtime also >= 1.10x torch's 1F1B.
+
+Under each table, what the schedules themselves allow: each of ours simulated
+(``simulate``) with the F, B and W it took in this run (each pass's median on each
+stage over the rounds, every rank's) and nothing between passes, as a speed-up
+over 1f1b simulated so; and the bound no schedule passes, 1f1b's busiest worker
+with its passes back to back (no bubble at all). At 2 workers and 8 micro-batches
+1F1B idles (p-1)/(m+p-1) = 11% of the step, so that bound is near 1.12x: a
+measured ratio is read against these, not against the bubble alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import statistics
 import sys
@@ -34,6 +43,7 @@ from _torchrun import under_torchrun
 from torch import nn
 
 from pipesched import Pipeline
+from pipesched.schedule import Costs, simulate
 
 LAYERS, WIDTH, HEADS, FFN = 8, 256, 4, 1024
 BATCH, TOKENS, CHUNKS = 64, 64, 8
@@ -111,16 +121,14 @@ def torch_stages(
 
 def distributed_contenders(
     rank: int, dropout: float, checkpoint: str, x: torch.Tensor, y: torch.Tensor
-) -> dict[str, Callable[[], None]]:
+) -> tuple[dict[str, Callable[[], None]], Ours]:
     from torch.distributed.pipelining import Schedule1F1B, ScheduleZBVZeroBubble
 
     from pipesched import init_mesh
 
     mesh = init_mesh(pp=2)
-    runs: dict[str, Callable[[], None]] = {}
-    for schedule in OURS:
-        pipe = ours(schedule, dropout, checkpoint, {"mesh": mesh})
-        runs[f"pipesched {schedule}"] = lambda pipe=pipe: pipe.step(x, y, loss_fn=loss_fn) and None
+    pipes = Ours({s: ours(s, dropout, checkpoint, {"mesh": mesh}) for s in OURS})
+    runs = pipes.steps(x, y)
     (stage,) = torch_stages(rank, [rank], dropout, checkpoint, x)
     one_f_one_b = Schedule1F1B(stage, n_microbatches=CHUNKS, loss_fn=loss_fn)  # type: ignore[arg-type]
 
@@ -141,17 +149,67 @@ def distributed_contenders(
             zbv.step()
 
     runs["torch ZBV"] = torch_zbv
-    return runs
+    return runs, pipes
 
 
-def local_contenders(
-    dropout: float, checkpoint: str, x: torch.Tensor, y: torch.Tensor
-) -> dict[str, Callable[[], None]]:
-    runs: dict[str, Callable[[], None]] = {}
-    for schedule in OURS:
-        pipe = ours(schedule, dropout, checkpoint, {"devices": ["cpu", "cpu"]})
-        runs[f"pipesched {schedule}"] = lambda pipe=pipe: pipe.step(x, y, loss_fn=loss_fn) and None
-    return runs
+class Ours:
+    """Our pipelines of one configuration, each step's pass times kept (this rank's)."""
+
+    def __init__(self, pipes: dict[str, Pipeline]) -> None:
+        self.pipes = pipes
+        self.passes: dict[str, dict[tuple[str, int], list[float]]] = {s: {} for s in pipes}
+
+    def steps(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, Callable[[], None]]:
+        """Each pipeline's step, as a contender."""
+
+        def step(schedule: str, pipe: Pipeline) -> Callable[[], None]:
+            passes = self.passes[schedule]
+            steps = itertools.count()
+
+            def run() -> None:
+                pipe.step(x, y, loss_fn=loss_fn)
+                if next(steps) == 0:  # the warm-up (alternate's first call) is not kept
+                    return
+                for event in pipe.last_timeline.events:  # type: ignore[union-attr]
+                    action = event.action
+                    passes.setdefault((action.kind, action.stage), []).append(event.duration)
+
+            return run
+
+        return {f"pipesched {s}": step(s, pipe) for s, pipe in self.pipes.items()}
+
+    def alone(self, reduce: Callable[[torch.Tensor, dist.ReduceOp.RedOpType], None]) -> str:
+        """What each schedule allows with the pass times measured in the run (the median of
+        each pass on each stage; see the module; ``reduce`` combines the ranks'): its
+        simulation's speed-up over 1f1b's, and the no-bubble bound's."""
+        simulated: dict[str, float] = {}
+        bound = 0.0
+        passes = []
+        for schedule, pipe in self.pipes.items():
+            table = pipe.schedule_for(CHUNKS)
+            stages = range(table.num_stages)
+            medians = torch.tensor(
+                [
+                    [statistics.median(self.passes[schedule].get((kind, s), [0.0])) for s in stages]
+                    for kind in ("F", "B", "W")
+                ],
+                dtype=torch.float64,
+            )
+            reduce(medians, dist.ReduceOp.SUM)  # each stage's times are its rank's alone
+            f, b, w = medians.tolist()
+            simulated[schedule] = simulate(table, Costs(f, b, w)).makespan
+            per = 4 / LAYERS * 1000  # ms per 4 layers: the stages cover all LAYERS
+            times = f"F {sum(f) * per:.1f} B {sum(b) * per:.1f}"
+            passes.append(f"{schedule} {times}" + (f" W {sum(w) * per:.1f}" if any(w) else ""))
+            if schedule == "1f1b":
+                bound = CHUNKS * max(f[s] + b[s] for s in stages)  # one stage per worker
+        base = simulated["1f1b"]
+        alone = ", ".join(f"{s} {base / t:.2f}x" for s, t in simulated.items() if s != "1f1b")
+        return (
+            f"  schedules alone, simulated with this run's pass times: {alone} our 1f1b; "
+            f"no bubble at 1f1b's passes: {base / bound:.2f}x\n"
+            f"  passes per 4 layers and micro-batch (ms, medians): {'; '.join(passes)}"
+        )
 
 
 def alternate(
@@ -170,8 +228,9 @@ def alternate(
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def report(title: str, median: dict[str, float], *, versus_torch: bool) -> bool:
-    """Prints one configuration's table and its targets; whether every target held."""
+def report(title: str, median: dict[str, float], alone: str, *, versus_torch: bool) -> bool:
+    """Prints one configuration's table, its targets and what the schedules alone allow;
+    whether every target held."""
     print(title)
     base = median["pipesched 1f1b"]
     print(f"  {'contender':<18}{'step ms':>9}{'vs our 1f1b':>13}")
@@ -188,6 +247,7 @@ def report(title: str, median: dict[str, float], *, versus_torch: bool) -> bool:
         line += f"; vs torch 1F1B: {theirs:.2f}x (target 1.10) {verdict}"
         held = held and theirs >= 1.10
     print(line)
+    print(alone)
     return held
 
 
@@ -203,12 +263,13 @@ def worker(rounds: int) -> None:
         return float(elapsed)
 
     for dropout, checkpoint in CONFIGS:
-        runs = distributed_contenders(rank, dropout, checkpoint, x, y)
+        runs, pipes = distributed_contenders(rank, dropout, checkpoint, x, y)
         barrier = {name: _after_barrier(fn) for name, fn in runs.items()}
         median = alternate(barrier, rounds, slowest)
+        alone = pipes.alone(lambda t, op: dist.all_reduce(t, op=op))
         if rank == 0:
             title = f"distributed, 2 gloo processes: dropout {dropout}, checkpoint={checkpoint}"
-            report(title, median, versus_torch=True)
+            report(title, median, alone, versus_torch=True)
             sys.stdout.flush()
     dist.destroy_process_group()
 
@@ -226,10 +287,12 @@ def local(rounds: int) -> None:
     torch.set_num_threads(1)
     x, y = data()
     for dropout, checkpoint in CONFIGS:
-        median = alternate(local_contenders(dropout, checkpoint, x, y), rounds, lambda s: s)
+        pipes = Ours({s: ours(s, dropout, checkpoint, {"devices": ["cpu", "cpu"]}) for s in OURS})
+        median = alternate(pipes.steps(x, y), rounds, lambda s: s)
         report(
             f"local, 2 stage threads: dropout {dropout}, checkpoint={checkpoint}",
             median,
+            pipes.alone(lambda t, op: None),
             versus_torch=False,
         )
     torch.set_num_threads(cores)
