@@ -1,6 +1,7 @@
 """What splitting a stage's backward into B and W costs, on the blocks users run.
 
 Run: .venv/bin/python benchmarks/split_backward.py [--rounds 9] [--only NAME] [--keep-heap]
+[--glibc-defaults]
 
 One intra-op thread. Each model is one middle stage (its input a fresh leaf that
 requires grad, its output given a random gradient), run as pipesched's runtime
@@ -36,11 +37,14 @@ B + W <= 1.05 x (forward + whole); PASS/FAIL per row (on the median ratios).
 
 Under each row, the minor page faults per pass (medians): B holds each deferred
 op's input and output gradient until W, so its heap grows past the forward's,
-and glibc gives what W frees back to the system (trims the heap), so the next B
-faults those pages in again. ``--keep-heap`` first sets glibc's trim threshold
-to 1 GiB and its mmap threshold to 32 MiB (``mallopt``; the environment
-variables ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_`` do the
-same): what the rows cost without those faults.
+and with glibc's thresholds as they start glibc gives what W frees back to the
+system (trims the heap), so the next B faults those pages in again. As a
+pipeline with a CPU worker does when built, the benchmark first raises glibc's
+adaptive thresholds (:mod:`pipesched.runtime.heap`); ``--glibc-defaults`` does
+not: what the rows cost with those faults. ``--keep-heap`` instead sets glibc's
+trim threshold to 1 GiB and its mmap threshold to 32 MiB (``mallopt``; the
+environment variables ``MALLOC_TRIM_THRESHOLD_`` and ``MALLOC_MMAP_THRESHOLD_``
+do the same).
 
 Models (width 256, micro-batch 8 x 64 tokens; the MLP: 512 rows of 1024):
 4 x nn.TransformerEncoderLayer(256, 4, 1024, dropout=0, batch_first=True);
@@ -66,6 +70,7 @@ from torch import Tensor, nn
 from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
 from pipesched.runtime.deferred_layers import Deferral, deferral
+from pipesched.runtime.heap import keep_freed_memory
 from pipesched.runtime.stage.recompute import checkpoint
 
 LIMIT = 1.05
@@ -331,9 +336,16 @@ def main() -> None:
     parser.add_argument(
         "--keep-heap", action="store_true", help="glibc keeps freed memory (no page faults)"
     )
+    parser.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="glibc's thresholds as they start, not raised as a CPU pipeline raises them",
+    )
     args = parser.parse_args()
     if args.keep_heap and not keep_heap():
         parser.error("--keep-heap needs glibc's mallopt")
+    if not args.glibc_defaults:
+        keep_freed_memory()  # as building a pipeline with a CPU worker does
     global CLOCK, CLOCK_NAME
     CLOCK = time.thread_time if args.clock == "cpu" else time.perf_counter
     torch.set_num_threads(1)
@@ -343,6 +355,7 @@ def main() -> None:
         overhead(max(args.rounds, 21))
         return
     heap = ", heap kept (mallopt)" if args.keep_heap else ""
+    heap += ", glibc's thresholds as they start" if args.glibc_defaults else ""
     print(f"torch {torch.__version__}, 1 thread, {args.rounds} rounds, medians (ms, {clock}){heap}")
     header = (
         f"{'model':34} {'whole':>7} {'B':>7} {'W':>7} {'B+W':>7} {'ratio':>6}  "

@@ -24,6 +24,7 @@ from pipesched.errors import ConfigError
 from pipesched.runtime.distributed import DistributedRuntime, broadcast_loss
 from pipesched.runtime.fused_linear import unshared_parameters
 from pipesched.runtime.gradsync import GradientSync, LocalSync, Sync
+from pipesched.runtime.heap import keep_freed_memory
 from pipesched.runtime.interpreter import Runtime
 from pipesched.runtime.local import LocalRuntime
 from pipesched.runtime.mesh import MeshInfo
@@ -121,6 +122,8 @@ class Engine:
         grad_backup: str = "device",
     ) -> None:
         mesh, devices = workers.mesh, workers.stage_devices
+        if any(device.type == "cpu" for device in workers.devices):
+            keep_freed_memory()  # each pass's freed memory stays mapped for the next
         names = module_names(model, stages, extra_names)
         deferred = mesh is not None  # ranks agree on a spoiled step after it, then rerun
         self.seedings = [
