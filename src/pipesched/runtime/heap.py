@@ -1,23 +1,14 @@
-"""The CPU heap: glibc's adaptive thresholds raised once, so memory a step frees stays mapped.
+"""The CPU heap: glibc's adaptive thresholds raised once, so freed memory stays mapped.
 
-Why: glibc unmaps a freed block above its mmap threshold and gives a free heap top
-above its trim threshold back to the system, so the next pass faults those pages
-in again (zero-filled by the kernel, a few microseconds each). Both thresholds
-start low (128 KiB) and rise only when a program frees an mmapped block larger
-than the current threshold, up to 32 MiB (trim: twice that). A pipeline's passes
-allocate and free tens of MiB each: a split backward's B holds each deferred
-op's operands until its W, and a checkpointed stage recomputes its activations
-in every backward. On 4 Transformer encoder layers with dropout 0.1, B faulted
-about 2,500 pages per micro-batch, and B + W went from 1.08x a whole backward to
-1.02x with the thresholds raised (docs/guide.md, "CPU memory").
+Why: glibc gives a freed block above its mmap threshold, or a free heap top above
+its trim threshold, back to the system, and the next pass faults it in again. Both
+start at 128 KiB and rise only as a program frees larger mmapped blocks, up to 32
+MiB (trim: 64). A pipeline's passes free tens of MiB each (B holds the operands W
+needs; a checkpointed stage recomputes): docs/guide.md, "CPU memory".
 
-How: one block of just under 32 MiB allocated and freed through torch's CPU
-allocator, which is what glibc adapts to when any program frees a tensor that
-size; nothing is written (no page is touched) and nothing else changes.
-glibc's own adaptation stays in charge: freed memory beyond 64 MiB still goes
-back. Where the thresholds are set (``MALLOC_TRIM_THRESHOLD_``,
-``MALLOC_MMAP_THRESHOLD_``, ``mallopt``) glibc does not adapt, so this does
-nothing; elsewhere than glibc it allocates and frees one block.
+How: a block of just under 32 MiB allocated and freed through torch's allocator,
+as any program freeing a tensor that size does; no page is touched. Where the
+thresholds are set (``MALLOC_TRIM_THRESHOLD_``, ``mallopt``) this changes nothing.
 """
 
 from __future__ import annotations
