@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipesched.runtime.backward_kind import Declaration, declaration
-from pipesched.runtime.compat.internals import has_gradient_hooks
+from pipesched.runtime.compat.internals import function_apply, has_gradient_hooks, in_functorch
 
 if TYPE_CHECKING:
     from pipesched.runtime.deferred import WeightStore
@@ -49,7 +49,7 @@ def _plain(x: Any, *params: Any) -> bool:
     Not inside a functorch transform (``vmap``, ``grad``): the Functions have no rule for
     one, and torch's op has; nor a functorch wrapper (:func:`_run` does not unwrap).
     """
-    if type(x) is not Tensor or x.is_complex() or _functorch_wrapped(x) or _transforms_active():
+    if type(x) is not Tensor or x.is_complex() or in_functorch(x):
         return False
     device, dtype = x.device, x.dtype
     if torch.is_autocast_enabled(device.type):
@@ -82,20 +82,14 @@ def _deferring(ctx: Any) -> bool:
     return kind is not None and kind.deferred
 
 
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
-_transforms_active = torch._C._are_functorch_transforms_active
-
-
 def _run(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function.apply(*args)``: outside functorch transforms, torch's C ``apply`` itself.
+    """``function.apply(*args)`` through torch's C ``apply`` (:func:`function_apply`).
 
-    Why not ``Function.apply``: its Python wrapper binds default arguments (these
-    Functions have no ``setup_context``, so it does not) and unwraps dead functorch
-    wrappers (:func:`_plain` turns those away), and costs half as much again as the op's
-    own Python at a layer's call: a stage thread pays it per layer and micro-batch.
+    Why not ``Function.apply``: its Python binds default arguments (these Functions have
+    no ``setup_context``, so it binds none) and unwraps dead functorch wrappers
+    (:func:`_plain` turns functorch's tensors away), and costs half as much again as the
+    op's own Python at a layer's call: a stage thread pays it per layer and micro-batch.
     """
-    if _transforms_active():
-        return function.apply(*args)  # type: ignore[no-untyped-call]
     return _APPLY[function](*args)
 
 
@@ -308,7 +302,7 @@ def _embedding_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[s
         return None
     if indices.is_floating_point() or torch.is_autocast_enabled(weight.device.type):
         return None
-    if _functorch_wrapped(weight) or _functorch_wrapped(indices) or _transforms_active():
+    if in_functorch(weight) or in_functorch(indices):
         return None
     return _run(_Embedding, weight, indices, int(padding_idx), bool(scale), store, declaration())
 
@@ -613,10 +607,8 @@ HANDLERS: dict[Any, Callable[[WeightStore, tuple[Any, ...], dict[str, Any]], Any
 }
 """The ops the mode defers; each handler returns None where the call is not one it reproduces."""
 
-_C_APPLY: Any = vars(torch._C._FunctionBase)["apply"]
-"""What ``Function.apply`` calls past its Python: torch's C ``apply``, a class method."""
 _APPLY: dict[type[torch.autograd.Function], Callable[..., Any]] = {
-    f: _C_APPLY.__get__(None, f) for f in (_Linear, _LayerNorm, _Embedding, _Convolution)
+    f: function_apply(f) for f in (_Linear, _LayerNorm, _Embedding, _Convolution)
 }
 
 

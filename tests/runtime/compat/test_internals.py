@@ -45,6 +45,11 @@ _REMOVALS = {
         "c.GraphExecGroup = Changed",
         True,
     ),
+    # torch's own Function.apply calls it: changed so that no transform is ever seen.
+    "torch._C._are_functorch_transforms_active": (
+        "torch._C._are_functorch_transforms_active = lambda: False",
+        True,
+    ),
     # torch's own modules need these two (dynamo, nn.Module.to): changed, not deleted.
     "torch._foreach_mul_": ("torch._foreach_mul_ = lambda tensors, factor: None", True),
     "torch._C._nn._parse_to": (

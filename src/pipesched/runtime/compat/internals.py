@@ -31,10 +31,12 @@ __all__ = [
     "TorchDispatchMode",
     "engine_will_execute",
     "foreach_mul_",
+    "function_apply",
     "global_module_hooks",
     "gradient_hooks",
     "has_gradient_hooks",
     "has_module_hooks",
+    "in_functorch",
     "one_recomputation",
     "op_schema",
     "parse_to",
@@ -151,6 +153,80 @@ def run_backward(roots: Sequence[Tensor], grads: Sequence[Tensor]) -> None:
         torch.autograd.backward(roots, grads)
     else:
         _engine_run_backward(tuple(roots), tuple(grads), False, False, (), **_ACCUMULATE)
+
+
+# ------------------------------------------------------------- autograd.Function's C apply
+
+_c_apply: Any = vars(getattr(torch._C, "_FunctionBase", object)).get("apply")
+_transforms_active: Callable[[], bool] | None = getattr(
+    torch._C, "_are_functorch_transforms_active", None
+)
+_functorch_wrapped: Callable[[Tensor], bool] | None = getattr(
+    getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None
+)
+_FUNCTION_APPLY = (
+    "torch._C._FunctionBase.apply, torch._C._are_functorch_transforms_active, "
+    "torch._C._functorch.is_functorch_wrapped_tensor"
+)
+
+
+class _Twice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        return grad * 2
+
+
+def _check_function_apply() -> bool:
+    active, wrapped = _transforms_active, _functorch_wrapped
+    if _c_apply is None or active is None or wrapped is None:
+        return False
+    x = torch.ones(2, requires_grad=True)
+    _c_apply.__get__(None, _Twice)(x).sum().backward()
+    inside: list[tuple[bool, bool]] = []
+
+    def probe(t: Tensor) -> Tensor:
+        inside.append((active(), wrapped(t)))
+        return t
+
+    torch.func.vmap(probe)(torch.zeros(2))
+    outside = (active(), wrapped(x))
+    return (
+        x.grad is not None
+        and x.grad.tolist() == [2.0, 2.0]
+        and inside == [(True, True)]
+        and (outside == (False, False))
+    )
+
+
+if not _probe(_check_function_apply):
+    _c_apply = _transforms_active = _functorch_wrapped = None
+    _missing(
+        _FUNCTION_APPLY,
+        "autograd.Function.apply, its Python included; a layer called inside a functorch "
+        "transform in a split backward's forward then fails as torch's Function.apply does",
+    )
+
+
+def function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` past ``autograd.Function.apply``'s Python: torch's C ``apply``.
+
+    For a Function without ``setup_context``, called on no functorch wrapper
+    (:func:`in_functorch`), that Python binds no defaults and unwraps nothing. Where
+    the C ``apply`` failed its probe: ``function.apply`` itself.
+    """
+    return function.apply if _c_apply is None else _c_apply.__get__(None, function)
+
+
+def in_functorch(t: Tensor) -> bool:
+    """Whether a functorch transform (``vmap``, ``grad``) runs, or ``t`` is one of its
+    wrappers; False where that cannot be told (:func:`function_apply` is then torch's)."""
+    if _transforms_active is None or _functorch_wrapped is None:
+        return False
+    return _transforms_active() or _functorch_wrapped(t)
 
 
 # ------------------------------------------------------------- saved-tensor hooks
