@@ -26,7 +26,7 @@ from pipesched.runtime.compat.internals import top_saved_tensors_hooks
 from pipesched.runtime.deferred_ops import HANDLERS, accumulate, input_edges, linear_weight_grads
 from pipesched.runtime.fused_linear import accumulate_mm, weight_factors
 
-__all__ = ["DeferredWeightsMode", "WeightStore"]
+__all__ = ["DeferredWeightsMode", "WeightStore", "hooks_in_force"]
 
 # A stashed product: what W computes, from what, for which parameters.
 _Entry = tuple[Callable[..., tuple[Tensor | None, ...]], tuple[Tensor | None, ...], tuple[Any, ...]]
@@ -167,7 +167,7 @@ class DeferredWeightsMode(TorchFunctionMode):
 
     def __enter__(self) -> DeferredWeightsMode:
         # A checkpoint inside the stage recomputes without this mode: its region runs torch's ops.
-        self._hooks = _saved_tensor_hooks()
+        self._hooks = hooks_in_force()
         return super().__enter__()  # type: ignore[no-untyped-call,no-any-return]
 
     def __torch_function__(
@@ -180,15 +180,17 @@ class DeferredWeightsMode(TorchFunctionMode):
         if kwargs is None:
             kwargs = {}
         handler = HANDLERS.get(func)
-        if handler is not None and torch.is_grad_enabled() and _saved_tensor_hooks() == self._hooks:
+        if handler is not None and torch.is_grad_enabled() and hooks_in_force() == self._hooks:
             out = handler(self.store, args, kwargs)
             if out is not None:
                 return out
         return func(*args, **kwargs)
 
 
-def _saved_tensor_hooks() -> Any:
-    return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks()
+hooks_in_force: Callable[[], Any] = top_saved_tensors_hooks or (lambda: None)
+"""The innermost saved-tensor hooks in force (None: none, or they cannot be read). A
+deferral notes them as it starts: a checkpoint inside the stage, whose hooks come after,
+recomputes its region without deferring."""
 
 
 _ACCUMULATE_GRAD: type[Any] = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)

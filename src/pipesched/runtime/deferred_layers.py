@@ -22,8 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pipesched.runtime.compat.internals import top_saved_tensors_hooks
-from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore
+from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore, hooks_in_force
 from pipesched.runtime.deferred_ops import HANDLERS, linear
 from pipesched.runtime.placement import is_traced
 
@@ -61,7 +60,7 @@ class deferring:  # lower case: used as a function, ``with deferring(store):``
 
     def __enter__(self) -> None:
         self._previous = (_local.store, _local.hooks)
-        _local.store, _local.hooks = self._store, _saved_tensor_hooks()
+        _local.store, _local.hooks = self._store, hooks_in_force()
 
     def __exit__(self, *exc: object) -> None:
         _local.store, _local.hooks = self._previous
@@ -119,7 +118,7 @@ class _DeferringForward:
         module = self.module
         local = _local
         store = local.store
-        if store is not None and _grad_enabled() and _top_hooks() == local.hooks:
+        if store is not None and _grad_enabled() and hooks_in_force() == local.hooks:
             out = self.deferred(module, store, args, kwargs)
             if out is not None or self.deferred in _WHOLE:
                 return out
@@ -273,11 +272,6 @@ def _under_mode(
         return type(module).forward(module, *args, **kwargs)
 
 
-def _saved_tensor_hooks() -> Any:
-    return None if top_saved_tensors_hooks is None else top_saved_tensors_hooks()
-
-
-_top_hooks: Callable[[], Any] = top_saved_tensors_hooks or (lambda: None)
 _grad_enabled = torch.is_grad_enabled
 
 

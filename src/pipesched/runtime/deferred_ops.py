@@ -47,7 +47,10 @@ def _plain(x: Any, *params: Any) -> bool:
     """Whether the op's operands are ones the Functions reproduce autograd's formulas for.
 
     Not inside a functorch transform (``vmap``, ``grad``): the Functions have no rule for
-    one, and torch's op has; nor a functorch wrapper (:func:`_run` does not unwrap).
+    one, and torch's op has; nor a functorch wrapper. The Functions are applied through
+    torch's C ``apply`` (:func:`~pipesched.runtime.compat.internals.function_apply`), past
+    ``Function.apply``'s Python, which would unwrap one; a stage thread pays that Python
+    per layer and micro-batch.
     """
     if type(x) is not Tensor or x.is_complex() or in_functorch(x):
         return False
@@ -82,18 +85,6 @@ def _deferring(ctx: Any) -> bool:
     return kind is not None and kind.deferred
 
 
-def _run(function: type[torch.autograd.Function], *args: Any) -> Any:
-    """``function.apply(*args)`` through torch's C ``apply`` (:func:`function_apply`).
-
-    Why not ``Function.apply``: its Python binds default arguments (these Functions have
-    no ``setup_context``, so it binds none) and unwraps dead functorch wrappers
-    (:func:`_plain` turns functorch's tensors away), and adds a third to what applying
-    the Function costs at each layer's call, which a stage thread pays per layer and
-    micro-batch.
-    """
-    return _APPLY[function](*args)
-
-
 # ------------------------------------------------------------------ linear and addmm
 
 
@@ -108,7 +99,7 @@ def linear(store: WeightStore, x: Any, weight: Any, bias: Any) -> Tensor | None:
         return None
     if bias is not None and bias.shape != (weight.shape[0],):
         return None
-    return _run(_Linear, x, weight, bias, False, store, declaration())  # type: ignore[no-any-return]
+    return _apply_linear(x, weight, bias, False, store, declaration())  # type: ignore[no-any-return]
 
 
 def _addmm_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -117,7 +108,7 @@ def _addmm_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, 
         return None
     if bias is None or bias.shape != (weight.shape[1],):
         return None
-    return _run(_Linear, x, weight, bias, True, store, declaration())
+    return _apply_linear(x, weight, bias, True, store, declaration())
 
 
 def _linear_args(input: Any, weight: Any, bias: Any = None) -> tuple[Any, Any, Any]:
@@ -182,6 +173,9 @@ class _Linear(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+_apply_linear = function_apply(_Linear)
+
+
 def _linear_input_grad(grad: Tensor, x: Tensor, weight: Tensor, transposed: bool) -> Tensor:
     """The input's gradient as autograd's ``mm_mat1_backward`` computes it."""
     mat2 = weight if transposed else weight.t()
@@ -220,7 +214,7 @@ def _layer_norm_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[
         return None
     if not _plain(x, weight, bias):
         return None
-    return _run(_LayerNorm, x, tuple(shape), weight, bias, float(eps), store, declaration())
+    return _apply_layer_norm(x, tuple(shape), weight, bias, float(eps), store, declaration())
 
 
 def _layer_norm_args(
@@ -279,6 +273,9 @@ class _LayerNorm(torch.autograd.Function):
         return grad_x, None, grad_w, grad_b, None, None, None
 
 
+_apply_layer_norm = function_apply(_LayerNorm)
+
+
 def _made(params: tuple[Tensor | None, ...], *grads: Tensor | None) -> tuple[Tensor | None, ...]:
     """Gradients B already made (a layer norm's affine ones): W only accumulates them."""
     return grads
@@ -305,7 +302,7 @@ def _embedding_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[s
         return None
     if in_functorch(weight) or in_functorch(indices):
         return None
-    return _run(_Embedding, weight, indices, int(padding_idx), bool(scale), store, declaration())
+    return _apply_embedding(weight, indices, int(padding_idx), bool(scale), store, declaration())
 
 
 def _embedding_args(
@@ -367,6 +364,9 @@ class _Embedding(torch.autograd.Function):
         return grad_w, None, None, None, None, None
 
 
+_apply_embedding = function_apply(_Embedding)
+
+
 def _embedding_weight_grad(
     params: tuple[Tensor | None, ...], grad: Tensor, indices: Tensor, options: tuple[int, int, bool]
 ) -> tuple[Tensor]:
@@ -394,7 +394,7 @@ def _conv_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, A
     if not isinstance(groups, int) or (bias is not None and bias.shape != (weight.shape[0],)):
         return None
     conv = (*options, int(groups))
-    return _run(_Convolution, x, weight, bias, conv, store, declaration())
+    return _apply_convolution(x, weight, bias, conv, store, declaration())
 
 
 def _conv_args(
@@ -471,6 +471,9 @@ class _Convolution(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None
 
 
+_apply_convolution = function_apply(_Convolution)
+
+
 def _conv_backward(
     grad: Tensor,
     x: Tensor,
@@ -522,7 +525,7 @@ def _mha_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, An
     head_dim = embed_dim // heads
     if head_dim * heads != embed_dim or w_in.shape != (3 * embed_dim, embed_dim):
         return None
-    proj = _run(_Linear, query, w_in, b_in, False, store, declaration())
+    proj = _apply_linear(query, w_in, b_in, False, store, declaration())
     # _in_projection_packed: (3, E), not (E, 3), as torch packs it
     proj = proj.unflatten(-1, (3, embed_dim)).unsqueeze(0).transpose(0, -2).squeeze(-2)
     # Why unbind, where torch indexes proj[0], proj[1], proj[2]: the same views, but each
@@ -540,7 +543,7 @@ def _mha_handler(store: WeightStore, args: tuple[Any, ...], kwargs: dict[str, An
     out = F.scaled_dot_product_attention(q, k, v, None, dropout_p if training else 0.0, causal)
     del q, k, v
     out = out.permute(2, 0, 1, 3).reshape(bsz * tgt_len, embed_dim)
-    out = _run(_Linear, out, w_out, b_out, False, store, declaration())
+    out = _apply_linear(out, w_out, b_out, False, store, declaration())
     return out.view(tgt_len, bsz, out.size(1)), None
 
 
@@ -607,10 +610,6 @@ HANDLERS: dict[Any, Callable[[WeightStore, tuple[Any, ...], dict[str, Any]], Any
     _aten.convolution.default: _aten_conv_handler,
 }
 """The ops the mode defers; each handler returns None where the call is not one it reproduces."""
-
-_APPLY: dict[type[torch.autograd.Function], Callable[..., Any]] = {
-    f: function_apply(f) for f in (_Linear, _LayerNorm, _Embedding, _Convolution)
-}
 
 
 def accumulate(p: Tensor, g: Tensor) -> None:
