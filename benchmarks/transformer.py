@@ -21,10 +21,14 @@ Targets (issue 28): on each runtime the best zero-bubble schedule >= 1.05x our
 Under each table, what the schedules themselves allow: each of ours simulated
 (``simulate``) with the F, B and W it took in this run (each pass's median on each
 stage over the rounds, every rank's) and nothing between passes, as a speed-up
-over 1f1b simulated so; and the bound no schedule passes, 1f1b's busiest worker
-with its passes back to back (no bubble at all). At 2 workers and 8 micro-batches
-1F1B idles (p-1)/(m+p-1) = 11% of the step, so that bound is near 1.12x: a
-measured ratio is read against these, not against the bubble alone.
+over 1f1b simulated so, beside a schedule synthesized for zb-v's passes
+(``synthesize``, holding at most 1F1B's 2 micro-batches per worker); and what no
+schedule passes if splitting cost nothing (``lower_bound`` with 1f1b's F, and its B
+cut into B and W as the split ones' were). Worker 1 has nothing to run until
+stage 0's first forward (half a 1F1B stage's F) reaches it, so with F and B + W as
+1F1B's, no schedule on zb-v's placement passes 9 (F + B) / (8 (F + B) + F / 2) at 2
+workers and 8 micro-batches: 1.10x at dropout 0 (B near 2F), 1.09x at 0.1 (B near
+1.2F). A measured ratio is read against these, not against the 11% 1F1B idles.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from _torchrun import under_torchrun
 from torch import nn
 
 from pipesched import Pipeline
+from pipesched.analysis import lower_bound, synthesize
 from pipesched.schedule import Costs, simulate
 
 LAYERS, WIDTH, HEADS, FFN = 8, 256, 4, 1024
@@ -183,7 +188,7 @@ class Ours:
         each pass on each stage; see the module; ``reduce`` combines the ranks'): its
         simulation's speed-up over 1f1b's, and the no-bubble bound's."""
         simulated: dict[str, float] = {}
-        bound = 0.0
+        measured: dict[str, list[list[float]]] = {}
         passes = []
         for schedule, pipe in self.pipes.items():
             table = pipe.schedule_for(CHUNKS)
@@ -196,19 +201,42 @@ class Ours:
                 dtype=torch.float64,
             )
             reduce(medians, dist.ReduceOp.SUM)  # each stage's times are its rank's alone
-            f, b, w = medians.tolist()
+            f, b, w = measured[schedule] = medians.tolist()
             simulated[schedule] = simulate(table, Costs(f, b, w)).makespan
             per = 4 / LAYERS * 1000  # ms per 4 layers: the stages cover all LAYERS
             times = f"F {sum(f) * per:.1f} B {sum(b) * per:.1f}"
             passes.append(f"{schedule} {times}" + (f" W {sum(w) * per:.1f}" if any(w) else ""))
-            if schedule == "1f1b":
-                bound = CHUNKS * max(f[s] + b[s] for s in stages)  # one stage per worker
         base = simulated["1f1b"]
         alone = ", ".join(f"{s} {base / t:.2f}x" for s, t in simulated.items() if s != "1f1b")
+        zb_v = Costs(*measured["zb-v"])
+        fitted = synthesize(2, CHUNKS, zb_v, stages_per_worker=2, memory_limit=2)
+        fit = base / simulate(fitted, zb_v).makespan
+        free = {
+            name: base / lower_bound(2, CHUNKS, self._free(measured, name), stages_per_worker=v)
+            for name, v in (("zb-h1", 1), ("zb-v", 2))
+        }
         return (
-            f"  schedules alone, simulated with this run's pass times: {alone} our 1f1b; "
-            f"no bubble at 1f1b's passes: {base / bound:.2f}x\n"
+            f"  schedules alone, simulated with this run's pass times: {alone}, "
+            f"synthesized for zb-v's passes {fit:.2f}x our 1f1b\n"
+            f"  at 1f1b's passes (a split that costs nothing) no schedule passes (lower_bound): "
+            f"{free['zb-h1']:.2f}x on zb-h1's placement, {free['zb-v']:.2f}x on zb-v's\n"
             f"  passes per 4 layers and micro-batch (ms, medians): {'; '.join(passes)}"
+        )
+
+    @staticmethod
+    def _free(measured: dict[str, list[list[float]]], schedule: str) -> Costs:
+        """``schedule``'s passes if splitting cost nothing: each of its stages takes its
+        share of the 1f1b stage it is part of (half of one for zb-v), F as 1f1b's, and B
+        split into B and W in the proportion ``schedule``'s were."""
+        f1, b1, _ = measured["1f1b"]
+        _, b, w = measured[schedule]
+        part = len(f1) / len(b)
+        of = [s * len(f1) // len(b) for s in range(len(b))]  # its stage -> 1f1b's stage
+        share = [w[s] / (b[s] + w[s]) if b[s] + w[s] else 0.0 for s in range(len(b))]
+        return Costs(
+            [f1[k] * part for k in of],
+            [b1[k] * part * (1 - share[s]) for s, k in enumerate(of)],
+            [b1[k] * part * share[s] for s, k in enumerate(of)],
         )
 
 
