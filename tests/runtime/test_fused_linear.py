@@ -20,6 +20,7 @@ from pipesched.runtime.fused_linear import (
     MIN_FUSED_BYTES,
     FusedLinearMode,
     _FusedLinear,
+    accumulate,
     unshared_parameters,
     worth_fusing,
 )
@@ -508,3 +509,32 @@ def test_a_stage_of_small_layers_runs_without_the_mode_bitwise_as_unfused(
     for fused, unfused in zip(*grads, strict=True):
         assert torch.equal(fused, unfused)
     _assert_same(grads[0], _grads(reference))
+
+
+def _dense(shape: tuple[int, ...]) -> Tensor:
+    return torch.randn(*shape, dtype=torch.float64)
+
+
+def _sparse(shape: tuple[int, ...]) -> Tensor:
+    return _dense(shape).relu().to_sparse()
+
+
+@pytest.mark.parametrize("held", [None, "dense", "sparse"])
+@pytest.mark.parametrize("new", ["dense", "sparse"])
+def test_accumulate_is_accumulate_grads_rule(held: str | None, new: str) -> None:
+    """``accumulate`` leaves ``.grad`` as autograd's AccumulateGrad does: value, layout and,
+    where autograd adds in place, the same tensor."""
+    torch.manual_seed(0)
+    make = {"dense": _dense, "sparse": _sparse}
+    start = None if held is None else make[held]((4, 3))
+    g = make[new]((4, 3))
+    ours, theirs = (nn.Parameter(torch.zeros(4, 3, dtype=torch.float64)) for _ in range(2))
+    ours.grad = None if start is None else start.clone()
+    theirs.grad = None if start is None else start.clone()
+    before = ours.grad
+    accumulate(ours, g.clone())
+    torch.autograd.backward([theirs], [g.clone()])  # the leaf's AccumulateGrad adds ``g``
+    assert ours.grad.layout == theirs.grad.layout
+    assert torch.equal(ours.grad.to_dense(), theirs.grad.to_dense())
+    if held == "dense":
+        assert ours.grad is before  # in place, as autograd

@@ -23,8 +23,8 @@ from torch.autograd.graph import Node, get_gradient_edge
 from torch.overrides import TorchFunctionMode
 
 from pipesched.runtime.compat.internals import top_saved_tensors_hooks
-from pipesched.runtime.deferred_ops import HANDLERS, accumulate, input_edges, linear_weight_grads
-from pipesched.runtime.fused_linear import accumulate_mm, weight_factors
+from pipesched.runtime.deferred_ops import HANDLERS, input_edges, linear_weight_grads
+from pipesched.runtime.fused_linear import accumulate, accumulate_mm, weight_factors
 
 __all__ = ["DeferredWeightsMode", "WeightStore", "hooks_in_force"]
 

@@ -22,7 +22,7 @@ from pipesched.runtime.compat.internals import function_apply, has_gradient_hook
 if TYPE_CHECKING:
     from pipesched.runtime.deferred import WeightStore
 
-__all__ = ["HANDLERS", "accumulate", "input_edges", "linear", "linear_weight_grads"]
+__all__ = ["HANDLERS", "input_edges", "linear", "linear_weight_grads"]
 
 _aten = torch.ops.aten
 _LINEARS = (F.linear, _aten.linear.default)
@@ -610,16 +610,3 @@ HANDLERS: dict[Any, Callable[[WeightStore, tuple[Any, ...], dict[str, Any]], Any
     _aten.convolution.default: _aten_conv_handler,
 }
 """The ops the mode defers; each handler returns None where the call is not one it reproduces."""
-
-
-def accumulate(p: Tensor, g: Tensor) -> None:
-    """``AccumulateGrad``'s rule: ``.grad = g`` (in ``p``'s layout) or ``.grad += g``."""
-    grad = p.grad
-    if grad is None:
-        if g.stride() != p.stride() and p.is_contiguous():
-            g = g.contiguous()
-        p.grad = g
-    elif grad.layout == torch.strided and g.layout == torch.strided:
-        grad += g
-    else:
-        p.grad = grad + g

@@ -29,6 +29,7 @@ from pipesched.runtime.placement import stage_parameters
 __all__ = [
     "MIN_FUSED_BYTES",
     "FusedLinearMode",
+    "accumulate",
     "accumulate_mm",
     "unshared_parameters",
     "weight_factors",
@@ -229,7 +230,7 @@ class _FusedLinear(torch.autograd.Function):
             elif want_w == RETURN:  # autograd.grad() asks for it: no .grad is touched
                 grad_w = torch.mm(a, b)
             if want_b == ACCUMULATE:
-                _accumulate(bias, grad_2d.sum(0))
+                accumulate(bias, grad_2d.sum(0))
             elif want_b == RETURN:
                 grad_b = grad_2d.sum(0)
         return grad_x, grad_w, grad_b, None
@@ -258,7 +259,7 @@ def weight_pass(node: Any, grad: Tensor, weights: Sequence[Tensor]) -> bool:
     with torch.no_grad():
         accumulate_mm(weight, *weight_factors(x, grad_2d, ctx.transposed))
         if bias is not None:
-            _accumulate(bias, grad_2d.sum(0))
+            accumulate(bias, grad_2d.sum(0))
     return True
 
 
@@ -304,10 +305,15 @@ def accumulate_mm(p: Tensor, a: Tensor, b: Tensor) -> None:
         p.grad = torch.mm(a, b) + p.grad
 
 
-def _accumulate(p: Tensor, g: Tensor) -> None:
-    if p.grad is None:
+def accumulate(p: Tensor, g: Tensor) -> None:
+    """``AccumulateGrad``'s rule outside grad mode: ``.grad = g`` (in a contiguous ``p``'s
+    layout), ``g + .grad`` onto a sparse ``.grad`` from a dense ``g``, else ``.grad += g``."""
+    grad = p.grad
+    if grad is None:
+        if g.layout == torch.strided and g.stride() != p.stride() and p.is_contiguous():
+            g = g.contiguous()
         p.grad = g
-    elif p.grad.layout == torch.strided:
-        p.grad += g
+    elif grad.is_sparse and not g.is_sparse:
+        p.grad = g + grad
     else:
-        p.grad = g + p.grad
+        grad += g
