@@ -50,6 +50,30 @@ def test_costs_measured_from_a_hand_made_timeline():
     assert model.outside == 0.25
 
 
+def test_latency_counts_consumers_whose_producer_ended_just_before_their_worker_was_free():
+    """1F1's producer ends at 2.0, before worker 1 is free (2.3), yet 1F1 starts at 2.8: its
+    transfer took longer than 1F0's (0.2). The latency is the one with which the model's
+    starts ``max(previous end + overhead, producer's end + latency)`` of the consumers fed
+    from worker 0 add up to the measured ones: (1 + L - 1.2) + (2 + L - 2.8) = 0, L = 0.5
+    (the waits of the consumers whose producer ended after their worker was free, 1F0's
+    alone, would say 0.2 and predict 1F1 at 2.3)."""
+    a = Action.parse
+    rows = [
+        ("0F0", 0, 0.0, 1.0),
+        ("0F1", 0, 1.0, 2.0),
+        ("0F2", 0, 2.0, 3.0),
+        ("0F3", 0, 3.0, 4.0),
+        ("1F0", 1, 1.2, 2.3),  # its producer ended at 1.0: waited 0.2
+        ("1F1", 1, 2.8, 3.9),  # its producer ended at 2.0, before 2.3: waited 0.8
+        ("1F2", 1, 3.9, 5.0),  # there already: no gap
+        ("1F3", 1, 5.0, 6.1),
+    ]
+    timeline = Timeline(tuple(Event(a(n), w, s, e) for n, w, s, e in rows), (0, 1))
+    model = StepModel.measure(timeline, checkpoint_stop=0)
+    assert model.overhead == pytest.approx((0.0, 0.0))
+    assert model.latency == pytest.approx(0.5)
+
+
 def test_predicted_makespan_is_the_hand_computed_one():
     measured = _measured()
     model = StepModel.measure(measured, checkpoint_stop=0, outside=0.25)
