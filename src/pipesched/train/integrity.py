@@ -1,22 +1,42 @@
-"""Content checksums of checkpoints: what loads is what was saved, or it is refused.
+"""Checksums of checkpoints: what loads is what was saved, or it is refused.
 
-Why our own: ``torch.load`` ignores its zips' CRC-32 and DCP keeps none. A BLAKE2b
-digest over every tensor's bytes (dtype and shape too) and the canonically pickled
-rest is taken at save and checked at load before anything is applied.
+Two checks, both ours. Why: ``torch.load`` ignores its zips' CRC-32 and DCP
+keeps none.
+
+- The files' bytes, before anything is unpickled: a single-file checkpoint's
+  zip records against the CRC-32 torch writes beside them, a sharded one's
+  files against the CRC-32 each save records in ``.crc32-{rank}.json``. A
+  byte flipped in a pickle can make the unpickler allocate without bound
+  (an opcode turned into a memo index near 2**32 asks for tens of GB), so
+  this check cannot wait until after the load.
+- The contents, after: a BLAKE2b digest over every tensor's bytes (dtype and
+  shape too) and the canonically pickled rest, taken at save and checked
+  before anything is applied. It also covers files that carry no CRC.
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import json
+import os
 import pickle
+import zipfile
+import zlib
 from typing import Any
 
 import torch
 
 from pipesched.errors import CheckpointError
 
-__all__ = ["CHECKSUM", "digest", "verified"]
+__all__ = [
+    "CHECKSUM",
+    "check_files",
+    "check_zip",
+    "digest",
+    "record_files",
+    "verified",
+]
 
 CHECKSUM = "checksum"
 """The key of a single-file checkpoint's digest (over every other key)."""
@@ -84,3 +104,114 @@ def verified(state: Any, source: str) -> Any:
             "checkpoint, or a good copy of this one"
         )
     return state
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_SUMS = ".crc32-"  # + rank + ".json": the CRC-32 of the files of a sharded version
+_CHUNK = 1 << 20
+
+
+def check_zip(path: str) -> None:
+    """Refuses a ``torch.save`` file whose zip records differ from their CRC-32.
+
+    Reads each record once, in 1 MiB pieces, without unpickling anything. A
+    file that is not a zip (torch's legacy format) is left to ``torch.load``,
+    and one saved without CRCs (``torch.serialization.set_crc32_options(False)``:
+    every record's is 0) to the content checksum.
+
+    Raises:
+        FileNotFoundError: there is no file at ``path``.
+        CheckpointError: a record's bytes differ from its CRC-32, or the zip's
+            directory is damaged. Nothing was read into the program.
+    """
+    with open(path, "rb") as f:  # FileNotFoundError, IsADirectoryError: the caller's
+        if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
+            return
+    try:
+        z = zipfile.ZipFile(path)
+    except Exception as err:  # BadZipFile: no directory where a zip keeps it
+        raise CheckpointError(
+            f"checkpoint {path!r} cannot be read ({type(err).__name__}: {err}): it is "
+            "truncated, or its zip directory is damaged; load another checkpoint"
+        ) from err
+    with z:
+        infos = z.infolist()
+        if not any(info.CRC for info in infos):
+            return
+        for info in infos:
+            try:
+                with z.open(info) as r:  # raises at the end when the CRC-32 differs
+                    while r.read(_CHUNK):
+                        pass
+            except Exception as err:  # BadZipFile, EOFError, NotImplementedError (method)...
+                raise _changed(
+                    f"checkpoint {path!r}",
+                    f"its zip record {info.filename!r} ({type(err).__name__}: {err})",
+                ) from err
+
+
+def record_files(directory: str, rank: int, world: int) -> None:
+    """Records the CRC-32 of this rank's share of the files in ``directory``.
+
+    Called by every rank once all have written; each takes every
+    ``world``-th file in name order, so each file is read once, whatever
+    names the writer gave them.
+    """
+    names = sorted(n for n in os.listdir(directory) if not n.startswith(_SUMS))
+    sums = {name: _crc32(os.path.join(directory, name)) for name in names[rank::world]}
+    target = os.path.join(directory, f"{_SUMS}{rank}.json")
+    with open(target, "w") as f:
+        json.dump(sums, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_files(directory: str, names: list[str]) -> None:
+    """Refuses when a file of ``names`` in ``directory`` differs from its recorded CRC-32.
+
+    A directory with no records (saved before they were, or by torch's own
+    tools) is read unchecked.
+
+    Raises:
+        CheckpointError: a file, or the record of it, changed; or a file
+            has no record while others do (its record file was removed).
+    """
+    recorded: dict[str, int] = {}
+    for name in sorted(os.listdir(directory)):
+        if name.startswith(_SUMS):
+            try:
+                with open(os.path.join(directory, name)) as f:
+                    recorded.update({str(k): int(v) for k, v in json.load(f).items()})
+            except (ValueError, TypeError, AttributeError, OSError) as err:
+                raise _changed(
+                    f"checkpoint {directory!r}", f"its checksum record {name!r} ({err})"
+                ) from err
+    if not recorded:
+        return
+    for name in names:
+        if name not in recorded:
+            raise _changed(
+                f"checkpoint {directory!r}", f"{name!r}, of which no checksum is recorded"
+            )
+        found = _crc32(os.path.join(directory, name))
+        if found != recorded[name]:
+            raise _changed(
+                f"checkpoint {directory!r}",
+                f"the file {name!r} (CRC-32 {found:#010x}, recorded {recorded[name]:#010x})",
+            )
+
+
+def _crc32(path: str) -> int:
+    crc = 0
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def _changed(source: str, what: str) -> CheckpointError:
+    return CheckpointError(
+        f"{source} is not what was saved: {what}; a byte of it changed after it was "
+        "written (disk, copy, transfer). Nothing was loaded or changed; load another "
+        "checkpoint, or a good copy of this one"
+    )

@@ -17,6 +17,7 @@ import torch
 
 from pipesched.errors import CheckpointError
 from pipesched.runtime import deferred_interrupts
+from pipesched.train.integrity import check_zip
 
 __all__ = [
     "load_checkpoint",
@@ -61,6 +62,9 @@ def save_checkpoint(state: dict[str, Any], path: str) -> None:
     A Ctrl-C during the write stops it and surfaces as KeyboardInterrupt once
     the temporary file is removed, ``path`` untouched (torch's writer would
     turn it into a ``RuntimeError`` from its zip writer, its file half-written).
+
+    Each zip record gets its CRC-32 even where torch's option to skip them is
+    set: :func:`load_checkpoint` checks them before it unpickles anything.
     """
     directory = os.path.dirname(os.path.abspath(path))
     remove_stale_temp_files(path)
@@ -68,7 +72,7 @@ def save_checkpoint(state: dict[str, Any], path: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     with _interrupts_stop_the_write() as interrupted:
         try:
-            with os.fdopen(fd, "wb") as f:
+            with os.fdopen(fd, "wb") as f, _crc32_written():
                 torch.save(state, _Writer(f, interrupted))  # type: ignore[arg-type]
                 f.flush()
                 os.fsync(f.fileno())
@@ -79,6 +83,16 @@ def save_checkpoint(state: dict[str, Any], path: str) -> None:
             os.unlink(tmp)
             if not interrupted:
                 raise  # else: the held Ctrl-C is raised as the block ends
+
+
+@contextmanager
+def _crc32_written() -> Iterator[None]:
+    previous = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(True)
+    try:
+        yield
+    finally:
+        torch.serialization.set_crc32_options(previous)
 
 
 class _Writer:
@@ -115,15 +129,21 @@ def _interrupts_stop_the_write() -> Iterator[list[Any]]:
 def load_checkpoint(path: str) -> Any:
     """Reads a file written by :func:`save_checkpoint` (every tensor is loaded on the CPU).
 
+    Its zip records are checked against their CRC-32 first
+    (:func:`~pipesched.train.integrity.check_zip`), so a damaged file is
+    refused before anything of it is unpickled.
+
     Raises:
         FileNotFoundError: there is no file at ``path`` (Python's convention,
             so that ``except FileNotFoundError`` can mean "start afresh").
         CheckpointError: the file cannot be read: truncated, empty, a
-            directory, not a ``torch.save`` file. The reader's error is chained.
+            directory, not a ``torch.save`` file, or changed since it was
+            written. The reader's error is chained.
     """
     try:
+        check_zip(path)
         return torch.load(path, map_location="cpu", weights_only=False)
-    except FileNotFoundError:
+    except (FileNotFoundError, CheckpointError):
         raise
     except Exception as err:
         raise CheckpointError(

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from pipesched.errors import CheckpointError
+from pipesched.train.integrity import check_files, record_files
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.api import CheckpointException
@@ -73,6 +74,7 @@ def read_metadata(directory: str) -> dict[str, Any]:
     """Each key of the DCP checkpoint in ``directory``: its tensor metadata, or bytes metadata."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
+    check_files(directory, [_METADATA])  # before it is unpickled
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except Exception as err:
@@ -97,7 +99,8 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
     """Reads only ``keys`` of the checkpoint in ``directory`` (tensors on the CPU).
 
     Each process reads by itself, no collective: a rank reads its own stages'
-    entries and never holds the rest.
+    entries and never holds the rest. The files holding them are checked
+    against their recorded CRC-32 first, whole.
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -114,6 +117,8 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
             request[key] = None  # an object: replaced by what was saved
     if not request:
         return request
+    files = files_of(directory)
+    check_files(directory, sorted({files[k] for k in request if k in files}))
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
@@ -172,10 +177,34 @@ def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
             )  # returns on any rank only once every rank's files and the metadata are written
         except CheckpointException as err:  # a BaseException, whatever failed inside
             raise _unwrapped(err, path, rank) from err
+    _record(directory, path, rank, distributed)
     if rank == 0:
         _commit(path, version)
     if distributed:
         dist.barrier()  # no rank reads path before it is committed
+
+
+def _record(directory: str, path: str, rank: int, distributed: bool) -> None:
+    """Every rank records its share of the files' CRC-32 (see integrity), or none commits."""
+    problem, interrupted = None, None
+    try:
+        record_files(directory, rank, dist.get_world_size() if distributed else 1)
+    except BaseException as err:  # a Ctrl-C too: the other ranks must not wait for this one
+        problem = f"rank {rank}: {type(err).__name__}: {err}"
+        interrupted = None if isinstance(err, Exception) else err
+    problems = [problem]
+    if distributed:
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    if interrupted is not None:
+        raise interrupted
+    found = [p for p in problems if p is not None]
+    if found:
+        raise CheckpointError(
+            f"cannot save the checkpoint to {path!r} (recording its checksums: "
+            f"{'; '.join(found)}); nothing was committed: its previous version is still "
+            "the one that loads"
+        )
 
 
 def _unwrapped(err: CheckpointException, path: str, rank: int) -> BaseException:
