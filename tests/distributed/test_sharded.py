@@ -150,3 +150,31 @@ def test_plain_model_loads_export_strictly(saved: Path) -> None:
     assert set(state) == set(w.mlp(0.0).state_dict())
     with pytest.raises(RuntimeError):  # strict: another model refuses it
         nn.Sequential(nn.Linear(6, w.WIDTH)).load_state_dict(state, strict=True)
+
+
+def test_each_rank_records_its_files_crc_and_a_changed_file_of_rank_1_is_refused(
+    saved: Path, tmp_path: Path
+) -> None:
+    import json
+    import shutil
+    import zlib
+
+    from pipesched.errors import CheckpointError
+
+    checkpoint = tmp_path / "plain"
+    shutil.copytree(saved / "plain", checkpoint)
+    version = checkpoint / (checkpoint / "latest").read_text().strip()
+    records = {r: json.loads((version / f".crc32-{r}.json").read_text()) for r in range(2)}
+    files = {p.name for p in version.iterdir() if not p.name.startswith(".crc32-")}
+    assert sorted(n for r in records.values() for n in r) == sorted(files)  # each once
+    assert records[1] and all(n.startswith("__1_") for n in records[1])  # its own
+    assert ".metadata" in records[0]
+    for name, crc in {**records[0], **records[1]}.items():
+        assert zlib.crc32((version / name).read_bytes()) == crc, name
+    shard = version / sorted(records[1])[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 3] ^= 0x5A
+    shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=rf"{shard.name!r} \(CRC-32"):
+        export_model(str(checkpoint), str(tmp_path / "out.pt"))
+    assert not (tmp_path / "out.pt").exists()

@@ -263,3 +263,22 @@ def test_ctrl_c_during_a_sharded_save_is_a_keyboard_interrupt_and_commits_nothin
     monkeypatch.setattr(files.FileSystemWriter, "write_data", write)
     assert (directory / "latest").read_text() == committed
     _acc().load(str(directory))  # the previous version still loads
+
+
+def test_a_save_whose_records_cannot_be_written_commits_nothing(tmp_path, monkeypatch):
+    import pipesched.train.store as store
+
+    acc, directory, _ = _sharded(tmp_path)
+    committed = (directory / "latest").read_text()
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(store, "record_files", disk_full)
+    with pytest.raises(CheckpointError, match="No space left.*nothing was committed"):
+        acc.save(str(directory), sharded=True)
+    assert (directory / "latest").read_text() == committed
+    monkeypatch.undo()
+    fresh = _trained(3, data=50)
+    fresh.load(str(directory))
+    assert all(torch.equal(v, _state(acc)[k]) for k, v in _state(fresh).items())

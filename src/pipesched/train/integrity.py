@@ -21,6 +21,7 @@ import io
 import json
 import os
 import pickle
+import re
 import zipfile
 import zlib
 from typing import Any
@@ -151,19 +152,28 @@ def check_zip(path: str) -> None:
 
 
 def record_files(directory: str, rank: int, world: int) -> None:
-    """Records the CRC-32 of this rank's share of the files in ``directory``.
+    """Records the CRC-32 of this rank's files in ``directory``, once every rank has written.
 
-    Called by every rank once all have written; each takes every
-    ``world``-th file in name order, so each file is read once, whatever
-    names the writer gave them.
+    A rank takes the files DCP names after it (``__{rank}_*.distcp``, which it
+    wrote, so this holds where each node has its own disk); rank 0 also takes
+    every other file (``.metadata``, and any file named otherwise).
     """
-    names = sorted(n for n in os.listdir(directory) if not n.startswith(_SUMS))
-    sums = {name: _crc32(os.path.join(directory, name)) for name in names[rank::world]}
+    sums = {
+        name: _crc32(os.path.join(directory, name))
+        for name in sorted(os.listdir(directory))
+        if not name.startswith(_SUMS) and _writer(name, world) == rank
+    }
     target = os.path.join(directory, f"{_SUMS}{rank}.json")
     with open(target, "w") as f:
         json.dump(sums, f)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _writer(name: str, world: int) -> int:
+    """The rank that records ``name``: the one DCP named it after, else 0."""
+    found = re.match(r"__(\d+)_", name)
+    return int(found[1]) % world if found else 0
 
 
 def check_files(directory: str, names: list[str]) -> None:
