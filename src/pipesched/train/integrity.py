@@ -1,17 +1,12 @@
 """Checksums of checkpoints: what loads is what was saved, or it is refused.
 
-Two checks, both ours. Why: ``torch.load`` ignores its zips' CRC-32 and DCP
-keeps none.
-
-- The files' bytes, before anything is unpickled: a single-file checkpoint's
-  zip records against the CRC-32 torch writes beside them, a sharded one's
-  files against the CRC-32 each save records in ``.crc32-{rank}.json``. A
-  byte flipped in a pickle can make the unpickler allocate without bound
-  (an opcode turned into a memo index near 2**32 asks for tens of GB), so
-  this check cannot wait until after the load.
-- The contents, after: a BLAKE2b digest over every tensor's bytes (dtype and
-  shape too) and the canonically pickled rest, taken at save and checked
-  before anything is applied. It also covers files that carry no CRC.
+Why our own: ``torch.load`` ignores its zips' CRC-32 and DCP keeps none. First
+the files' bytes, before anything is unpickled (a flipped pickle byte can make
+the unpickler allocate tens of GB): a single file's zip records against the
+CRC-32 torch writes, a sharded version's files against those each rank records
+in ``.crc32-{rank}.json``. Then the contents: a BLAKE2b digest over every
+tensor's bytes (dtype and shape too) and the canonically pickled rest, taken at
+save and checked before anything is applied; it also covers files with no CRC.
 """
 
 from __future__ import annotations
