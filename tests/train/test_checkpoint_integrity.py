@@ -137,32 +137,31 @@ def test_a_flipped_byte_anywhere_else_in_the_file_is_refused_or_harmless(tmp_pat
         before = got
 
 
-def test_every_record_has_a_crc_even_where_torch_is_told_to_skip_them(tmp_path):
-    saved = _trained(3)
-    path = str(tmp_path / "ckpt.pt")
+@pytest.fixture
+def crcs_off():
+    """torch.save told to write no CRC-32 (``set_crc32_options(False)``) for the test."""
     previous = torch.serialization.get_crc32_options()
     torch.serialization.set_crc32_options(False)
-    try:
-        saved.save(path)
-    finally:
-        torch.serialization.set_crc32_options(previous)
+    yield
+    torch.serialization.set_crc32_options(previous)
+
+
+def test_every_record_has_a_crc_even_where_torch_is_told_to_skip_them(tmp_path, crcs_off):
+    saved = _trained(3)
+    path = str(tmp_path / "ckpt.pt")
+    saved.save(path)
     with zipfile.ZipFile(path) as z:
         assert all(info.CRC for info in z.infolist() if info.file_size)
         assert z.testzip() is None  # and the right ones
-    assert torch.serialization.get_crc32_options() == previous
+    assert torch.serialization.get_crc32_options() is False  # the user's setting, put back
 
 
-def test_a_state_dict_saved_without_crcs_loads_checked_by_its_contents(tmp_path):
+def test_a_state_dict_saved_without_crcs_loads_checked_by_its_contents(tmp_path, crcs_off):
     # torch.save(acc.state_dict()) with torch's CRCs off: nothing for the file check,
     # which leaves it to the contents (here none: a state dict carries no checksum).
     saved = _trained(3)
     path = str(tmp_path / "state.pt")
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(False)
-    try:
-        torch.save(saved.state_dict(), path)
-    finally:
-        torch.serialization.set_crc32_options(previous)
+    torch.save(saved.state_dict(), path)
     with zipfile.ZipFile(path) as z:
         assert not any(info.CRC for info in z.infolist())
     acc = _trained(3, data=50)
