@@ -165,16 +165,31 @@ def test_each_rank_records_its_files_crc_and_a_changed_file_of_rank_1_is_refused
     shutil.copytree(saved / "plain", checkpoint)
     version = checkpoint / (checkpoint / "latest").read_text().strip()
     records = {r: json.loads((version / f".crc32-{r}.json").read_text()) for r in range(2)}
-    files = {p.name for p in version.iterdir() if not p.name.startswith(".crc32-")}
-    assert sorted(n for r in records.values() for n in r) == sorted(files)  # each once
-    assert records[1] and all(n.startswith("__1_") for n in records[1])  # its own
+    keys = [k for r in records.values() for k in r]
+    assert len(keys) == len(set(keys))  # each recorded once
+    spans = {k: k.split("@") for k in keys if "@" in k}
+    assert {n for n, _ in spans.values()} == {p.name for p in version.glob("*.distcp")}
+    assert records[1] and all(k.startswith("__1_") for k in records[1])  # its own bytes
     assert ".metadata" in records[0]
-    for name, crc in {**records[0], **records[1]}.items():
-        assert zlib.crc32((version / name).read_bytes()) == crc, name
-    shard = version / sorted(records[1])[0]
+    for key, crc in {**records[0], **records[1]}.items():
+        name, _, where = key.partition("@")
+        data = (version / name).read_bytes()
+        if where:
+            offset, length = map(int, where.split("+"))
+            data = data[offset : offset + length]
+        assert zlib.crc32(data) == crc, key
+    covered = sum(int(k.split("+")[1]) for k in records[1])
+    assert covered == sum(p.stat().st_size for p in version.glob("__1_*.distcp"))
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    storage = FileSystemReader(str(version)).read_metadata().storage_data
+    info = next(  # a weight rank 1 wrote: export reads it
+        i for x, i in storage.items() if x.fqn.startswith("model/") and "__1_" in i.relative_path
+    )
+    shard = version / info.relative_path
     data = bytearray(shard.read_bytes())
-    data[len(data) // 3] ^= 0x5A
+    data[info.offset + info.length // 2] ^= 0x5A
     shard.write_bytes(bytes(data))
-    with pytest.raises(CheckpointError, match=rf"{shard.name!r} \(CRC-32"):
+    with pytest.raises(CheckpointError, match=rf"the file {shard.name!r} \(bytes"):
         export_model(str(checkpoint), str(tmp_path / "out.pt"))
     assert not (tmp_path / "out.pt").exists()

@@ -114,6 +114,30 @@ def test_every_flipped_byte_of_the_pickle_and_of_each_tensor_is_refused_before_u
     assert all(torch.equal(v, _state(saved)[k]) for k, v in _state(acc).items())
 
 
+def test_a_changed_first_byte_is_refused_unread_not_taken_for_torchs_legacy_format(
+    tmp_path, monkeypatch
+):
+    # torch.load reads a file that does not open with a zip's signature as its legacy
+    # format: it would unpickle the zip's bytes (some values of byte 0 raised MemoryError).
+    saved = _trained(3)
+    path = str(tmp_path / "ckpt.pt")
+    saved.save(path)
+    acc = _trained(3, data=50)
+    before = _state(acc)
+    unpickled = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(a) or 1 / 0)
+    data = Path(path).read_bytes()
+    bad = tmp_path / "bad.pt"
+    for position in range(4):
+        for mask in range(1, 256):
+            changed = bytearray(data)
+            changed[position] ^= mask
+            bad.write_bytes(bytes(changed))
+            message = _refused_before_unpickling(acc, str(bad), before)
+            assert "its first bytes" in message, message
+    assert not unpickled
+
+
 def test_a_flipped_byte_anywhere_else_in_the_file_is_refused_or_harmless(tmp_path):
     saved = _trained(3)
     path = str(tmp_path / "ckpt.pt")
@@ -187,18 +211,28 @@ def test_a_flipped_byte_in_any_file_of_a_sharded_checkpoint_is_refused_naming_it
     before = _state(acc)
     import torch.distributed.checkpoint.filesystem as fs
 
-    unpickled = []
-    monkeypatch.setattr(fs.FileSystemReader, "read_data", lambda *a: unpickled.append(a) or 1 / 0)
+    read: list[tuple[str, int, int]] = []  # the bytes DCP's reader was asked for
+    original = fs.FileSystemReader.read_data
+
+    def spied(self, plan, planner):
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            read.append((info.relative_path, info.offset, info.offset + info.length))
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(fs.FileSystemReader, "read_data", spied)
     for file in files:
         good = file.read_bytes()
         for position in range(0, len(good), max(1, len(good) // 200)):
             bad = bytearray(good)
             bad[position] ^= 0x5A
             file.write_bytes(bytes(bad))
+            read.clear()
             message = _refused_before_unpickling(acc, str(directory), before)
             assert str(version) in message and repr(file.name) in message, message
+            # Only bytes as saved were read: the changed one never reached DCP's reader.
+            assert not any(n == file.name and a <= position < b for n, a, b in read), position
         file.write_bytes(good)
-    assert not unpickled
     monkeypatch.undo()
     acc.load(str(directory))
     assert all(torch.equal(expected[k], v) for k, v in _state(acc).items())
@@ -273,7 +307,7 @@ def test_a_save_whose_records_cannot_be_written_commits_nothing(tmp_path, monkey
     def disk_full(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(store, "record_files", disk_full)
+    monkeypatch.setattr(store, "record", disk_full)
     with pytest.raises(CheckpointError, match="No space left.*nothing was committed"):
         acc.save(str(directory), sharded=True)
     assert (directory / "latest").read_text() == committed

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import pickle
-import re
 import zipfile
 import zlib
 from typing import Any
@@ -27,10 +26,11 @@ from pipesched.errors import CheckpointError
 
 __all__ = [
     "CHECKSUM",
-    "check_files",
+    "Span",
+    "check",
     "check_zip",
     "digest",
-    "record_files",
+    "record",
     "verified",
 ]
 
@@ -103,26 +103,38 @@ def verified(state: Any, source: str) -> Any:
 
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_SUMS = ".crc32-"  # + rank + ".json": the CRC-32 of the files of a sharded version
+# torch's legacy (pre-zip) format opens with a pickle of this number (any protocol).
+_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+_SUMS = ".crc32-"  # + rank + ".json": the CRC-32 of a sharded version's bytes
 _CHUNK = 1 << 20
+
+Span = tuple[str, int, int]
+"""Bytes of a file of a sharded checkpoint: (file name, offset, length)."""
 
 
 def check_zip(path: str) -> None:
     """Refuses a ``torch.save`` file whose zip records differ from their CRC-32.
 
     Reads each record once, in 1 MiB pieces, without unpickling anything. A
-    file that is not a zip (torch's legacy format) is left to ``torch.load``,
-    and one saved without CRCs (``torch.serialization.set_crc32_options(False)``:
-    every record's is 0) to the content checksum.
+    file in torch's legacy (pre-zip) format, or saved without CRCs
+    (``torch.serialization.set_crc32_options(False)``: every record's is 0), has
+    nothing to check here: it is unpickled unchecked, and only its contents
+    are checked (after). Anything else is refused unread.
 
     Raises:
         FileNotFoundError: there is no file at ``path``.
-        CheckpointError: a record's bytes differ from its CRC-32, or the zip's
-            directory is damaged. Nothing was read into the program.
+        CheckpointError: a record's bytes differ from its CRC-32, the zip's
+            directory is damaged, or the file is no ``torch.save`` file.
     """
     with open(path, "rb") as f:  # FileNotFoundError, IsADirectoryError: the caller's
-        if f.read(len(_ZIP_MAGIC)) != _ZIP_MAGIC:
-            return
+        head = f.read(len(_ZIP_MAGIC) + 12)
+    if head[:4] != _ZIP_MAGIC and not zipfile.is_zipfile(path):
+        if head[:1] == b"\x80" and head[2:4] == b"\x8a\x0a" and head[4:14] == _LEGACY_MAGIC:
+            return  # torch's legacy format
+        raise CheckpointError(
+            f"checkpoint {path!r} cannot be read: it is empty or not a file written by "
+            f"torch.save (it opens with {head[:8]!r}); load another checkpoint"
+        )
     try:
         z = zipfile.ZipFile(path)
     except Exception as err:  # BadZipFile: no directory where a zip keeps it
@@ -134,6 +146,8 @@ def check_zip(path: str) -> None:
         infos = z.infolist()
         if not any(info.CRC for info in infos):
             return
+        if head[:4] != _ZIP_MAGIC:  # a zip, but torch.load would read it as the legacy one
+            raise _changed(f"checkpoint {path!r}", "its first bytes")
         for info in infos:
             try:
                 with z.open(info) as r:  # raises at the end when the CRC-32 differs
@@ -146,41 +160,27 @@ def check_zip(path: str) -> None:
                 ) from err
 
 
-def record_files(directory: str, rank: int, world: int) -> None:
-    """Records the CRC-32 of this rank's files in ``directory``, once every rank has written.
-
-    A rank takes the files DCP names after it (``__{rank}_*.distcp``, which it
-    wrote, so this holds where each node has its own disk); rank 0 also takes
-    every other file (``.metadata``, and any file named otherwise).
-    """
-    sums = {
-        name: _crc32(os.path.join(directory, name))
-        for name in sorted(os.listdir(directory))
-        if not name.startswith(_SUMS) and _writer(name, world) == rank
-    }
-    target = os.path.join(directory, f"{_SUMS}{rank}.json")
-    with open(target, "w") as f:
+def record(directory: str, rank: int, whole: list[str], spans: list[Span]) -> None:
+    """Writes ``.crc32-{rank}.json``: the CRC-32 of the files ``whole`` and of ``spans``."""
+    sums = {name: _crc32(os.path.join(directory, name)) for name in whole}
+    sums.update({_key(span): _crc32(os.path.join(directory, span[0]), *span[1:]) for span in spans})
+    with open(os.path.join(directory, f"{_SUMS}{rank}.json"), "w") as f:
         json.dump(sums, f)
         f.flush()
         os.fsync(f.fileno())
 
 
-def _writer(name: str, world: int) -> int:
-    """The rank that records ``name``: the one DCP named it after, else 0."""
-    found = re.match(r"__(\d+)_", name)
-    return int(found[1]) % world if found else 0
+def check(directory: str, whole: list[str], spans: list[Span]) -> None:
+    """Refuses when a file of ``whole``, or a span, differs from its recorded CRC-32.
 
-
-def check_files(directory: str, names: list[str]) -> None:
-    """Refuses when a file of ``names`` in ``directory`` differs from its recorded CRC-32.
-
-    A directory with no records (saved before they were, or by torch's own
-    tools) is read unchecked.
+    Only the bytes named are read. A directory with no records (saved before
+    they were, or by torch's own tools) is read unchecked.
 
     Raises:
-        CheckpointError: a file, or the record of it, changed; or a file
-            has no record while others do (its record file was removed).
+        CheckpointError: bytes differ from their record, a record cannot be
+            read, or bytes have no record while others do.
     """
+    source = f"checkpoint {directory!r}"
     recorded: dict[str, int] = {}
     for name in sorted(os.listdir(directory)):
         if name.startswith(_SUMS):
@@ -188,29 +188,43 @@ def check_files(directory: str, names: list[str]) -> None:
                 with open(os.path.join(directory, name)) as f:
                     recorded.update({str(k): int(v) for k, v in json.load(f).items()})
             except (ValueError, TypeError, AttributeError, OSError) as err:
-                raise _changed(
-                    f"checkpoint {directory!r}", f"its checksum record {name!r} ({err})"
+                raise CheckpointError(
+                    f"{source} cannot be checked: its checksum record {name!r} cannot be "
+                    f"read ({type(err).__name__}: {err}); it was changed or cut short. "
+                    "Nothing was loaded or changed; load another checkpoint, or a good copy"
                 ) from err
     if not recorded:
         return
-    for name in names:
-        if name not in recorded:
-            raise _changed(
-                f"checkpoint {directory!r}", f"{name!r}, of which no checksum is recorded"
+    wanted = [(name, _crc32(os.path.join(directory, name)), name) for name in whole]
+    wanted += [(_key(s), _crc32(os.path.join(directory, s[0]), *s[1:]), s[0]) for s in spans]
+    for key, found, name in wanted:
+        if key not in recorded:
+            raise CheckpointError(
+                f"{source} cannot be checked: no checksum is recorded for {key!r} (a record "
+                f"file was removed, or a tool other than pipesched rewrote {name!r}). "
+                "Nothing was loaded or changed; load another checkpoint, or a good copy"
             )
-        found = _crc32(os.path.join(directory, name))
-        if found != recorded[name]:
+        if found != recorded[key]:
             raise _changed(
-                f"checkpoint {directory!r}",
-                f"the file {name!r} (CRC-32 {found:#010x}, recorded {recorded[name]:#010x})",
+                source,
+                f"the file {name!r} (bytes {key!r}: CRC-32 {found:#010x}, recorded "
+                f"{recorded[key]:#010x}; the file, or its record, changed)",
             )
 
 
-def _crc32(path: str) -> int:
-    crc = 0
+def _key(span: Span) -> str:
+    name, offset, length = span
+    return f"{name}@{offset}+{length}"
+
+
+def _crc32(path: str, offset: int = 0, length: int = -1) -> int:
+    """The CRC-32 of ``length`` bytes of ``path`` from ``offset`` (-1: to its end)."""
+    crc, left = 0, length
     with open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
+        f.seek(offset)
+        while left and (chunk := f.read(_CHUNK if left < 0 else min(_CHUNK, left))):
             crc = zlib.crc32(chunk, crc)
+            left -= len(chunk) if left > 0 else 0
     return crc
 
 

@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -85,14 +86,18 @@ def save_checkpoint(state: dict[str, Any], path: str) -> None:
                 raise  # else: the held Ctrl-C is raised as the block ends
 
 
+_CRC32_OPTION = threading.Lock()  # torch's option is the process's: one save sets it at a time
+
+
 @contextmanager
 def _crc32_written() -> Iterator[None]:
-    previous = torch.serialization.get_crc32_options()
-    torch.serialization.set_crc32_options(True)
-    try:
-        yield
-    finally:
-        torch.serialization.set_crc32_options(previous)
+    with _CRC32_OPTION:
+        previous = torch.serialization.get_crc32_options()
+        torch.serialization.set_crc32_options(True)
+        try:
+            yield
+        finally:
+            torch.serialization.set_crc32_options(previous)
 
 
 class _Writer:

@@ -9,6 +9,7 @@ directory that torch's tools read directly.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import uuid
 import warnings
@@ -19,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pipesched.errors import CheckpointError
-from pipesched.train.integrity import check_files, record_files
+from pipesched.train.integrity import Span, check, record
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint.api import CheckpointException
@@ -74,7 +75,7 @@ def read_metadata(directory: str) -> dict[str, Any]:
     """Each key of the DCP checkpoint in ``directory``: its tensor metadata, or bytes metadata."""
     from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-    check_files(directory, [_METADATA])  # before it is unpickled
+    check(directory, [_METADATA], [])  # before it is unpickled
     try:
         metadata = FileSystemReader(directory).read_metadata()
     except Exception as err:
@@ -99,8 +100,8 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
     """Reads only ``keys`` of the checkpoint in ``directory`` (tensors on the CPU).
 
     Each process reads by itself, no collective: a rank reads its own stages'
-    entries and never holds the rest. The files holding them are checked
-    against their recorded CRC-32 first, whole.
+    entries and never holds the rest. The bytes holding them are checked
+    against their recorded CRC-32 first (only those bytes).
     """
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -117,8 +118,7 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
             request[key] = None  # an object: replaced by what was saved
     if not request:
         return request
-    files = files_of(directory)
-    check_files(directory, sorted({files[k] for k in request if k in files}))
+    check(directory, [], [span for key, span in _spans(directory) if key in request])
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
@@ -184,11 +184,40 @@ def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
         dist.barrier()  # no rank reads path before it is committed
 
 
-def _record(directory: str, path: str, rank: int, distributed: bool) -> None:
-    """Every rank records its share of the files' CRC-32 (see integrity), or none commits."""
-    problem, interrupted = None, None
+def _spans(directory: str) -> list[tuple[str, Span]]:
+    """Each key's stored bytes in the DCP directory (a key stored in chunks: each)."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
     try:
-        record_files(directory, rank, dist.get_world_size() if distributed else 1)
+        storage = FileSystemReader(directory).read_metadata().storage_data
+    except Exception as err:  # checked already: the file is as saved, but unreadable
+        raise CheckpointError(
+            f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}); load another"
+        ) from err
+    return [
+        (index.fqn, (info.relative_path, info.offset, info.length))
+        for index, info in storage.items()
+    ]
+
+
+def _writer(name: str, world: int) -> int:
+    """The rank that wrote ``name``, as DCP's FileSystemWriter names files; else 0."""
+    found = re.match(r"__(\d+)_", name)
+    return int(found[1]) % world if found else 0
+
+
+def _record(directory: str, path: str, rank: int, distributed: bool) -> None:
+    """Every rank records the CRC-32 of the bytes it wrote (see integrity), or none commits.
+
+    A rank reads back only its own files' bytes, so this holds where each node
+    has its own disk; rank 0 also records ``.metadata``, whole, and any file
+    named otherwise than DCP names them.
+    """
+    problem, interrupted = None, None
+    world = dist.get_world_size() if distributed else 1
+    try:
+        spans = [span for _, span in _spans(directory) if _writer(span[0], world) == rank]
+        record(directory, rank, [_METADATA] if rank == 0 else [], spans)
     except BaseException as err:  # a Ctrl-C too: the other ranks must not wait for this one
         problem = f"rank {rank}: {type(err).__name__}: {err}"
         interrupted = None if isinstance(err, Exception) else err
