@@ -315,3 +315,27 @@ def test_a_save_whose_records_cannot_be_written_commits_nothing(tmp_path, monkey
     fresh = _trained(3, data=50)
     fresh.load(str(directory))
     assert all(torch.equal(v, _state(acc)[k]) for k, v in _state(fresh).items())
+
+
+def test_a_file_replaced_between_its_check_and_its_load_is_refused(tmp_path, monkeypatch):
+    # Another process saving to the same path (an atomic rename) while this one loads:
+    # what torch.load read was never checked.
+    saved, other = _trained(3), _trained(5, data=9)
+    path, newer = str(tmp_path / "ckpt.pt"), str(tmp_path / "newer.pt")
+    saved.save(path)
+    other.save(newer)
+    acc = _trained(3, data=50)
+    before = _state(acc)
+    load = torch.load
+
+    def replaced_first(*args, **kwargs):
+        os.replace(newer, path)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", replaced_first)
+    with pytest.raises(CheckpointError, match=rf"{path!r} changed while it was read"):
+        acc.load(path)
+    assert all(torch.equal(before[k], v) for k, v in _state(acc).items())
+    monkeypatch.undo()
+    acc.load(path)  # once written, it loads: the newer one
+    assert all(torch.equal(v, _state(other)[k]) for k, v in _state(acc).items())

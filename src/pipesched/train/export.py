@@ -18,7 +18,7 @@ import torch.distributed as dist
 from pipesched.errors import CheckpointError
 from pipesched.train import store
 from pipesched.train.dtensors import like_live
-from pipesched.train.integrity import check_zip
+from pipesched.train.integrity import checked_zip
 from pipesched.train.sharded import agree
 from pipesched.train.state import save_checkpoint
 
@@ -166,8 +166,8 @@ def _read_own(source: str, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
 
 def _read_file(path: str) -> dict[str, Any]:
     try:
-        check_zip(path)  # a damaged file is refused before it is unpickled
-        state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        with checked_zip(path):  # a damaged file is refused before it is unpickled
+            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
     except (FileNotFoundError, CheckpointError):
         raise
     except Exception as err:

@@ -18,6 +18,8 @@ import os
 import pickle
 import zipfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ __all__ = [
     "Span",
     "check",
     "check_zip",
+    "checked_zip",
     "digest",
     "record",
     "verified",
@@ -110,6 +113,34 @@ _CHUNK = 1 << 20
 
 Span = tuple[str, int, int]
 """Bytes of a file of a sharded checkpoint: (file name, offset, length)."""
+
+
+@contextmanager
+def checked_zip(path: str) -> Iterator[None]:
+    """:func:`check_zip` on ``path``, then the block, which reads it; refused if it changed.
+
+    Why: the check and ``torch.load`` open the file apart. A file replaced or
+    rewritten between them (a save from another process, a copy) would load
+    unchecked; its identity (device, inode, size, mtime) is compared after.
+
+    Raises:
+        CheckpointError: as :func:`check_zip`, or the file at ``path`` changed
+            while it was read; then whatever the block read is not returned.
+    """
+    before = _identity(path)
+    check_zip(path)
+    yield
+    if _identity(path) != before:
+        raise CheckpointError(
+            f"checkpoint {path!r} changed while it was read (replaced or rewritten between "
+            "its check and its load: another process saving to it?); nothing was loaded "
+            "or changed. Load it again once it is written"
+        )
+
+
+def _identity(path: str) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def check_zip(path: str) -> None:

@@ -18,7 +18,7 @@ import torch
 
 from pipesched.errors import CheckpointError
 from pipesched.runtime import deferred_interrupts
-from pipesched.train.integrity import check_zip
+from pipesched.train.integrity import checked_zip
 
 __all__ = [
     "load_checkpoint",
@@ -135,7 +135,7 @@ def load_checkpoint(path: str) -> Any:
     """Reads a file written by :func:`save_checkpoint` (every tensor is loaded on the CPU).
 
     Its zip records are checked against their CRC-32 first
-    (:func:`~pipesched.train.integrity.check_zip`), so a damaged file is
+    (:func:`~pipesched.train.integrity.checked_zip`), so a damaged file is
     refused before anything of it is unpickled.
 
     Raises:
@@ -146,8 +146,8 @@ def load_checkpoint(path: str) -> Any:
             written. The reader's error is chained.
     """
     try:
-        check_zip(path)
-        return torch.load(path, map_location="cpu", weights_only=False)
+        with checked_zip(path):
+            return torch.load(path, map_location="cpu", weights_only=False)
     except (FileNotFoundError, CheckpointError):
         raise
     except Exception as err:
