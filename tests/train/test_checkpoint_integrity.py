@@ -339,3 +339,15 @@ def test_a_file_replaced_between_its_check_and_its_load_is_refused(tmp_path, mon
     monkeypatch.undo()
     acc.load(path)  # once written, it loads: the newer one
     assert all(torch.equal(v, _state(other)[k]) for k, v in _state(acc).items())
+
+
+@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_state_dict_in_torchs_legacy_format_still_loads(tmp_path, protocol):
+    saved = _trained(3)
+    path = str(tmp_path / "legacy.pt")
+    torch.save(
+        saved.state_dict(), path, _use_new_zipfile_serialization=False, pickle_protocol=protocol
+    )
+    acc = _trained(3, data=50)
+    acc.load(path)
+    assert all(torch.equal(v, _state(saved)[k]) for k, v in _state(acc).items())

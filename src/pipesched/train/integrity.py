@@ -158,10 +158,10 @@ def check_zip(path: str) -> None:
             directory is damaged, or the file is no ``torch.save`` file.
     """
     with open(path, "rb") as f:  # FileNotFoundError, IsADirectoryError: the caller's
-        head = f.read(len(_ZIP_MAGIC) + 12)
+        head = f.read(32)
     if head[:4] != _ZIP_MAGIC and not zipfile.is_zipfile(path):
-        if head[:1] == b"\x80" and head[2:4] == b"\x8a\x0a" and head[4:14] == _LEGACY_MAGIC:
-            return  # torch's legacy format
+        if head[:1] == b"\x80" and b"\x8a\x0a" + _LEGACY_MAGIC in head:
+            return  # torch's legacy format (protocol 4 and later: after a frame header)
         raise CheckpointError(
             f"checkpoint {path!r} cannot be read: it is empty or not a file written by "
             f"torch.save (it opens with {head[:8]!r}); load another checkpoint"
