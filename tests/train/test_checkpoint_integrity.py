@@ -317,15 +317,16 @@ def test_a_save_whose_records_cannot_be_written_commits_nothing(tmp_path, monkey
     assert all(torch.equal(v, _state(acc)[k]) for k, v in _state(fresh).items())
 
 
-def test_a_file_replaced_between_its_check_and_its_load_is_refused(tmp_path, monkeypatch):
+def test_a_file_replaced_between_its_check_and_its_load_loads_what_was_checked(
+    tmp_path, monkeypatch
+):
     # Another process saving to the same path (an atomic rename) while this one loads:
-    # what torch.load read was never checked.
+    # torch.load opens by name, and must still read the file that was checked.
     saved, other = _trained(3), _trained(5, data=9)
     path, newer = str(tmp_path / "ckpt.pt"), str(tmp_path / "newer.pt")
     saved.save(path)
     other.save(newer)
     acc = _trained(3, data=50)
-    before = _state(acc)
     load = torch.load
 
     def replaced_first(*args, **kwargs):
@@ -333,15 +334,30 @@ def test_a_file_replaced_between_its_check_and_its_load_is_refused(tmp_path, mon
         return load(*args, **kwargs)
 
     monkeypatch.setattr(torch, "load", replaced_first)
-    with pytest.raises(CheckpointError, match=rf"{path!r} changed while it was read"):
-        acc.load(path)
-    assert all(torch.equal(before[k], v) for k, v in _state(acc).items())
+    acc.load(path)
+    assert all(torch.equal(v, _state(saved)[k]) for k, v in _state(acc).items())
     monkeypatch.undo()
-    acc.load(path)  # once written, it loads: the newer one
+    acc.load(path)  # and the next load, the newer one
     assert all(torch.equal(v, _state(other)[k]) for k, v in _state(acc).items())
 
 
-@pytest.mark.parametrize("protocol", [2, 4, 5])
+def test_a_changed_first_byte_of_a_zip_without_crcs_is_refused_unread(
+    tmp_path, crcs_off, monkeypatch
+):
+    saved = _trained(3)
+    path = tmp_path / "state.pt"
+    torch.save(saved.state_dict(), path)  # torch's own save: no CRC
+    data = bytearray(path.read_bytes())
+    data[0] ^= 0x5A
+    path.write_bytes(bytes(data))
+    acc = _trained(3, data=50)
+    unpickled = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: unpickled.append(a) or 1 / 0)
+    message = _refused_before_unpickling(acc, str(path), _state(acc))
+    assert "its first bytes" in message and not unpickled, message
+
+
+@pytest.mark.parametrize("protocol", [1, 2, 4, 5])
 def test_a_state_dict_in_torchs_legacy_format_still_loads(tmp_path, protocol):
     saved = _trained(3)
     path = str(tmp_path / "legacy.pt")
@@ -350,4 +366,20 @@ def test_a_state_dict_in_torchs_legacy_format_still_loads(tmp_path, protocol):
     )
     acc = _trained(3, data=50)
     acc.load(path)
+    assert all(torch.equal(v, _state(saved)[k]) for k, v in _state(acc).items())
+
+
+def test_a_sharded_save_never_reads_its_metadata_back(tmp_path, monkeypatch):
+    # Where each node has its own disk, only rank 0's holds .metadata: no rank may need it.
+    import torch.distributed.checkpoint.filesystem as fs
+
+    def unreadable(self, *args, **kwargs):
+        raise FileNotFoundError(".metadata is on rank 0's disk")
+
+    monkeypatch.setattr(fs.FileSystemReader, "read_metadata", unreadable)
+    saved = _trained(3)
+    saved.save(str(tmp_path / "ckpt"), sharded=True)
+    monkeypatch.undo()
+    acc = _trained(3, data=50)
+    acc.load(str(tmp_path / "ckpt"))
     assert all(torch.equal(v, _state(saved)[k]) for k, v in _state(acc).items())

@@ -166,8 +166,8 @@ def _read_own(source: str, keys: list[str]) -> tuple[dict[str, Any], set[str]]:
 
 def _read_file(path: str) -> dict[str, Any]:
     try:
-        with checked_zip(path):  # a damaged file is refused before it is unpickled
-            state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        with checked_zip(path) as checked:  # a damaged file is refused before it is unpickled
+            state = torch.load(checked, map_location="cpu", mmap=True, weights_only=True)
     except (FileNotFoundError, CheckpointError):
         raise
     except Exception as err:

@@ -20,7 +20,7 @@ import zipfile
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -106,8 +106,10 @@ def verified(state: Any, source: str) -> Any:
 
 
 _ZIP_MAGIC = b"PK\x03\x04"
-# torch's legacy (pre-zip) format opens with a pickle of this number (any protocol).
-_LEGACY_MAGIC = (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
+# torch's legacy (pre-zip) format opens with a pickle of this number: binary from
+# protocol 2 on (after a frame header from 4 on), its decimal text in protocols 0 and 1.
+_LEGACY_MAGIC = 0x1950A86A20F9469CFC6C
+_LEGACY_HEADS = (b"\x8a\x0a" + _LEGACY_MAGIC.to_bytes(10, "little"), b"L%dL" % _LEGACY_MAGIC)
 _SUMS = ".crc32-"  # + rank + ".json": the CRC-32 of a sharded version's bytes
 _CHUNK = 1 << 20
 
@@ -116,69 +118,59 @@ Span = tuple[str, int, int]
 
 
 @contextmanager
-def checked_zip(path: str) -> Iterator[None]:
-    """:func:`check_zip` on ``path``, then the block, which reads it; refused if it changed.
+def checked_zip(path: str) -> Iterator[str]:
+    """Opens ``path``, checks it (:func:`check_zip`), and yields a name of that open file.
 
-    Why: the check and ``torch.load`` open the file apart. A file replaced or
-    rewritten between them (a save from another process, a copy) would load
-    unchecked; its identity (device, inode, size, mtime) is compared after.
-
-    Raises:
-        CheckpointError: as :func:`check_zip`, or the file at ``path`` changed
-            while it was read; then whatever the block read is not returned.
-    """
-    before = _identity(path)
-    check_zip(path)
-    yield
-    if _identity(path) != before:
-        raise CheckpointError(
-            f"checkpoint {path!r} changed while it was read (replaced or rewritten between "
-            "its check and its load: another process saving to it?); nothing was loaded "
-            "or changed. Load it again once it is written"
-        )
-
-
-def _identity(path: str) -> tuple[int, int, int, int]:
-    st = os.stat(path)
-    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
-
-
-def check_zip(path: str) -> None:
-    """Refuses a ``torch.save`` file whose zip records differ from their CRC-32.
-
-    Reads each record once, in 1 MiB pieces, without unpickling anything. A
-    file in torch's legacy (pre-zip) format, or saved without CRCs
-    (``torch.serialization.set_crc32_options(False)``: every record's is 0), has
-    nothing to check here: it is unpickled unchecked, and only its contents
-    are checked (after). Anything else is refused unread.
+    Why: ``torch.load`` opens a file by name, so a file replaced between the
+    check and the load (another process saving to it) would load unchecked.
+    The name yielded is ``/proc/self/fd/N``, the open file itself, where the
+    system has it; else ``path``.
 
     Raises:
         FileNotFoundError: there is no file at ``path``.
-        CheckpointError: a record's bytes differ from its CRC-32, the zip's
-            directory is damaged, or the file is no ``torch.save`` file.
+        CheckpointError: as :func:`check_zip`.
     """
     with open(path, "rb") as f:  # FileNotFoundError, IsADirectoryError: the caller's
-        head = f.read(32)
-    if head[:4] != _ZIP_MAGIC and not zipfile.is_zipfile(path):
-        if head[:1] == b"\x80" and b"\x8a\x0a" + _LEGACY_MAGIC in head:
-            return  # torch's legacy format (protocol 4 and later: after a frame header)
+        check_zip(f, path)
+        opened = f"/proc/self/fd/{f.fileno()}"
+        yield opened if os.path.exists(opened) else path
+
+
+def check_zip(f: BinaryIO, path: str) -> None:
+    """Refuses a ``torch.save`` file (``f``, open, named ``path``) whose zip records changed.
+
+    Reads each record once, in 1 MiB pieces, against its CRC-32, without
+    unpickling anything. A file in torch's legacy (pre-zip) format, or saved
+    without CRCs (``torch.serialization.set_crc32_options(False)``: every
+    record's is 0), has nothing to check here: it is unpickled unchecked, and
+    only its contents are checked (after). Anything else is refused unread.
+
+    Raises:
+        CheckpointError: a record's bytes differ from its CRC-32, the zip's
+            first bytes or directory are damaged, or the file is no
+            ``torch.save`` file.
+    """
+    head = f.read(40)
+    if head[:1] in (b"\x80", b"L") and any(h in head for h in _LEGACY_HEADS):
+        return  # torch's legacy format
+    if head[:4] != _ZIP_MAGIC and not zipfile.is_zipfile(f):
         raise CheckpointError(
             f"checkpoint {path!r} cannot be read: it is empty or not a file written by "
             f"torch.save (it opens with {head[:8]!r}); load another checkpoint"
         )
     try:
-        z = zipfile.ZipFile(path)
+        z = zipfile.ZipFile(f)
     except Exception as err:  # BadZipFile: no directory where a zip keeps it
         raise CheckpointError(
             f"checkpoint {path!r} cannot be read ({type(err).__name__}: {err}): it is "
             "truncated, or its zip directory is damaged; load another checkpoint"
         ) from err
     with z:
+        if head[:4] != _ZIP_MAGIC:  # a zip, but torch.load would read it as the legacy one
+            raise _changed(f"checkpoint {path!r}", "its first bytes")
         infos = z.infolist()
         if not any(info.CRC for info in infos):
             return
-        if head[:4] != _ZIP_MAGIC:  # a zip, but torch.load would read it as the legacy one
-            raise _changed(f"checkpoint {path!r}", "its first bytes")
         for info in infos:
             try:
                 with z.open(info) as r:  # raises at the end when the CRC-32 differs

@@ -146,8 +146,8 @@ def load_checkpoint(path: str) -> Any:
             written. The reader's error is chained.
     """
     try:
-        with checked_zip(path):
-            return torch.load(path, map_location="cpu", weights_only=False)
+        with checked_zip(path) as checked:
+            return torch.load(checked, map_location="cpu", weights_only=False)
     except (FileNotFoundError, CheckpointError):
         raise
     except Exception as err:

@@ -73,27 +73,29 @@ def resolve(path: str) -> str:
 
 def read_metadata(directory: str) -> dict[str, Any]:
     """Each key of the DCP checkpoint in ``directory``: its tensor metadata, or bytes metadata."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    check(directory, [_METADATA], [])  # before it is unpickled
-    try:
-        metadata = FileSystemReader(directory).read_metadata()
-    except Exception as err:
-        raise CheckpointError(
-            f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}); load another"
-        ) from err
-    return dict(metadata.state_dict_metadata)
+    return dict(_metadata(directory).state_dict_metadata)
 
 
 def files_of(directory: str) -> dict[str, str]:
     """Which file of the DCP checkpoint in ``directory`` holds each key (for messages)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
     try:
-        storage = FileSystemReader(directory).read_metadata().storage_data
-    except Exception:  # read already; only a message needs it
+        storage = _metadata(directory).storage_data
+    except CheckpointError:  # read already; only a message needs it
         return {}
     return {index.fqn: getattr(info, "relative_path", "?") for index, info in storage.items()}
+
+
+def _metadata(directory: str) -> Any:
+    """The DCP ``Metadata`` of ``directory``, its file checked before it is unpickled."""
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    check(directory, [_METADATA], [])
+    try:
+        return FileSystemReader(directory).read_metadata()
+    except Exception as err:
+        raise CheckpointError(
+            f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}); load another"
+        ) from err
 
 
 def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[str, Any]:
@@ -118,7 +120,8 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
             request[key] = None  # an object: replaced by what was saved
     if not request:
         return request
-    check(directory, [], [span for key, span in _spans(directory) if key in request])
+    spans = _spans(_metadata(directory).storage_data)
+    check(directory, [], [span for key, span in spans if key in request])
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
@@ -169,7 +172,7 @@ def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp_save(
+            saved = dcp_save(
                 state,
                 storage_writer=FileSystemWriter(directory, sync_files=True),
                 planner=DefaultSavePlanner(flatten_state_dict=False, flatten_sharded_tensors=False),
@@ -177,23 +180,15 @@ def write(state: dict[str, Any], path: str, *, distributed: bool) -> None:
             )  # returns on any rank only once every rank's files and the metadata are written
         except CheckpointException as err:  # a BaseException, whatever failed inside
             raise _unwrapped(err, path, rank) from err
-    _record(directory, path, rank, distributed)
+    _record(directory, path, rank, distributed, [span for _, span in _spans(saved.storage_data)])
     if rank == 0:
         _commit(path, version)
     if distributed:
         dist.barrier()  # no rank reads path before it is committed
 
 
-def _spans(directory: str) -> list[tuple[str, Span]]:
-    """Each key's stored bytes in the DCP directory (a key stored in chunks: each)."""
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
-
-    try:
-        storage = FileSystemReader(directory).read_metadata().storage_data
-    except Exception as err:  # checked already: the file is as saved, but unreadable
-        raise CheckpointError(
-            f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}); load another"
-        ) from err
+def _spans(storage: Mapping[Any, Any]) -> list[tuple[str, Span]]:
+    """Each key's stored bytes, from DCP's ``storage_data`` (a key stored in chunks: each)."""
     return [
         (index.fqn, (info.relative_path, info.offset, info.length))
         for index, info in storage.items()
@@ -206,18 +201,20 @@ def _writer(name: str, world: int) -> int:
     return int(found[1]) % world if found else 0
 
 
-def _record(directory: str, path: str, rank: int, distributed: bool) -> None:
+def _record(directory: str, path: str, rank: int, distributed: bool, spans: list[Span]) -> None:
     """Every rank records the CRC-32 of the bytes it wrote (see integrity), or none commits.
 
-    A rank reads back only its own files' bytes, so this holds where each node
-    has its own disk; rank 0 also records ``.metadata``, whole, and any file
-    named otherwise than DCP names them.
+    ``spans`` are every item's bytes, from the metadata DCP's save returns on
+    every rank. A rank reads back only its own files' bytes (never
+    ``.metadata``, which only rank 0 may see), so this holds where each node
+    has its own disk; rank 0 also records ``.metadata``, whole, and the bytes
+    of any file named otherwise than DCP names them.
     """
     problem, interrupted = None, None
     world = dist.get_world_size() if distributed else 1
     try:
-        spans = [span for _, span in _spans(directory) if _writer(span[0], world) == rank]
-        record(directory, rank, [_METADATA] if rank == 0 else [], spans)
+        mine = [span for span in spans if _writer(span[0], world) == rank]
+        record(directory, rank, [_METADATA] if rank == 0 else [], mine)
     except BaseException as err:  # a Ctrl-C too: the other ranks must not wait for this one
         problem = f"rank {rank}: {type(err).__name__}: {err}"
         interrupted = None if isinstance(err, Exception) else err
