@@ -30,7 +30,6 @@ __all__ = [
     "CHECKSUM",
     "Span",
     "check",
-    "check_zip",
     "checked_zip",
     "digest",
     "record",
@@ -39,6 +38,8 @@ __all__ = [
 
 CHECKSUM = "checksum"
 """The key of a single-file checkpoint's digest (over every other key)."""
+
+_NOTHING = "Nothing was loaded or changed; load another checkpoint, or a good copy of this one"
 
 
 def digest(value: Any) -> str:
@@ -96,11 +97,8 @@ def verified(state: Any, source: str) -> Any:
     except Exception as err:  # contents a flipped byte made unpicklable
         found = f"unreadable ({type(err).__name__}: {err})"
     if found != expected:
-        raise CheckpointError(
-            f"{source} is not what was saved: its content checksum differs (expected "
-            f"{expected!r}, found {found!r}): a byte of the file changed after it was "
-            "written (disk, copy, transfer). Nothing was loaded or changed; load another "
-            "checkpoint, or a good copy of this one"
+        raise _changed(
+            source, f"its content checksum differs (expected {expected!r}, found {found!r})"
         )
     return state
 
@@ -119,7 +117,7 @@ Span = tuple[str, int, int]
 
 @contextmanager
 def checked_zip(path: str) -> Iterator[str]:
-    """Opens ``path``, checks it (:func:`check_zip`), and yields a name of that open file.
+    """Opens ``path``, checks it (:func:`_check_zip`), and yields a name of that open file.
 
     Why: ``torch.load`` opens a file by name, so a file replaced between the
     check and the load (another process saving to it) would load unchecked.
@@ -128,15 +126,15 @@ def checked_zip(path: str) -> Iterator[str]:
 
     Raises:
         FileNotFoundError: there is no file at ``path``.
-        CheckpointError: as :func:`check_zip`.
+        CheckpointError: as :func:`_check_zip`.
     """
     with open(path, "rb") as f:  # FileNotFoundError, IsADirectoryError: the caller's
-        check_zip(f, path)
+        _check_zip(f, path)
         opened = f"/proc/self/fd/{f.fileno()}"
         yield opened if os.path.exists(opened) else path
 
 
-def check_zip(f: BinaryIO, path: str) -> None:
+def _check_zip(f: BinaryIO, path: str) -> None:
     """Refuses a ``torch.save`` file (``f``, open, named ``path``) whose zip records changed.
 
     Reads each record once, in 1 MiB pieces, against its CRC-32, without
@@ -213,8 +211,7 @@ def check(directory: str, whole: list[str], spans: list[Span]) -> None:
             except (ValueError, TypeError, AttributeError, OSError) as err:
                 raise CheckpointError(
                     f"{source} cannot be checked: its checksum record {name!r} cannot be "
-                    f"read ({type(err).__name__}: {err}); it was changed or cut short. "
-                    "Nothing was loaded or changed; load another checkpoint, or a good copy"
+                    f"read ({type(err).__name__}: {err}); it was changed or cut short. {_NOTHING}"
                 ) from err
     if not recorded:
         return
@@ -224,8 +221,7 @@ def check(directory: str, whole: list[str], spans: list[Span]) -> None:
         if key not in recorded:
             raise CheckpointError(
                 f"{source} cannot be checked: no checksum is recorded for {key!r} (a record "
-                f"file was removed, or a tool other than pipesched rewrote {name!r}). "
-                "Nothing was loaded or changed; load another checkpoint, or a good copy"
+                f"file was removed, or a tool other than pipesched rewrote {name!r}). {_NOTHING}"
             )
         if found != recorded[key]:
             raise _changed(
@@ -254,6 +250,5 @@ def _crc32(path: str, offset: int = 0, length: int = -1) -> int:
 def _changed(source: str, what: str) -> CheckpointError:
     return CheckpointError(
         f"{source} is not what was saved: {what}; a byte of it changed after it was "
-        "written (disk, copy, transfer). Nothing was loaded or changed; load another "
-        "checkpoint, or a good copy of this one"
+        f"written (disk, copy, transfer). {_NOTHING}"
     )
