@@ -383,3 +383,22 @@ def test_a_sharded_save_never_reads_its_metadata_back(tmp_path, monkeypatch):
     acc = _trained(3, data=50)
     acc.load(str(tmp_path / "ckpt"))
     assert all(torch.equal(v, _state(saved)[k]) for k, v in _state(acc).items())
+
+
+def test_a_changed_byte_in_the_latest_pointer_is_refused_naming_it(tmp_path):
+    # Found trying the change as a user: a byte 0x89 there raised UnicodeDecodeError.
+    _, directory, _ = _sharded(tmp_path)
+    pointer = directory / "latest"
+    good = pointer.read_bytes()
+    acc = _trained(3, data=50)
+    before = _state(acc)
+    for position in range(len(good)):
+        for mask in (0x01, 0x20, 0xFF):
+            bad = bytearray(good)
+            bad[position] ^= mask
+            pointer.write_bytes(bytes(bad))
+            if bytes(bad).strip() == good.strip():
+                continue  # only the line's end changed: the same version
+            with pytest.raises(CheckpointError, match="'latest'"):
+                acc.load(str(directory))
+            assert all(torch.equal(before[k], v) for k, v in _state(acc).items())

@@ -54,7 +54,7 @@ def resolve(path: str) -> str:
         return path  # a plain torch.distributed.checkpoint directory
     pointer = os.path.join(path, LATEST)
     try:
-        with open(pointer) as f:
+        with open(pointer, errors="replace") as f:  # a changed byte: no such version below
             version = f.read().strip()
     except OSError as err:
         raise CheckpointError(
@@ -66,7 +66,7 @@ def resolve(path: str) -> str:
     if os.sep in version or not os.path.isfile(os.path.join(directory, _METADATA)):
         raise CheckpointError(
             f"checkpoint {path!r} names version {version!r} in {LATEST!r}, which is not a "
-            "complete checkpoint (its files were removed); load another"
+            f"complete checkpoint (its files were removed, or {LATEST!r} changed); load another"
         )
     return directory
 
