@@ -114,6 +114,19 @@ class Masked(nn.Module):
         return self.fc(out[0])
 
 
+class Strided(nn.Module):
+    """Linears on non-contiguous inputs (3-D and 4-D): ATen's ``linear`` runs ``matmul``
+    then ``add_`` there, whose bias gradient sums the rows in another order than ``addmm``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.b(torch.tanh(self.a(x.transpose(0, 1))).transpose(0, 1))
+        return self.c(torch.stack([h, x]).transpose(1, 2))
+
+
 def _parametrized() -> nn.Module:
     layer = nn.Linear(6, 6)
     parametrize.register_parametrization(layer, "weight", Scale())
@@ -177,6 +190,7 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         (lambda: Masked(causal=True), X, 3),  # a causal mask with the hint: SDPA's is_causal
         (AtenEmbedding, IDS, 1),  # id 9, the last row, gets its gradient (-1 is no padding)
         (LastRowPadding, IDS, 1),  # id 9 is the padding row here: no gradient
+        (Strided, torch.randn(16, 32, 6, dtype=DTYPE), 3),
     ],
     ids=[
         "block",
@@ -189,6 +203,7 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         "causal-attention",
         "aten-embedding",
         "last-row-padding",
+        "strided-inputs",
     ],
 )
 def test_b_then_w_equals_the_whole_backward_bitwise(build, x, deferred, ckpt) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -82,6 +83,21 @@ def test_fused_gradients_equal_autograd_over_several_backwards(shape, bias) -> N
         out.pow(2).sum().backward()
         torch.testing.assert_close(xf.grad, xp.grad, **EXACT)
     _assert_same(_grads(fused), _grads(plain))
+
+
+@pytest.mark.parametrize("shape", [(16, 32, 6), (4, 16, 8, 6)], ids=["3d", "4d"])
+def test_a_bias_gradient_is_autograds_bitwise_on_a_non_contiguous_input(shape) -> None:
+    # There ATen's linear runs matmul then add_, whose bias gradient is sum_to over the
+    # leading dimensions of the output's gradient as it comes (here not contiguous):
+    # the rows summed in another order than addmm's sum over rows.
+    torch.manual_seed(0)
+    plain = nn.Linear(6, 5).double()
+    fused = copy.deepcopy(plain)
+    x = torch.randn(*shape, dtype=torch.float64).transpose(0, 1)
+    w = torch.randn(*shape[:-1], 5, dtype=torch.float64).transpose(0, 1)
+    (plain(x) * w).sum().backward()
+    (_fused(fused)(x) * w).sum().backward()
+    assert torch.equal(fused.bias.grad, plain.bias.grad)
 
 
 def test_fused_backward_adds_in_the_gemm_instead_of_after_it() -> None:

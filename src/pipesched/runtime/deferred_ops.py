@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from pipesched.runtime.backward_kind import Declaration, declaration
 from pipesched.runtime.compat.internals import function_apply, has_gradient_hooks, in_functorch
+from pipesched.runtime.fused_linear import bias_dims, bias_grad
 
 if TYPE_CHECKING:
     from pipesched.runtime.deferred import WeightStore
@@ -141,6 +142,7 @@ class _Linear(torch.autograd.Function):
         ctx.save_for_backward(x, weight if x.requires_grad else None)
         ctx.parameters = (weight, bias)  # the tensors themselves (checkpoint gives aliases)
         ctx.transposed, ctx.store, ctx.declaration = transposed, store, declared
+        ctx.bias_dims = bias_dims(x, transposed)
         ctx.input_edges = _FIRST
         if transposed and bias is not None:
             return torch.addmm(bias, x, weight)
@@ -156,7 +158,7 @@ class _Linear(torch.autograd.Function):
             grad_x = _linear_input_grad(grad, x, saved_weight, ctx.transposed)
         grad_w = grad_b = None
         if need_b:  # a reduction over the gradient B holds (in cache): made here, added in W
-            grad_b = grad.reshape(-1, grad.shape[-1]).sum(0)
+            grad_b = bias_grad(grad, ctx.bias_dims)
         store: WeightStore = ctx.store
         if _deferring(ctx):
             defer_w = need_w and _deferrable(weight, store)
@@ -194,7 +196,7 @@ def linear_weight_grads(
     grad_b: Tensor | None,
 ) -> tuple[Tensor | None, Tensor | None]:
     """``(weight's, bias's)`` gradients as autograd computes them, for those in ``params``;
-    the bias's was made in B (``grad_2d.sum(0)``, as autograd's ``sum_to``)."""
+    the bias's was made in B (:func:`~pipesched.runtime.fused_linear.bias_grad`)."""
     weight, bias = params
     grad_w = None
     if weight is not None and x is not None and grad is not None:

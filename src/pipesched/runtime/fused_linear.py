@@ -9,6 +9,7 @@ pipesched runs the backward and no other stage shares the weight.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ __all__ = [
     "FusedLinearMode",
     "accumulate",
     "accumulate_mm",
+    "bias_dims",
+    "bias_grad",
     "unshared_parameters",
     "weight_factors",
     "weight_pass",
@@ -199,6 +202,7 @@ class _FusedLinear(torch.autograd.Function):
         # as recomputed aliases, and a .grad set on an alias is lost.
         ctx.parameters = (weight, bias)
         ctx.transposed = transposed
+        ctx.bias_dims = bias_dims(x, transposed)
         ctx.hooked = _saved_tensor_hooks() is not None  # saved through hooks (a checkpoint)
         ctx.declaration = declaration()  # this thread's: it runs this micro-batch's backward
         ctx.fused_linear = _FUSED  # ctx is the node: weight_pass recognises it
@@ -230,9 +234,9 @@ class _FusedLinear(torch.autograd.Function):
             elif want_w == RETURN:  # autograd.grad() asks for it: no .grad is touched
                 grad_w = torch.mm(a, b)
             if want_b == ACCUMULATE:
-                accumulate(bias, grad_2d.sum(0))
+                accumulate(bias, bias_grad(grad, ctx.bias_dims))
             elif want_b == RETURN:
-                grad_b = grad_2d.sum(0)
+                grad_b = bias_grad(grad, ctx.bias_dims)
         return grad_x, grad_w, grad_b, None
 
 
@@ -259,7 +263,7 @@ def weight_pass(node: Any, grad: Tensor, weights: Sequence[Tensor]) -> bool:
     with torch.no_grad():
         accumulate_mm(weight, *weight_factors(x, grad_2d, ctx.transposed))
         if bias is not None:
-            accumulate(bias, grad_2d.sum(0))
+            accumulate(bias, bias_grad(grad, ctx.bias_dims))
     return True
 
 
@@ -267,6 +271,31 @@ def weight_factors(x: Tensor, grad_2d: Tensor, transposed: bool) -> tuple[Tensor
     """``(a, b)`` with the weight's gradient ``a @ b``."""
     x_2d = x.reshape(-1, x.shape[-1])
     return (x_2d.t(), grad_2d) if transposed else (grad_2d.t(), x_2d)
+
+
+_FLATTEN_3D = os.environ.get("TORCH_LINEAR_FLATTEN_3D") == "1"
+"""ATen's switch (read once, as ATen reads it) that flattens a non-contiguous 3-D input too."""
+
+
+def bias_dims(x: Tensor, transposed: bool) -> tuple[int, ...] | None:
+    """The dimensions autograd sums a linear's output gradient over for its bias.
+
+    None where ATen's ``linear`` ran one ``addmm`` on ``x`` as rows (a 2-D or contiguous
+    input, GPT-2's ``addmm``): the gradient's rows are summed. For a non-contiguous input
+    it runs ``matmul`` then ``add_``, whose bias gradient is ``sum_to`` over the leading
+    dimensions: the same sum in another order, so other rounding.
+    """
+    if transposed or x.dim() <= 2 or x.is_contiguous() or (_FLATTEN_3D and x.dim() == 3):
+        return None
+    return tuple(range(x.dim() - 1))
+
+
+def bias_grad(grad: Tensor, dims: tuple[int, ...] | None) -> Tensor:
+    """A linear's bias gradient from its output's ``grad``, summed as autograd sums it
+    (``dims`` from :func:`bias_dims`)."""
+    if dims is None:
+        return grad.reshape(-1, grad.shape[-1]).sum(0)
+    return grad.sum(dims)
 
 
 _FUSED = object()
