@@ -181,3 +181,15 @@ def test_the_profile_names_a_tied_parameter_on_every_layer_that_uses_it() -> Non
     tied = (("0.weight", 64 * 8 * 8.0),)
     assert costs[0].shared == tied and costs[-1].shared == tied
     assert all(c.shared == () for c in costs[1:-1])
+
+
+def test_the_planner_times_b_and_w_apart() -> None:
+    """Its one-worker schedule runs each layer's W right after its B: the runtime would run
+    such a pair whole (Schedule.whole_backwards), so the planner turns that off to see W."""
+    from pipesched.planning.timing import run_layer_times
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512))
+    times = run_layer_times(model, (torch.randn(256, 512),), 3, torch.device("cpu"), 1)
+    for k in (0, 2):  # a linear's W is its weight's GEMM: about half its backward
+        assert times.backward_weight[k] > 0.2 * times.backward[k], times

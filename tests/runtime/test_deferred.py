@@ -286,6 +286,43 @@ def test_zero_bubble_step_equals_1f1b_bitwise(checkpoint_mode) -> None:
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("checkpoint_mode", ["never", "always"])
+def test_back_to_back_pairs_run_whole_and_equal_the_split_bitwise(
+    checkpoint_mode, monkeypatch
+) -> None:
+    """zb-v's pairs that Schedule.whole_backwards names run one whole backward (their
+    forward deferring nothing), the others B then W; the gradients are the all-split run's."""
+    from pipesched.runtime import passes
+
+    x, y = torch.randn(8, 4, 6, dtype=DTYPE), torch.randn(8, 4, 6, dtype=DTYPE)
+    split_calls: list[int] = []
+    backward_input = passes.backward_input
+
+    def counted(*args, **kwargs):  # type: ignore[no-untyped-def]
+        split_calls.append(1)
+        return backward_input(*args, **kwargs)
+
+    monkeypatch.setattr(passes, "backward_input", counted)
+    grads, splits = [], []
+    for whole in (True, False):
+        torch.manual_seed(0)
+        model = nn.Sequential(Block(), nn.Linear(6, 6), Block(), nn.Linear(6, 6)).to(DTYPE)
+        pipe = Pipeline(
+            model, 4, balance=[1, 1, 1, 1], devices=["cpu", "cpu"], schedule="zb-v",
+            checkpoint=checkpoint_mode,
+        )  # fmt: skip
+        pipe.engine.runtime.passes.whole_backward = whole
+        split_calls.clear()
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        splits.append(len(split_calls))
+        grads.append([p.grad for p in model.parameters()])
+    schedule = pipe.schedule_for(4)
+    assert splits == [4 * 4 - len(schedule.whole_backwards), 4 * 4]
+    assert len(schedule.whole_backwards) == 7  # stages 0 and 2, but the last pair of stage 2
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
+
+
 def test_the_mode_changes_no_forward_value() -> None:
     """The mode changes no forward value: outputs equal the plain forward's bitwise."""
     torch.manual_seed(0)

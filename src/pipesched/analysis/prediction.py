@@ -49,6 +49,9 @@ class StepModel:
         spread: per kind, each stage's measured durations divided by their
             mean (for its checkpointed or kept micro-batches): how like
             actions vary. Empty: they do not.
+        whole: each stage's B where it runs the whole backward (the pairs of
+            ``Schedule.whole_backwards``, whose W then costs nothing), without
+            recomputation. Empty: B + W.
     """
 
     passes: Mapping[str, tuple[float, ...]]
@@ -58,6 +61,7 @@ class StepModel:
     outside: float = 0.0
     source: str = "measured step"
     spread: Mapping[str, tuple[tuple[float, ...], ...]] = field(default_factory=dict)
+    whole: tuple[float, ...] = ()
 
     @classmethod
     def measure(
@@ -67,8 +71,10 @@ class StepModel:
         *,
         outside: float = 0.0,
         source: str = "measured step",
+        whole: frozenset[tuple[int, int]] = frozenset(),
     ) -> StepModel:
-        """The costs of the measured step ``timeline``.
+        """The costs of the measured step ``timeline``; ``whole``: the pairs it ran as one
+        whole backward (their B measures :attr:`whole`, their W nothing).
 
         Passes: each stage's mean duration of each kind, apart for the
         micro-batches ``i < checkpoint_stop`` (checkpointed; per stage where a
@@ -84,9 +90,16 @@ class StepModel:
         n = timeline.num_stages
         stops = _stops(checkpoint_stop, n)
         samples: dict[tuple[str, int, bool], list[float]] = defaultdict(list)
+        joined: dict[tuple[int, bool], list[float]] = defaultdict(list)  # whole backwards
         for e in timeline.events:
             s, kind, i = e.action
-            samples[kind, s, i < stops[s]].append(e.duration)
+            if kind == FORWARD or (s, i) not in whole:
+                samples[kind, s, i < stops[s]].append(e.duration)
+            elif kind == BACKWARD:
+                joined[s, i < stops[s]].append(e.duration)
+        for (s, recomputed), durations in joined.items():
+            if not any((BACKWARD, s, c) in samples for c in (False, True)):
+                samples[BACKWARD, s, recomputed] += durations  # a stage never split
 
         def mean(kind: str, s: int, checkpointed: bool) -> float | None:
             got = samples.get((kind, s, checkpointed))
@@ -112,6 +125,8 @@ class StepModel:
                 mean(k, s, True) is not None for k in _KINDS
             ):
                 recompute[BACKWARD][s] = forward
+        split = {s for (kind, s, _) in samples if kind == WEIGHT}
+        whole_costs = _whole_costs(joined, split, passes, recompute) if whole else ()
         overhead, latency = _gaps(timeline)
         ratios: dict[str, list[list[float]]] = {k: [[] for _ in range(n)] for k in _KINDS}
         for (kind, s, _), durations in samples.items():
@@ -126,6 +141,7 @@ class StepModel:
             outside,
             source,
             {k: tuple(tuple(r) for r in v) for k, v in ratios.items()},
+            whole_costs,
         )
 
     @classmethod
@@ -187,6 +203,9 @@ def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int | Sequenc
     mean: Costs = {k: (sum(v) / len(v),) * n for k, v in model.passes.items()}
     zero: Costs = {k: (0.0,) * n for k in _KINDS}
     no_gap = (0.0,) * workers
+    whole = model.whole
+    if whole:  # the "ideal" level plays every stage at the mean: its whole backward too
+        mean = {**mean, _WHOLE: (sum(whole) / len(whole),) * n}
     levels: list[tuple[Costs, Costs, float, tuple[float, ...]]] = [
         (mean, zero, 0.0, no_gap),
         (model.passes, zero, 0.0, no_gap),
@@ -194,6 +213,8 @@ def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int | Sequenc
         (model.passes, model.recompute, model.latency, no_gap),
         (model.passes, model.recompute, model.latency, model.overhead),
     ]
+    if whole:
+        levels[1:] = [({**level[0], _WHOLE: whole}, *level[1:]) for level in levels[1:]]
     stops = _stops(checkpoint_stop, n)
     with paused_gc():
         played = [_play(schedule, stops, *level) for level in levels]
@@ -212,6 +233,32 @@ def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int | Sequenc
         model.source,
     )
     return replace(played[-1], breakdown=breakdown)
+
+
+_WHOLE = "whole"
+"""The key of :attr:`StepModel.whole` among a play's per-kind costs."""
+
+
+def _whole_costs(
+    joined: Mapping[tuple[int, bool], list[float]],
+    split: set[int],
+    passes: Mapping[str, list[float]],
+    recompute: Mapping[str, list[float]],
+) -> tuple[float, ...]:
+    """Each stage's whole backward, without recomputation: the mean of those measured
+    (``joined``, by stage and whether checkpointed) on a stage that also split some
+    (``split``); else B + W (a stage that never split measured its whole ones as B)."""
+    costs = []
+    for s in range(len(passes[BACKWARD])):
+        kept, recomputed = joined.get((s, False)), joined.get((s, True))
+        if s not in split or not (kept or recomputed):
+            costs.append(passes[BACKWARD][s] + passes[WEIGHT][s])
+        elif kept:
+            costs.append(sum(kept) / len(kept))
+        else:
+            runs = recomputed or [0.0]
+            costs.append(sum(runs) / len(runs) - recompute[BACKWARD][s])
+    return tuple(costs)
 
 
 SAMPLES = 31
@@ -240,7 +287,7 @@ def _typical(
             _play(
                 schedule,
                 stop,
-                model.passes,
+                {**model.passes, _WHOLE: model.whole} if model.whole else model.passes,
                 model.recompute,
                 model.latency,
                 model.overhead,
@@ -262,6 +309,8 @@ def _play(
 ) -> Timeline:
     order = schedule.order()
     placement, n = schedule.placement, schedule.num_stages
+    whole = passes.get(_WHOLE)
+    joined = schedule.whole_backwards if whole else frozenset()
     end: dict[tuple[int, str, int], float] = {}
     free = [0.0] * schedule.num_workers
     events = []
@@ -273,6 +322,8 @@ def _play(
         if need is not None and placement[need[0]] != w:
             start = max(start, end[need] + latency)
         duration = passes[kind][s] + (recompute[kind][s] if i < stop[s] else 0.0)
+        if (s, i) in joined and kind != FORWARD:  # one whole backward: B all of it, W nothing
+            duration = 0.0 if kind == WEIGHT else duration - passes[kind][s] + whole[s]  # type: ignore[index]
         if factor is not None:
             duration *= factor[action]
         end[action] = free[w] = start + duration

@@ -39,11 +39,13 @@ def predict_step(pipe: Pipeline, num_microbatches: int | None) -> Timeline:
     timeline = pipe.gather_timeline(everywhere=True)  # a collective on a mesh
     if timeline is not None and any(e.action.kind == BACKWARD for e in timeline.events):
         m = 1 + max(e.action.microbatch for e in timeline.events)
+        ran = pipe.schedule_for(m)
         model = StepModel.measure(
             timeline,
             stage_stops(pipe.checkpoint, pipe.num_stages, m),
             outside=max(0.0, _slowest_wall(pipe) - timeline.makespan),
             source=f"the last step's {len(timeline.events)} measured actions",
+            whole=ran.whole_backwards if pipe.engine.runtime.passes.whole_backward else frozenset(),
         )
     else:
         m, model = pipe.chunks, _from_partition(pipe)

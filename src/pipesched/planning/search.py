@@ -254,11 +254,14 @@ def _score(
     else:
         backward = tuple(table.times(i, j)[1] for i, j in spans)
         weight = (0.0,) * len(spans)
+    # The pairs the runtime runs as one whole backward cost a whole backward, not B + W.
+    whole = tuple(table.times(i, j)[1] for i, j in spans) if schedule.split_backward else ()
     model = StepModel(
         {FORWARD: forward, BACKWARD: backward, WEIGHT: weight},
         StepModel.recomputation(forward, split_backward=schedule.split_backward),
         (overhead,) * schedule.num_workers,
         source="planner",
+        whole=whole,
     )
     stops = table.stops(schedule.num_stages)
     timeline = predict(schedule, model, stops)

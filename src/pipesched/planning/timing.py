@@ -135,6 +135,7 @@ def _timed(
         model=module,
         extra_names=[r for r in random_ops if r is not None],
     )
+    engine.runtime.passes.whole_backward = False  # B and W as split schedules split them
     batch = call.args[0] if sequential else call
     step = StepInputs([batch], loss_fn=_summed, loss_weights=[1.0])
     durations: dict[str, list[list[float]]] = {

@@ -110,6 +110,8 @@ class Interpreter:
                 the stage, micro-batch and worker; every other worker has stopped.
         """
         state = StepState(step, detach, schedule.split_backward, StepSeed(step.seed))
+        if self.passes.whole_backward:
+            state.whole = schedule.whole_backwards
         forward_only = step.loss_fn is None
         plan = transfer_plan(schedule)
         rows = {w: _forward_only(plan[w]) if forward_only else plan[w] for w in workers}

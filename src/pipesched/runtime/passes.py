@@ -72,12 +72,15 @@ class StepState:
         timeline: the events as a Timeline, once the step has run.
         seed: the step's seed for random operations.
         origin_wall: the step's start on the wall clock (to align processes).
+        whole: of a split schedule, the ``(stage, microbatch)`` pairs whose B runs
+            the whole backward, leaving its W nothing (``Schedule.whole_backwards``).
     """
 
     step: StepInputs
     detach: bool
     split_backward: bool = False
     seed: StepSeed = field(default_factory=StepSeed)
+    whole: frozenset[tuple[int, int]] = frozenset()
     outputs: dict[int, Any] = field(default_factory=dict)
     losses: dict[int, torch.Tensor] = field(default_factory=dict)
     events: list[Event] = field(default_factory=list)
@@ -130,6 +133,11 @@ class StagePasses:
         """Shared parameters' gradients, summed in stage order (steps in several threads)."""
         self._deferrals: list[Deferral | None] = [None] * len(self.stages)
         """How each stage's split-backward forwards defer, once one has run."""
+        self.whole_backward = True
+        """Whether the pairs a split schedule runs back to back with no transfer between
+        (``Schedule.whole_backwards``) run as one whole backward: the split would cost
+        2-6% of the backward for nothing. False: every pair split (the planner measures
+        B and W so)."""
         self.forward_context: Callable[[int], AbstractContextManager[Any]] | None = None
         """Optional: a context manager entered around each forward of stage ``s``
         (e.g. ``torch.autograd.graph.saved_tensors_hooks`` to count saved bytes)."""
@@ -168,7 +176,8 @@ class StagePasses:
         fused = self.fused[s] if self.fused is not None and state.detach else None
         deferred = None
         # A split backward: B leaves the weights' products to W, with no second pass.
-        if state.split_backward and state.detach and step.loss_fn and torch.is_grad_enabled():
+        split = state.split_backward and (s, i) not in state.whole
+        if split and state.detach and step.loss_fn and torch.is_grad_enabled():
             siblings = state.stage_stores.setdefault(s, [])
             store = state.weight_stores[s, i] = WeightStore(fused or frozenset(), siblings)
             siblings.append(store)
@@ -260,7 +269,8 @@ class StagePasses:
         """B: stage ``s``'s backward for micro-batch ``i`` from its output gradients ``grads``.
 
         ``grads`` is None for the last stage (its output is the loss). Where the
-        schedule splits backward only the input gradients are computed; W runs the rest.
+        schedule splits backward only the input gradients are computed; W runs the rest
+        (but for the pairs in ``state.whole``, whose B runs the whole backward).
         Returns the gradients of the stage's inputs.
         """
         device, stream = self.devices[s], self.streams[self.placement[s]]
@@ -281,7 +291,7 @@ class StagePasses:
         inputs = [x] if isinstance(x, torch.Tensor) else list(tensors(x))
         tied = self.tied.stage(s) if self.tied.active else nullcontext()
         with tied, self.seeding[s].backward(state.seed, i):  # the model's checkpoints recompute
-            if state.split_backward:
+            if state.split_backward and (s, i) not in state.whole:
                 store = state.weight_stores.pop((s, i), None)
                 input_grads, pending = backward_input(outputs, given, inputs, store)
                 state.pending_weights[s, i] = pending
@@ -290,7 +300,10 @@ class StagePasses:
         return list(input_grads)
 
     def weight(self, s: int, i: int, state: StepState) -> None:
-        """W: the weight gradients B of stage ``s``, micro-batch ``i`` left pending."""
+        """W: the weight gradients B of stage ``s``, micro-batch ``i`` left pending (none
+        where B ran the whole backward)."""
+        if (s, i) in state.whole:
+            return
         tied = self.tied.stage(s) if self.tied.active else nullcontext()
         with tied, self.seeding[s].backward(state.seed, i):
             state.pending_weights.pop((s, i)).run()

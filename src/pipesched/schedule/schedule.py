@@ -148,6 +148,15 @@ class Schedule:
         """Whether backward is split into input-gradient B and weight-gradient W."""
         return any(a.kind == WEIGHT for row in self.actions for a in row)
 
+    @cached_property
+    def whole_backwards(self) -> frozenset[tuple[int, int]]:
+        """The ``(stage, microbatch)`` pairs whose B and W a runtime may run as one
+        whole backward, changing no transfer and no sum
+        (:func:`pipesched.schedule.whole_backward.whole_backwards`)."""
+        from pipesched.schedule.whole_backward import whole_backwards
+
+        return whole_backwards(self)
+
     def graph(self) -> nx.DiGraph:
         """The dependency graph (read-only): data edges plus each worker's order edges.
 
