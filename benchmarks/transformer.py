@@ -18,10 +18,11 @@ step's time is the slower worker's:
 Targets (issue 28): on each runtime the best zero-bubble schedule >= 1.05x our
 1f1b; on the distributed runtime also >= 1.10x torch's 1F1B.
 
-Under each table, what the schedules themselves allow: each of ours simulated
-(``simulate``) with the F, B and W it took in this run (each pass's median on each
-stage over the rounds, every rank's) and nothing between passes, as a speed-up
-over 1f1b simulated so, beside a schedule synthesized for zb-v's passes
+Under each table, what the schedules themselves allow: each of ours played
+(``predict``) with the F, B and W it took in this run (each pass's median on each
+stage over the rounds, every rank's; a whole backward where it ran B and W as
+one, ``Schedule.whole_backwards``) and nothing between passes, as a speed-up
+over 1f1b played so, beside a schedule synthesized for zb-v's passes
 (``synthesize``, holding at most 1F1B's 2 micro-batches per worker); and what no
 schedule passes if splitting cost nothing (``lower_bound`` with 1f1b's F, and its B
 cut into B and W as the split ones' were). Worker 1 has nothing to run until
@@ -48,7 +49,8 @@ from torch import nn
 
 from pipesched import Pipeline
 from pipesched.analysis import lower_bound, synthesize
-from pipesched.schedule import Costs, simulate
+from pipesched.analysis.prediction import StepModel, predict
+from pipesched.schedule import Costs
 
 LAYERS, WIDTH, HEADS, FFN = 8, 256, 4, 1024
 BATCH, TOKENS, CHUNKS = 64, 64, 8
@@ -171,13 +173,19 @@ class Ours:
             passes = self.passes[schedule]
             steps = itertools.count()
 
+            whole = pipe.schedule_for(CHUNKS).whole_backwards
+
             def run() -> None:
                 pipe.step(x, y, loss_fn=loss_fn)
                 if next(steps) == 0:  # the warm-up (alternate's first call) is not kept
                     return
                 for event in pipe.last_timeline.events:  # type: ignore[union-attr]
-                    action = event.action
-                    passes.setdefault((action.kind, action.stage), []).append(event.duration)
+                    s, kind, i = event.action
+                    if kind != "F" and (s, i) in whole:  # one whole backward (in B), W nothing
+                        if kind == "B":
+                            passes.setdefault(("whole", s), []).append(event.duration)
+                        continue
+                    passes.setdefault((kind, s), []).append(event.duration)
 
             return run
 
@@ -189,6 +197,7 @@ class Ours:
         simulation's speed-up over 1f1b's, and the no-bubble bound's."""
         simulated: dict[str, float] = {}
         measured: dict[str, list[list[float]]] = {}
+        models: dict[str, StepModel] = {}
         passes = []
         for schedule, pipe in self.pipes.items():
             table = pipe.schedule_for(CHUNKS)
@@ -196,27 +205,41 @@ class Ours:
             medians = torch.tensor(
                 [
                     [statistics.median(self.passes[schedule].get((kind, s), [0.0])) for s in stages]
-                    for kind in ("F", "B", "W")
+                    for kind in ("F", "B", "W", "whole")
                 ],
                 dtype=torch.float64,
             )
             reduce(medians, dist.ReduceOp.SUM)  # each stage's times are its rank's alone
-            f, b, w = measured[schedule] = medians.tolist()
-            simulated[schedule] = simulate(table, Costs(f, b, w)).makespan
+            f, b, w, whole = medians.tolist()
+            b, w = _split_where_never_split(b, w, whole)
+            measured[schedule] = [f, b, w]
+            # Played as it ran: the pairs run whole cost their whole backward.
+            model = StepModel(
+                {"F": tuple(f), "B": tuple(b), "W": tuple(w)},
+                {k: (0.0,) * len(f) for k in "FBW"},  # B's medians include any recomputation
+                (0.0, 0.0),
+                whole=tuple(x or b[s] + w[s] for s, x in enumerate(whole)) if any(w) else (),
+            )
+            simulated[schedule] = predict(table, model, 0).makespan
+            models[schedule] = model
             per = 4 / LAYERS * 1000  # ms per 4 layers: the stages cover all LAYERS
             times = f"F {sum(f) * per:.1f} B {sum(b) * per:.1f}"
-            passes.append(f"{schedule} {times}" + (f" W {sum(w) * per:.1f}" if any(w) else ""))
+            if any(w):
+                times += f" W {sum(w) * per:.1f}"
+            if any(whole):
+                times += f" (whole {statistics.mean(x for x in whole if x) * 2 * per:.1f})"
+            passes.append(f"{schedule} {times}")
         base = simulated["1f1b"]
         alone = ", ".join(f"{s} {base / t:.2f}x" for s, t in simulated.items() if s != "1f1b")
         zb_v = Costs(*measured["zb-v"])
         fitted = synthesize(2, CHUNKS, zb_v, stages_per_worker=2, memory_limit=2)
-        fit = base / simulate(fitted, zb_v).makespan
+        fit = base / predict(fitted, models["zb-v"], 0).makespan
         free = {
             name: base / lower_bound(2, CHUNKS, self._free(measured, name), stages_per_worker=v)
             for name, v in (("zb-h1", 1), ("zb-v", 2))
         }
         return (
-            f"  schedules alone, simulated with this run's pass times: {alone}, "
+            f"  schedules alone, played with this run's pass times: {alone}, "
             f"synthesized for zb-v's passes {fit:.2f}x our 1f1b\n"
             f"  at 1f1b's passes (a split that costs nothing) no schedule passes (lower_bound): "
             f"{free['zb-h1']:.2f}x on zb-h1's placement, {free['zb-v']:.2f}x on zb-v's\n"
@@ -238,6 +261,22 @@ class Ours:
             [b1[k] * part * (1 - share[s]) for s, k in enumerate(of)],
             [b1[k] * part * share[s] for s, k in enumerate(of)],
         )
+
+
+def _split_where_never_split(
+    b: list[float], w: list[float], whole: list[float]
+) -> tuple[list[float], list[float]]:
+    """B and W of each stage; a stage that ran every backward whole (zb-v's first) gets its
+    whole backward cut in the proportion the stages that split cut theirs."""
+    split = [s for s in range(len(b)) if w[s]]
+    if not split:
+        return b, w
+    share = statistics.mean(w[s] / (b[s] + w[s]) for s in split)
+    b, w = list(b), list(w)
+    for s in range(len(b)):
+        if not w[s] and whole[s]:
+            b[s], w[s] = whole[s] * (1 - share), whole[s] * share
+    return b, w
 
 
 def alternate(

@@ -17,6 +17,7 @@ from pipesched.schedule import (
     get_schedule,
 )
 from pipesched.schedule.breakdown import PARTS, Breakdown
+from tests.list_scheduler import play
 
 F, B, OVERHEAD, LATENCY = 1.0, 2.0, 0.1, 0.5
 
@@ -121,33 +122,6 @@ def test_a_split_backward_recomputes_in_b_only() -> None:
         assert again == {"F": (0.0,) * 3, "B": (1.0, 2.0, 3.0), "W": (0.0,) * 3}
 
 
-def _played(schedule: Schedule, cost) -> Timeline:
-    """Every action as early as its worker's order and its data allow (an independent list
-    scheduler, no gaps); ``cost(stage, kind, microbatch)`` gives its duration."""
-    last = schedule.num_stages - 1
-    end: dict[tuple[int, str, int], float] = {}
-    free = [0.0] * schedule.num_workers
-    position = [0] * schedule.num_workers
-    events = []
-    while len(events) < sum(map(len, schedule.actions)):
-        for w, row in enumerate(schedule.actions):
-            while position[w] < len(row):
-                action = row[position[w]]
-                s, kind, i = action.stage, str(action.kind), action.microbatch
-                need = {
-                    "F": [(s - 1, "F", i)] if s else [],
-                    "B": [(s, "F", i)] + ([(s + 1, "B", i)] if s < last else []),
-                    "W": [(s, "B", i)],
-                }[kind]
-                if any(n not in end for n in need):
-                    break
-                start = max([free[w], *(end[n] for n in need)])
-                end[s, kind, i] = free[w] = start + cost(s, kind, i)
-                events.append(Event(action, w, start, free[w]))
-                position[w] += 1
-    return Timeline(tuple(events), schedule.placement)
-
-
 def test_pairs_run_as_one_whole_backward_are_measured_and_played_as_such() -> None:
     """zb-v runs most pairs of stages 0 and 2 as one whole backward (2, cheaper than B + W =
     1.25 + 1): measured apart from the split ones, and played back to the instant."""
@@ -160,7 +134,7 @@ def test_pairs_run_as_one_whole_backward_are_measured_and_played_as_such() -> No
             return 2.0 if kind == "B" else 0.0
         return {"F": 1.0, "B": 1.25, "W": 1.0}[kind]
 
-    measured = _played(schedule, cost)
+    measured = play(schedule, cost)
     model = StepModel.measure(measured, checkpoint_stop=0, whole=whole)
     assert model.whole == pytest.approx((2.0, 2.25, 2.0, 2.25))  # stage 0 measured B as whole
     assert model.passes["B"] == pytest.approx((2.0, 1.25, 1.25, 1.25))

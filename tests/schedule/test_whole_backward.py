@@ -7,37 +7,19 @@ from hypothesis import strategies as st
 
 from pipesched.schedule import SCHEDULES, Schedule, get_schedule, stages_per_worker
 from pipesched.schedule.whole_backward import whole_backwards
+from tests.list_scheduler import play
 
 
 def _times(schedule: Schedule, cost, whole: frozenset[tuple[int, int]]) -> dict:
-    """Each action's start and end, every action as early as its worker's order and its data allow
-    (an independent list scheduler); a pair in ``whole`` runs as B lasting B + W, then W
-    lasting nothing."""
-    last = schedule.num_stages - 1
-    end: dict[tuple[int, str, int], float] = {}
-    start: dict[tuple[int, str, int], float] = {}
-    free = [0.0] * schedule.num_workers
-    position = [0] * schedule.num_workers
-    while any(p < len(row) for p, row in zip(position, schedule.actions, strict=True)):
-        for w, row in enumerate(schedule.actions):
-            while position[w] < len(row):
-                s, kind, i = row[position[w]]
-                kind = str(kind)
-                need = {
-                    "F": [(s - 1, "F", i)] if s else [],
-                    "B": [(s, "F", i)] + ([(s + 1, "B", i)] if s < last else []),
-                    "W": [(s, "B", i)],
-                }[kind]
-                if any(n not in end for n in need):
-                    break
-                t = max([free[w], *(end[n] for n in need)])
-                d = cost(s, kind)
-                if (s, i) in whole:
-                    d = {"B": cost(s, "B") + cost(s, "W"), "W": 0.0}.get(kind, d)
-                start[s, kind, i], end[s, kind, i] = t, t + d
-                free[w] = t + d
-                position[w] += 1
-    return {a: (start[a], end[a]) for a in start}
+    """Each action's (start, end) as early as possible; a pair in ``whole`` runs as B
+    lasting B + W, then W lasting nothing."""
+
+    def duration(s: int, kind: str, i: int) -> float:
+        if (s, i) in whole and kind != "F":
+            return cost(s, "B") + cost(s, "W") if kind == "B" else 0.0
+        return cost(s, kind)
+
+    return {e.action: (e.start, e.end) for e in play(schedule, duration).events}
 
 
 @st.composite
