@@ -103,3 +103,21 @@ def test_a_v_schedules_turn_never_reaches_the_transport():
         mailbox.Mailbox.take = take  # type: ignore[method-assign]
     assert seen and not any(m.stage == 2 and m.kind == "F" for m in seen)
     assert not any(m.stage == 1 and m.kind == "B" for m in seen)
+
+
+def test_a_w_whose_b_ran_whole_gathers_no_sharded_stage():
+    """A stage sharded per action is gathered around each action, but not around a W that
+    has nothing to do (its B ran the whole backward: Schedule.whole_backwards)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]).double()
+    pipe = Pipeline(model, 4, balance=[1, 1, 1, 1], devices=["cpu", "cpu"], schedule="zb-v")
+    x = torch.randn(8, 4, dtype=torch.float64)
+    pipe.step(x, loss_fn=lambda y: y.square().mean())  # builds the engine
+    calls: list[tuple[int, bool]] = []
+    pipe.engine.runtime.interpreter.around_action = lambda s, enter: calls.append((s, enter))
+    pipe.step(x, loss_fn=lambda y: y.square().mean())
+    schedule = pipe.schedule_for(4)
+    actions = sum(map(len, schedule.actions))
+    assert len(schedule.whole_backwards) == 7
+    assert calls.count((0, True)) == calls.count((0, False)) == 4 * 2  # stage 0: F and B
+    assert len(calls) == 2 * (actions - len(schedule.whole_backwards))

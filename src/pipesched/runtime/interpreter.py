@@ -238,7 +238,7 @@ class Interpreter:
         handlers, now, stream = self.handlers, time.perf_counter, self.passes.streams[w]
         take, put, before = transport.take, transport.put, transport.before
         local: dict[Message, Any] = {}  # values between stages of this worker (a V schedule's turn)
-        done, around = self.on_stage_done, self.around_action
+        done, around, whole = self.on_stage_done, self.around_action, state.whole
         times: list[float] = []
         action = steps[0][0] if steps else Action(0, FORWARD, 0)
         previous, _working.interpreter = getattr(_working, "interpreter", None), self
@@ -256,13 +256,16 @@ class Interpreter:
                         value = local.pop(inbox)
                     else:
                         value = take(inbox, source, stream)
-                    if around is not None:
-                        around(action.stage, True)
+                    # A W whose B ran the whole backward does nothing: no gather for it.
+                    idle = action.kind == Kind.W and (action.stage, action.microbatch) in whole
+                    gather = None if idle else around
+                    if gather is not None:
+                        gather(action.stage, True)
                     # Time from when the input is there: waiting is not work.
                     start = now()
                     result = handlers[action.kind](action, w, value, state)
-                    if around is not None:
-                        around(action.stage, False)
+                    if gather is not None:
+                        gather(action.stage, False)
                     if outbox is not None:
                         if target == w:
                             local[outbox] = result
