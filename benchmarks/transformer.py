@@ -227,7 +227,7 @@ class Ours:
             if any(w):
                 times += f" W {sum(w) * per:.1f}"
             if any(whole):
-                times += f" (whole {statistics.mean(x for x in whole if x) * 2 * per:.1f})"
+                times += f" (whole {statistics.mean(x for x in whole if x) * len(whole) * per:.1f})"
             passes.append(f"{schedule} {times}")
         base = simulated["1f1b"]
         alone = ", ".join(f"{s} {base / t:.2f}x" for s, t in simulated.items() if s != "1f1b")
