@@ -257,3 +257,28 @@ def test_a_stop_per_stage_recomputes_only_on_those_stages():
     assert again.recompute["B"][0] == pytest.approx(F)
     with pytest.raises(ValueError, match="3 values for 2 stages"):
         predict(get_schedule("gpipe", 2, 2), model, checkpoint_stop=(1, 0, 0))
+
+
+def test_whole_pairs_checkpointed_or_kept_are_measured_at_one_stop_and_played_at_any() -> None:
+    """except_last on zb-v: stage 0 ran every pair whole (checkpointed and kept ones), stage 2
+    its checkpointed pairs whole and its kept one split. A checkpointed backward recomputes
+    the forward; played at stop 0, 7 or 8 the step is the one run so."""
+    m = 8
+    schedule = get_schedule("zb-v", 4, m)
+    whole = schedule.whole_backwards
+
+    def costs(stop: int):
+        def cost(s: int, kind: str, i: int) -> float:
+            again = 1.0 if kind == "B" and i < stop else 0.0  # the forward, run again
+            if (s, i) in whole and kind != "F":
+                return 2.0 + again if kind == "B" else 0.0
+            return {"F": 1.0, "B": 1.25, "W": 1.0}[kind] + again
+
+        return cost
+
+    model = StepModel.measure(play(schedule, costs(m - 1)), checkpoint_stop=m - 1, whole=whole)
+    assert model.recompute["B"] == pytest.approx((1.0,) * 4)
+    assert model.whole == pytest.approx((2.0, 2.25, 2.0, 2.25))
+    for stop in (m - 1, 0, m):
+        truth = play(schedule, costs(stop)).makespan
+        assert predict(schedule, model, checkpoint_stop=stop).makespan == pytest.approx(truth)

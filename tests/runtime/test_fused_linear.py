@@ -554,3 +554,49 @@ def test_accumulate_is_accumulate_grads_rule(held: str | None, new: str) -> None
     assert torch.equal(ours.grad.to_dense(), theirs.grad.to_dense())
     if held == "dense":
         assert ours.grad is before  # in place, as autograd
+
+
+def test_a_strided_1d_inputs_bias_gradient_keeps_a_negative_zero() -> None:
+    # ATen runs matmul then add_: the output's gradient is the bias's, unsummed (-0.0 kept).
+    torch.manual_seed(0)
+    plain = nn.Linear(6, 5).double()
+    fused = copy.deepcopy(plain)
+    x = torch.randn(12, dtype=torch.float64)[::2]
+    w = torch.full((5,), -0.0, dtype=torch.float64)
+    (plain(x) * w).sum().backward()
+    (_fused(fused)(x) * w).sum().backward()
+    assert torch.equal(fused.bias.grad.signbit(), plain.bias.grad.signbit())
+    assert plain.bias.grad.signbit().all()
+
+
+class _Reused(nn.Module):
+    """``a`` applied twice, and its weight also read by a matmul: reached three times."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.a(torch.tanh(self.a(x))) + x @ self.a.weight.t()
+
+
+@pytest.mark.parametrize("checkpoint_mode", ["never", "always"])
+def test_a_fused_weight_reached_several_times_sums_as_a_split_w_in_every_schedule(
+    fp64, fuse_every_size, checkpoint_mode
+) -> None:
+    """A whole backward leaves such a weight's parts to autograd (summed, then one add), as a
+    split W does: 1F1B, zb-v's whole pairs and zb-v all split give the same bits."""
+    x, y = torch.randn(8, 3, 6), torch.randn(8, 3, 6)
+    grads = []
+    for schedule, devices, whole in (("1f1b", 4, True), ("zb-v", 2, True), ("zb-v", 2, False)):
+        torch.manual_seed(0)
+        model = nn.Sequential(_Reused(), nn.Linear(6, 6), _Reused(), nn.Linear(6, 6))
+        pipe = Pipeline(
+            model, 4, balance=[1, 1, 1, 1], devices=["cpu"] * devices, schedule=schedule,
+            checkpoint=checkpoint_mode,
+        )  # fmt: skip
+        pipe.engine.runtime.passes.whole_backward = whole
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        grads.append([p.grad for p in model.parameters()])
+    for a, b, c in zip(*grads, strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)

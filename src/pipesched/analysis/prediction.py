@@ -97,9 +97,10 @@ class StepModel:
                 samples[kind, s, i < stops[s]].append(e.duration)
             elif kind == BACKWARD:
                 joined[s, i < stops[s]].append(e.duration)
+        never_split = {s for s, _ in joined} - {s for (k, s, _) in samples if k == BACKWARD}
         for (s, recomputed), durations in joined.items():
-            if not any((BACKWARD, s, c) in samples for c in (False, True)):
-                samples[BACKWARD, s, recomputed] += durations  # a stage never split
+            if s in never_split:  # its whole backwards are its B (both classes)
+                samples[BACKWARD, s, recomputed] += durations
 
         def mean(kind: str, s: int, checkpointed: bool) -> float | None:
             got = samples.get((kind, s, checkpointed))
@@ -121,9 +122,9 @@ class StepModel:
             if mean(BACKWARD, s, False) is None and mean(BACKWARD, s, True) is not None:
                 recompute[BACKWARD][s] = min(forward, passes[BACKWARD][s])
                 passes[BACKWARD][s] -= recompute[BACKWARD][s]
-            elif mean(BACKWARD, s, True) is None and not any(
-                mean(k, s, True) is not None for k in _KINDS
-            ):
+            elif mean(BACKWARD, s, True) is None and (
+                not any(mean(k, s, True) is not None for k in _KINDS) or (s, True) in joined
+            ):  # (or its checkpointed micro-batches all ran whole: none split to compare)
                 recompute[BACKWARD][s] = forward
         split = {s for (kind, s, _) in samples if kind == WEIGHT}
         whole_costs = _whole_costs(joined, split, passes, recompute) if whole else ()

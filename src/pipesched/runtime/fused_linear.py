@@ -34,6 +34,7 @@ __all__ = [
     "accumulate_mm",
     "bias_dims",
     "bias_grad",
+    "unfuse_shared",
     "unshared_parameters",
     "weight_factors",
     "weight_pass",
@@ -220,6 +221,11 @@ class _FusedLinear(torch.autograd.Function):
         kind = ctx.declaration.kind
         want_w = _leaf_wanted(kind, edges[1])
         want_b = _leaf_wanted(kind, edges[2]) if bias is not None else SKIP
+        shared = getattr(ctx, "shared", ())  # reached more than once: autograd sums (unfuse_shared)
+        if 1 in shared and want_w == ACCUMULATE:
+            want_w = RETURN
+        if 2 in shared and want_b == ACCUMULATE:
+            want_b = RETURN
         grad_x = None
         if _input_wanted(kind, edges[0]):
             grad_x = grad.matmul(saved_weight.t() if ctx.transposed else saved_weight)
@@ -238,6 +244,36 @@ class _FusedLinear(torch.autograd.Function):
             elif want_b == RETURN:
                 grad_b = bias_grad(grad, ctx.bias_dims)
         return grad_x, grad_w, grad_b, None
+
+
+def unfuse_shared(roots: Sequence[Tensor]) -> None:
+    """Marks the fused linears of a backward from ``roots`` whose weight or bias the graph
+    reaches more than once (a layer applied twice, a weight some other op uses too): they
+    return that gradient to autograd, which sums the parts, then accumulates once.
+
+    Why: a split backward's W does so for such a weight
+    (:meth:`~pipesched.runtime.deferred.WeightStore.run`); a pair of a split schedule run
+    as one whole backward must give the same bits.
+    """
+    reached: dict[int, int] = {}  # per leaf node: the edges into it
+    fused: list[Any] = []
+    seen: set[Any] = set()
+    stack = [t.grad_fn for t in roots if t.grad_fn is not None]
+    while stack:
+        node = stack.pop()
+        if getattr(node, "fused_linear", None) is _FUSED:
+            fused.append(node)
+        for child, _ in node.next_functions:
+            if child is None:
+                continue
+            if not child.next_functions and hasattr(child, "variable"):  # AccumulateGrad
+                reached[id(child)] = reached.get(id(child), 0) + 1
+            elif child not in seen:
+                seen.add(child)
+                stack.append(child)
+    for node in fused:
+        edges = node.next_functions
+        node.shared = {k for k in (1, 2) if k < len(edges) and reached.get(id(edges[k][0]), 0) > 1}
 
 
 def weight_pass(node: Any, grad: Tensor, weights: Sequence[Tensor]) -> bool:
@@ -273,8 +309,9 @@ def weight_factors(x: Tensor, grad_2d: Tensor, transposed: bool) -> tuple[Tensor
     return (x_2d.t(), grad_2d) if transposed else (grad_2d.t(), x_2d)
 
 
-_FLATTEN_3D = os.environ.get("TORCH_LINEAR_FLATTEN_3D") == "1"
-"""ATen's switch (read once, as ATen reads it) that flattens a non-contiguous 3-D input too."""
+_FLATTEN = os.environ.get("TORCH_LINEAR_FLATTEN_3D") == "1"
+"""ATen's switch that flattens a non-contiguous input too (read at import: ATen reads it
+once, at its first linear)."""
 
 
 def bias_dims(x: Tensor, transposed: bool) -> tuple[int, ...] | None:
@@ -283,9 +320,10 @@ def bias_dims(x: Tensor, transposed: bool) -> tuple[int, ...] | None:
     None where ATen's ``linear`` ran one ``addmm`` on ``x`` as rows (a 2-D or contiguous
     input, GPT-2's ``addmm``): the gradient's rows are summed. For a non-contiguous input
     it runs ``matmul`` then ``add_``, whose bias gradient is ``sum_to`` over the leading
-    dimensions: the same sum in another order, so other rounding.
+    dimensions: the same sum in another order, so other rounding (none for a 1-D input:
+    the gradient itself, a -0.0 kept).
     """
-    if transposed or x.dim() <= 2 or x.is_contiguous() or (_FLATTEN_3D and x.dim() == 3):
+    if transposed or x.dim() == 2 or x.is_contiguous() or (_FLATTEN and x.dim() > 2):
         return None
     return tuple(range(x.dim() - 1))
 
@@ -295,7 +333,7 @@ def bias_grad(grad: Tensor, dims: tuple[int, ...] | None) -> Tensor:
     (``dims`` from :func:`bias_dims`)."""
     if dims is None:
         return grad.reshape(-1, grad.shape[-1]).sum(0)
-    return grad.sum(dims)
+    return grad.sum(dims) if dims else grad
 
 
 _FUSED = object()

@@ -23,7 +23,7 @@ from pipesched.errors import ConfigError
 from pipesched.runtime.backward import backward_full, backward_input
 from pipesched.runtime.deferred import WeightStore
 from pipesched.runtime.deferred_layers import Deferral, deferral
-from pipesched.runtime.fused_linear import FusedLinearMode, worth_fusing
+from pipesched.runtime.fused_linear import FusedLinearMode, unfuse_shared, worth_fusing
 from pipesched.runtime.stage.draw_free import loss_draws_nothing
 from pipesched.runtime.stage.draw_keys import StepSeed
 from pipesched.runtime.stage.recompute import checkpoint
@@ -296,6 +296,8 @@ class StagePasses:
                 input_grads, pending = backward_input(outputs, given, inputs, store)
                 state.pending_weights[s, i] = pending
             else:
+                if self.fused is not None and self.fused[s]:
+                    unfuse_shared(outputs)  # as a split's W: a weight's parts summed, then added
                 input_grads = backward_full(outputs, given, inputs)
         return list(input_grads)
 
