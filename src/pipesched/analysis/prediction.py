@@ -205,17 +205,14 @@ def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int | Sequenc
     zero: Costs = {k: (0.0,) * n for k in _KINDS}
     no_gap = (0.0,) * workers
     whole = model.whole
-    if whole:  # the "ideal" level plays every stage at the mean: its whole backward too
-        mean = {**mean, _WHOLE: (sum(whole) / len(whole),) * n}
-    levels: list[tuple[Costs, Costs, float, tuple[float, ...]]] = [
-        (mean, zero, 0.0, no_gap),
-        (model.passes, zero, 0.0, no_gap),
-        (model.passes, model.recompute, 0.0, no_gap),
-        (model.passes, model.recompute, model.latency, no_gap),
-        (model.passes, model.recompute, model.latency, model.overhead),
+    level = (sum(whole) / len(whole),) * n if whole else ()  # the ideal: every stage at the mean
+    levels: list[tuple[Costs, Costs, float, tuple[float, ...], tuple[float, ...]]] = [
+        (mean, zero, 0.0, no_gap, level),
+        (model.passes, zero, 0.0, no_gap, whole),
+        (model.passes, model.recompute, 0.0, no_gap, whole),
+        (model.passes, model.recompute, model.latency, no_gap, whole),
+        (model.passes, model.recompute, model.latency, model.overhead, whole),
     ]
-    if whole:
-        levels[1:] = [({**level[0], _WHOLE: whole}, *level[1:]) for level in levels[1:]]
     stops = _stops(checkpoint_stop, n)
     with paused_gc():
         played = [_play(schedule, stops, *level) for level in levels]
@@ -234,10 +231,6 @@ def predict(schedule: Schedule, model: StepModel, checkpoint_stop: int | Sequenc
         model.source,
     )
     return replace(played[-1], breakdown=breakdown)
-
-
-_WHOLE = "whole"
-"""The key of :attr:`StepModel.whole` among a play's per-kind costs."""
 
 
 def _whole_costs(
@@ -288,10 +281,11 @@ def _typical(
             _play(
                 schedule,
                 stop,
-                {**model.passes, _WHOLE: model.whole} if model.whole else model.passes,
+                model.passes,
                 model.recompute,
                 model.latency,
                 model.overhead,
+                model.whole,
                 factor,
             )
         )
@@ -306,11 +300,13 @@ def _play(
     recompute: Mapping[str, tuple[float, ...]],
     latency: float,
     overhead: tuple[float, ...],
+    whole: tuple[float, ...] = (),
     factor: Mapping[Action, float] | None = None,
 ) -> Timeline:
+    """``schedule`` played; ``whole`` (each stage's whole backward, empty: none) is what
+    the pairs of ``Schedule.whole_backwards`` take in B, their W nothing."""
     order = schedule.order()
     placement, n = schedule.placement, schedule.num_stages
-    whole = passes.get(_WHOLE)
     joined = schedule.whole_backwards if whole else frozenset()
     end: dict[tuple[int, str, int], float] = {}
     free = [0.0] * schedule.num_workers
@@ -324,7 +320,7 @@ def _play(
             start = max(start, end[need] + latency)
         duration = passes[kind][s] + (recompute[kind][s] if i < stop[s] else 0.0)
         if (s, i) in joined and kind != FORWARD:  # one whole backward: B all of it, W nothing
-            duration = 0.0 if kind == WEIGHT else duration - passes[kind][s] + whole[s]  # type: ignore[index]
+            duration = 0.0 if kind == WEIGHT else duration - passes[kind][s] + whole[s]
         if factor is not None:
             duration *= factor[action]
         end[action] = free[w] = start + duration

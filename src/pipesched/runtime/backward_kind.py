@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
+from typing import Any
 
-from torch.autograd.graph import Node
+import torch
+from torch.autograd.graph import Node, get_gradient_edge
 
 __all__ = [
     "ACCUMULATE",
+    "ACCUMULATE_GRAD",
     "DEFERRED",
     "FULL",
     "RETURN",
@@ -27,6 +30,9 @@ __all__ = [
 
 SKIP, ACCUMULATE, RETURN = 0, 1, 2
 """What a backward wants of a leaf: nothing, its ``.grad`` accumulated, its gradient returned."""
+
+ACCUMULATE_GRAD: type[Any] = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)
+"""The type of a leaf's node (``AccumulateGrad``)."""
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd.graph import Node, get_gradient_edge
+from torch.autograd.graph import Node
 from torch.overrides import TorchFunctionMode
 
+from pipesched.runtime.backward_kind import ACCUMULATE_GRAD
 from pipesched.runtime.compat.internals import top_saved_tensors_hooks
 from pipesched.runtime.deferred_ops import HANDLERS, input_edges, linear_weight_grads
 from pipesched.runtime.fused_linear import accumulate, accumulate_mm, weight_factors
@@ -81,7 +82,7 @@ class WeightStore:
             for k, (child, _) in enumerate(node.next_functions):
                 if child is None:
                     continue
-                if type(child) is _ACCUMULATE_GRAD:
+                if type(child) is ACCUMULATE_GRAD:
                     if inputs is None or k in inputs:
                         flagged.add(id(child.variable))
                 elif child not in seen:
@@ -192,9 +193,6 @@ hooks_in_force: Callable[[], Any] = top_saved_tensors_hooks or (lambda: None)
 deferral notes them as it starts: a checkpoint inside the stage, whose hooks come after,
 recomputes its region without deferring."""
 
-
-_ACCUMULATE_GRAD: type[Any] = type(get_gradient_edge(torch.zeros((), requires_grad=True)).node)
-"""The type of a leaf's node (``AccumulateGrad``)."""
 
 _INPUT_EDGES: dict[type, frozenset[int] | None] = {}
 """Per node type, the positions of its edges that are not a deferring op's weights

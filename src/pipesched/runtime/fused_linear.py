@@ -18,7 +18,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from pipesched.runtime.backward_kind import ACCUMULATE, RETURN, SKIP, BackwardKind, declaration
+from pipesched.runtime.backward_kind import (
+    ACCUMULATE,
+    ACCUMULATE_GRAD,
+    RETURN,
+    SKIP,
+    BackwardKind,
+    declaration,
+)
 from pipesched.runtime.compat.internals import (
     FUSION_SUPPORTED,
     engine_will_execute,
@@ -266,7 +273,7 @@ def unfuse_shared(roots: Sequence[Tensor]) -> None:
         for child, _ in node.next_functions:
             if child is None:
                 continue
-            if not child.next_functions and hasattr(child, "variable"):  # AccumulateGrad
+            if type(child) is ACCUMULATE_GRAD:
                 reached[id(child)] = reached.get(id(child), 0) + 1
             elif child not in seen:
                 seen.add(child)

@@ -23,8 +23,8 @@ def whole_backwards(schedule: Schedule) -> frozenset[tuple[int, int]]:
     Empty for a schedule that does not split backward.
 
     Example:
-        >>> s = Schedule.from_lists([["0F0", "0B0", "0W0", "1F0", "1B0", "1W0"]])
-        >>> sorted(whole_backwards(s))  # stage 1's gradient stays on worker 0
+        >>> s = Schedule.from_lists([["0F0", "1F0", "1B0", "1W0", "0B0", "0W0"]])
+        >>> sorted(whole_backwards(s.validate()))  # stage 1's gradient stays on worker 0
         [(0, 0), (1, 0)]
     """
     if not schedule.split_backward:
