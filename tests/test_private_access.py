@@ -60,8 +60,8 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
         "registers a model's entries straight into Module's dicts, names it shadows included",
     ),
     "runtime/passes.py": (
-        {"_unsafe_view", "_version"},
-        "hands a stage input over as a view autograd lets be written in place; a version tells",
+        {"_version"},
+        "a handed-over stage input's version tells it was written in place",
     ),
 }
 

@@ -127,6 +127,20 @@ class Strided(nn.Module):
         return self.c(torch.stack([h, x]).transpose(1, 2))
 
 
+class WrittenInPlace(nn.Module):
+    """Each deferring op's output written in place next, as ``nn.ReLU(inplace=True)`` does:
+    ATen's linear of a 3-D input with a bias and an embedding of 2-D ids return views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.norm = nn.Embedding(10, 6), nn.LayerNorm(6)
+        self.linear, self.conv = nn.Linear(6, 6), nn.Conv1d(4, 4, 3, padding=1)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.norm(self.embed(ids).mul_(2)).add_(1)
+        return self.conv(self.linear(h).relu_()).tanh_()
+
+
 def _parametrized() -> nn.Module:
     layer = nn.Linear(6, 6)
     parametrize.register_parametrization(layer, "weight", Scale())
@@ -191,6 +205,7 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         (AtenEmbedding, IDS, 1),  # id 9, the last row, gets its gradient (-1 is no padding)
         (LastRowPadding, IDS, 1),  # id 9 is the padding row here: no gradient
         (Strided, torch.randn(16, 32, 6, dtype=DTYPE), 3),
+        (WrittenInPlace, IDS, 4),
     ],
     ids=[
         "block",
@@ -204,6 +219,7 @@ IDS = torch.tensor([[1, 0, 3, 9], [2, 2, 0, 5]])
         "aten-embedding",
         "last-row-padding",
         "strided-inputs",
+        "written-in-place",
     ],
 )
 def test_b_then_w_equals_the_whole_backward_bitwise(build, x, deferred, ckpt) -> None:
@@ -266,6 +282,43 @@ def test_weight_with_a_gradient_hook_is_left_to_autograd() -> None:
     assert len(store) == 1  # the bias alone is deferred
     w.run()
     assert layer.bias.grad is not None
+
+
+class ScaledInPlace(nn.Module):
+    """Not a Sequential (traced into ATen ops): each linear's output scaled in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for layer in self.layers:
+            x = layer(x).mul_(0.5)
+        return x
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: nn.Sequential(*(m for _ in range(4) for m in (nn.Linear(6, 6), nn.ReLU(True)))),
+        ScaledInPlace,
+    ],
+    ids=["sequential-relu-inplace", "traced-mul-inplace"],
+)
+def test_outputs_of_deferring_layers_written_in_place_equal_1f1b_bitwise(build, schedule) -> None:
+    """A 3-D linear with a bias returns a view, which a Function's output may not be when
+    written in place (``nn.ReLU(inplace=True)``): B + W still equals 1F1B to the bit."""
+    x = torch.randn(8, 3, 6, dtype=DTYPE)
+    grads = []
+    for name in ("1f1b", schedule):
+        torch.manual_seed(0)
+        model = build().to(DTYPE)
+        pipe = Pipeline(model, 4, devices=["cpu", "cpu"], schedule=name)
+        pipe.step(x, loss_fn=lambda out: out.square().mean())
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("checkpoint_mode", ["never", "always"])

@@ -100,6 +100,18 @@ def test_a_bias_gradient_is_autograds_bitwise_on_a_non_contiguous_input(shape) -
     assert torch.equal(fused.bias.grad, plain.bias.grad)
 
 
+@pytest.mark.parametrize("shape", [(3, 4, 6), (2, 3, 4, 6)], ids=["3d", "4d"])
+def test_an_output_written_in_place_gets_autograds_gradients(shape) -> None:
+    # ATen's linear of a contiguous N-D input with a bias returns a view of its 2-D addmm;
+    # autograd forbids writing in place into a view made inside a Function's forward.
+    plain = _model()
+    fused = copy.deepcopy(plain)
+    x = torch.randn(*shape, dtype=torch.float64)
+    plain[0](x).relu_().sum().backward()
+    _fused(fused[0])(x).relu_().sum().backward()
+    _assert_same(_grads(fused), _grads(plain))
+
+
 def test_fused_backward_adds_in_the_gemm_instead_of_after_it() -> None:
     model = _model()
     for p in model.parameters():

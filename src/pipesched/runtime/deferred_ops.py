@@ -17,7 +17,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from pipesched.runtime.backward_kind import Declaration, declaration
-from pipesched.runtime.compat.internals import function_apply, has_gradient_hooks, in_functorch
+from pipesched.runtime.compat.internals import (
+    function_apply,
+    function_output,
+    has_gradient_hooks,
+    in_functorch,
+)
 from pipesched.runtime.fused_linear import bias_dims, bias_grad
 
 if TYPE_CHECKING:
@@ -146,7 +151,7 @@ class _Linear(torch.autograd.Function):
         ctx.input_edges = _FIRST
         if transposed and bias is not None:
             return torch.addmm(bias, x, weight)
-        return F.linear(x, weight, bias)
+        return function_output(F.linear(x, weight, bias))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -249,7 +254,7 @@ class _LayerNorm(torch.autograd.Function):
         ctx.parameters = (weight, bias)
         ctx.shape, ctx.store, ctx.declaration = shape, store, declared
         ctx.input_edges = _FIRST
-        return out
+        return function_output(out)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -349,7 +354,7 @@ class _Embedding(torch.autograd.Function):
         ctx.options = (weight.shape[0], padding_idx, scale)
         ctx.store, ctx.declaration = store, declared
         ctx.input_edges = _INDICES
-        return torch.embedding(weight, indices, padding_idx, scale, False)
+        return function_output(torch.embedding(weight, indices, padding_idx, scale, False))
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
@@ -451,7 +456,8 @@ class _Convolution(torch.autograd.Function):
         ctx.input_edges = _FIRST
         stride, padding, dilation, groups = conv
         zeros = [0] * len(stride)
-        return torch.convolution(x, weight, bias, stride, padding, dilation, False, zeros, groups)
+        out = torch.convolution(x, weight, bias, stride, padding, dilation, False, zeros, groups)
+        return function_output(out)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:

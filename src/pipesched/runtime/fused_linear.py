@@ -29,6 +29,7 @@ from pipesched.runtime.backward_kind import (
 from pipesched.runtime.compat.internals import (
     FUSION_SUPPORTED,
     engine_will_execute,
+    function_output,
     has_gradient_hooks,
     top_saved_tensors_hooks,
 )
@@ -215,8 +216,8 @@ class _FusedLinear(torch.autograd.Function):
         ctx.declaration = declaration()  # this thread's: it runs this micro-batch's backward
         ctx.fused_linear = _FUSED  # ctx is the node: weight_pass recognises it
         if transposed:
-            return x @ weight if bias is None else torch.addmm(bias, x, weight)
-        return F.linear(x, weight, bias)
+            return function_output(x @ weight if bias is None else torch.addmm(bias, x, weight))
+        return function_output(F.linear(x, weight, bias))
 
     @staticmethod
     def backward(

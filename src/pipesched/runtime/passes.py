@@ -21,6 +21,7 @@ from torch import nn
 
 from pipesched.errors import ConfigError
 from pipesched.runtime.backward import backward_full, backward_input
+from pipesched.runtime.compat.internals import unsafe_view
 from pipesched.runtime.deferred import WeightStore
 from pipesched.runtime.deferred_layers import Deferral, deferral
 from pipesched.runtime.fused_linear import FusedLinearMode, unfuse_shared, worth_fusing
@@ -375,7 +376,7 @@ def _hand_over(x: Any, handed: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     Why: a stage's input is a leaf that requires grad (in-place ops on it are
     refused), or stage 0's micro-batch, a view sharing one version counter
     with every other micro-batch of the input (modifying one spoils the
-    others' saved tensors). Each plain tensor is given as an ``_unsafe_view``
+    others' saved tensors). Each plain tensor is given as an ``unsafe_view``
     of itself: no copy, the same data, a node the gradient flows through, and
     a version counter of its own. The pairs ``(received, given)`` are
     appended to ``handed``: where ``given`` was modified, the caller bumps
@@ -386,7 +387,7 @@ def _hand_over(x: Any, handed: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     def hand(t: torch.Tensor) -> torch.Tensor:
         if type(t) is not torch.Tensor or t.layout != torch.strided:
             return t
-        given: torch.Tensor = torch.ops.aten._unsafe_view(t, t.shape)
+        given = unsafe_view(t)
         handed.append((t, given))
         return given
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
+from pipesched import Pipeline
 from pipesched.runtime.compat import internals
 
 _REMOVALS = {
@@ -50,6 +52,14 @@ _REMOVALS = {
         "torch._C._are_functorch_transforms_active = lambda: False",
         True,
     ),
+    # torch's own modules read its overload: changed to return a tracked view instead.
+    "torch.ops.aten._unsafe_view": (
+        "class Viewing:\n"
+        "    default = torch.ops.aten._unsafe_view.default\n"
+        "    def __call__(self, t, size): return t.view(size)\n"
+        "torch.ops.aten._unsafe_view = Viewing()",
+        True,
+    ),
     # torch's own modules need these two (dynamo, nn.Module.to): changed, not deleted.
     "torch._foreach_mul_": ("torch._foreach_mul_ = lambda tensors, factor: None", True),
     "torch._C._nn._parse_to": (
@@ -62,6 +72,7 @@ _REMOVALS = {
 _SCRIPT = """
 import copy, json, warnings
 import torch
+from torch import nn
 {removal}
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -159,6 +170,7 @@ def test_probes_see_the_cpu_whatever_device_the_first_import_comes_under() -> No
 _FIRST_PIPELINES = """
 import torch
 from torch import nn
+from torch import nn
 from pipesched import Pipeline
 
 def grads(schedule):
@@ -194,6 +206,30 @@ def test_this_torch_has_them_all() -> None:
     assert internals.FUSION_SUPPORTED
 
 
+def test_without_unsafe_view_outputs_written_in_place_are_copies_and_steps_exact(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(internals, "_unsafe_view", None)
+    view = torch.arange(6.0).reshape(2, 3).t()
+    out = internals.function_output(view)
+    assert not out._is_view() and torch.equal(out, view) and out.data_ptr() != view.data_ptr()
+    grads = []
+    for pipelined in (False, True):  # 3-D linears with a bias (views), each written in place
+        torch.manual_seed(0)
+        model = nn.Sequential(
+            nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True)
+        ).double()
+        x = torch.randn(8, 3, 6, dtype=torch.float64)
+        if pipelined:
+            pipe = Pipeline(model, 4, balance=[2, 2], devices=["cpu", "cpu"], schedule="zb-h1")
+            pipe.step(x, loss_fn=lambda out: out.square().mean())
+        else:
+            model(x).square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     ("args", "kwargs"),
     [
@@ -214,7 +250,7 @@ def test_to_arguments_read_in_python_as_torch_reads_them(args, kwargs) -> None:
 _PRIVATE = re.compile(
     r"torch\._C\b|torch\._ops\b|torch\.utils\._|_will_engine_execute_node|"
     r"_top_saved_tensors_default_hooks|_foreach_|_parse_to|_backward_hooks|"
-    r"_post_accumulate_grad_hooks|_backward_cls"
+    r"_post_accumulate_grad_hooks|_backward_cls|_is_view\(\)"
 )
 
 

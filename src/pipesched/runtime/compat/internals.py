@@ -32,6 +32,7 @@ __all__ = [
     "engine_will_execute",
     "foreach_mul_",
     "function_apply",
+    "function_output",
     "global_module_hooks",
     "gradient_hooks",
     "has_gradient_hooks",
@@ -45,6 +46,7 @@ __all__ = [
     "scaler_device",
     "size_symbols",
     "top_saved_tensors_hooks",
+    "unsafe_view",
 ]
 
 MISSING: list[str] = []
@@ -219,6 +221,60 @@ def function_apply(function: type[torch.autograd.Function]) -> Callable[..., Any
     the C ``apply`` failed its probe: ``function.apply`` itself.
     """
     return function.apply if _c_apply is None else _c_apply.__get__(None, function)
+
+
+_unsafe_view: Callable[[Tensor, Sequence[int]], Tensor] | None = getattr(
+    torch.ops.aten, "_unsafe_view", None
+)
+
+
+def _check_unsafe_view() -> bool:
+    if _unsafe_view is None:
+        return False
+    base = torch.arange(6.0).reshape(2, 3)
+    with torch.no_grad():
+        out = _unsafe_view(base.t(), (3, 2))
+    leaf = base.clone().requires_grad_()
+    t = leaf * 2
+    given = _unsafe_view(t, (2, 3))
+    (grad,) = torch.autograd.grad(given.sum(), leaf)
+    with torch.no_grad():
+        given.add_(1)  # its own version counter
+    return bool(
+        not out._is_view()
+        and out.data_ptr() == base.data_ptr()
+        and out.stride() == (1, 3)
+        and torch.equal(out, base.t())
+        and not given._is_view()
+        and given._version == 1
+        and t._version == 0
+        and grad.eq(2).all().item()
+    )
+
+
+if not _probe(_check_unsafe_view):
+    _unsafe_view = None
+    _missing(
+        "torch.ops.aten._unsafe_view",
+        "a stage's input, and a deferring Function's output that is a view, are copied",
+    )
+
+
+def unsafe_view(t: Tensor) -> Tensor:
+    """``t``'s data as a tensor that is no view: its own version counter, no copy, a node
+    the gradient flows through (where ``t`` requires grad); a copy without the API."""
+    return t.clone() if _unsafe_view is None else _unsafe_view(t, t.shape)
+
+
+def function_output(out: Tensor) -> Tensor:
+    """``out`` as an autograd Function's forward returns it: not a view.
+
+    Why: autograd forbids writing in place into a view made inside a Function's
+    forward, where torch's own op's output may be written (ATen's ``linear`` of a
+    3-D input with a bias returns a view of its 2-D GEMM; ``nn.ReLU(inplace=True)``
+    comes next). ATen's ``matmul`` hands its output back the same way.
+    """
+    return unsafe_view(out) if out._is_view() else out
 
 
 def in_functorch(t: Tensor) -> bool:
