@@ -14,6 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipesched import ConfigError, DeferredBatchNorm, GradientAccumulator, Pipeline
+from pipesched.runtime.engine import Engine, PendingStep
+from pipesched.runtime.transaction import StepSnapshot
+from pipesched.train import accumulator
 from pipesched.schedule import stages_per_worker
 
 # The models hold BatchNorms on purpose: their micro-batch warning is expected here.
@@ -167,6 +170,86 @@ def test_ctrl_c_while_waiting_stops_the_workers_before_the_caller_sees_it(ctrl_c
         pipe.named_parameters(), reference.named_parameters(), strict=True
     ):
         assert torch.equal(p.grad, q.grad), name
+
+
+def _ctrl_c_after(owner: object, name: str, monkeypatch: pytest.MonkeyPatch, times: list[int]):
+    """``owner.name`` raises SIGINT (once, on its ``times[0]``-th call) right after it ran."""
+    real = getattr(owner, name)
+    calls = [0]
+
+    def wrapped(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls[0] += 1
+        if calls[0] == times[0]:
+            __import__("signal").raise_signal(2)
+        return out
+
+    monkeypatch.setattr(owner, name, wrapped)
+
+
+# After the step ran: its commit, the engine's sum of the losses, the accumulator's row
+# count (before its counts), and pipe.step's settle (the step kept, nothing left to count).
+_AFTER_THE_STEP = [
+    (StepSnapshot, "commit"),
+    (Engine, "_total"),
+    (accumulator, "batch_size"),
+]
+
+
+def _window(ctrl_c_at=None, monkeypatch=None):
+    """Two windows of 2 steps, a Ctrl-C after the first window's second step ran; a step
+    not counted is stepped again. Returns the parameters, buffers and each interrupt's notes."""
+    pipe = _pipe(_model(FailOn()))
+    acc = GradientAccumulator(
+        pipe, torch.optim.SGD(pipe.parameters(), lr=0.5), accumulation_steps=2
+    )
+    seen = []
+    for i in range(4):
+        if i == 1 and ctrl_c_at is not None:
+            _ctrl_c_after(*ctrl_c_at, monkeypatch, [1])
+        steps, grads = acc.steps, _state(pipe)
+        try:
+            acc.step(*_data(i + 1), loss_fn=F.mse_loss)
+        except KeyboardInterrupt as interrupt:
+            monkeypatch.undo()
+            seen.append(getattr(interrupt, "__notes__", []))
+            if acc.steps == steps:  # not counted: nothing changed, the batch runs again
+                _assert_same(_state(pipe), grads)
+                acc.step(*_data(i + 1), loss_fn=F.mse_loss)
+            elif acc.window_end_pending:  # counted, as the window's last: its end is to run
+                acc.flush()
+    params = {n: p.detach().clone() for n, p in pipe.named_parameters()}
+    return params, dict(pipe.named_buffers()), seen
+
+
+@pytest.mark.parametrize("where", _AFTER_THE_STEP, ids=[w[1] for w in _AFTER_THE_STEP])
+def test_ctrl_c_after_a_step_ran_and_before_it_is_counted_undoes_it(where, ctrl_c, monkeypatch):
+    params, buffers, seen = _window(where, monkeypatch)
+    clean_params, clean_buffers, _ = _window()
+    assert seen == [[]]  # raised, the step undone: a retry counts it once
+    for name in clean_params:
+        assert torch.equal(params[name], clean_params[name]), name
+    for name in clean_buffers:
+        assert torch.equal(buffers[name], clean_buffers[name]), name
+
+
+def test_ctrl_c_after_a_step_was_kept_says_it_counts(ctrl_c, monkeypatch):
+    # The last instant: past the decision, the step is in and counted; the note says so.
+    params, _, seen = _window((PendingStep, "keep"), monkeypatch)
+    clean_params, _, _ = _window()
+    assert len(seen) == 1 and any("do not step the same batch again" in n for n in seen[0])
+    for name in clean_params:
+        assert torch.equal(params[name], clean_params[name]), name
+
+
+def test_ctrl_c_as_pipe_step_commits_leaves_gradients_as_before(ctrl_c, monkeypatch):
+    pipe = _pipe(_model(FailOn()))
+    pipe.step(*_data(1), loss_fn=F.mse_loss)
+    before = _state(pipe)
+    _ctrl_c_after(StepSnapshot, "commit", monkeypatch, [1])
+    with pytest.raises(KeyboardInterrupt):
+        pipe.step(*_data(2), loss_fn=F.mse_loss)
+    _assert_same(_state(pipe), before)
 
 
 def test_a_script_interrupted_mid_step_exits_cleanly():

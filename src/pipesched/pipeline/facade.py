@@ -34,7 +34,7 @@ from pipesched.pipeline.shadowing import Shadowing, register_model, register_nam
 from pipesched.pipeline.stages import Cuts, Stages, build_stages, example_of
 from pipesched.planning import Plan, plan_auto, resolve_plan
 from pipesched.planning.devices import Device
-from pipesched.runtime.engine import Engine
+from pipesched.runtime.engine import Engine, PendingStep
 from pipesched.runtime.gradsync import LocalSync, Sync
 from pipesched.runtime.mesh import MeshInfo
 from pipesched.runtime.passes import StepInputs
@@ -460,7 +460,10 @@ class Pipeline(Shadowing, Pinned):
         check_loss(loss_fn, num_items)
         batches = self._batches(inputs, target, microbatches, targets)
         count = batches.items(num_items, positive=True)
-        return self._train(batches, loss_fn, summed=num_items is not None, scale=1.0 / count)
+        summed = num_items is not None
+        loss, pending = self._train(batches, loss_fn, summed=summed, scale=1.0 / count)
+        pending.settle()
+        return loss
 
     def accumulate(
         self,
@@ -494,11 +497,51 @@ class Pipeline(Shadowing, Pinned):
         Raises:
             ConfigTypeError, ConfigError: as :meth:`step`.
         """
+        loss, items, pending = self.accumulate_pending(
+            inputs,
+            target,
+            loss_fn=loss_fn,
+            num_items=num_items,
+            scale=scale,
+            microbatches=microbatches,
+            targets=targets,
+        )
+        pending.settle()
+        return loss, items
+
+    def accumulate_pending(
+        self,
+        inputs: Any = None,
+        target: Any = None,
+        *,
+        loss_fn: Callable[..., torch.Tensor],
+        num_items: int | float | torch.Tensor | None = None,
+        scale: float = 1.0,
+        microbatches: Sequence[Any] | None = None,
+        targets: Sequence[Any] | None = None,
+    ) -> tuple[torch.Tensor, float, PendingStep]:
+        """:meth:`accumulate`, the step left for the caller to keep: for an owner that counts
+        steps (:class:`pipesched.GradientAccumulator`).
+
+        Ctrl-C is held from the step's commit until the caller calls the
+        returned step's ``keep()`` (it undoes the step if a Ctrl-C came, or
+        with ``undo=True``; it returns whether it kept it), counts the step if
+        kept, and then calls ``release()`` (which raises the Ctrl-C held).
+
+        Returns:
+            ``(summed loss, item count, the pending step)``.
+        """
         check_loss(loss_fn, num_items)
         batches = self._batches(inputs, target, microbatches, targets)
         items = batches.items(num_items, positive=False)
-        total = self._train(batches, loss_fn, summed=num_items is not None, scale=scale)
-        return total / scale, items
+        total, pending = self._train(batches, loss_fn, summed=num_items is not None, scale=scale)
+        try:
+            loss = total / scale
+        except BaseException:
+            pending.keep(undo=True)
+            pending.release()
+            raise
+        return loss, items, pending
 
     def _batches(self, inputs: Any, target: Any, microbatches: Any, targets: Any) -> StepBatches:
         """The step's micro-batches, each as stage 0 takes it (a Call for a traced model)."""
@@ -516,11 +559,12 @@ class Pipeline(Shadowing, Pinned):
         *,
         summed: bool,
         scale: float,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, PendingStep]:
         """Forward and backward of every micro-batch of ``batches`` in the schedule's order.
 
         Micro-batch i's loss weighs ``scale`` (``loss_fn`` returns a sum) or
-        ``scale * rows_i`` (a mean). Returns the weighted sum, on every rank.
+        ``scale * rows_i`` (a mean). Returns the weighted sum, on every rank,
+        and the step, for the caller to settle.
         """
         begin = time.perf_counter()
         # The model's own parameters: on a mesh it holds other ranks' too (on meta, frozen or not).
@@ -547,10 +591,11 @@ class Pipeline(Shadowing, Pinned):
             loss_weights=[scale if summed else scale * rows for rows in batches.rows],
             checkpoint_stop=self._plan.stage_stops(m),
         )
-        result = engine.run(self.schedule_for(m), step, detach=True)
+        result = engine.run(self.schedule_for(m), step, detach=True, settle=False)
         self.last_timeline = result.timeline
         self.last_step_seconds = time.perf_counter() - begin
-        return cast(torch.Tensor, result.loss)  # a training step's: never None
+        # A training step's loss is never None, and its pending step is there.
+        return cast(torch.Tensor, result.loss), cast(PendingStep, result.pending)
 
     def gather_timeline(self, *, everywhere: bool = False) -> Timeline | None:
         """The last step's timeline with every rank's actions, on pipeline rank 0.

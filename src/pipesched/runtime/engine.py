@@ -33,10 +33,10 @@ from pipesched.runtime.placement import stage_parameters
 from pipesched.runtime.stage.batchnorm import commit_all
 from pipesched.runtime.stage.draw_keys import StepSeed, draw_seed, module_names
 from pipesched.runtime.stage.seeding import StageSeeding, UnseededDraws
-from pipesched.runtime.transaction import StepSnapshot, deferred_interrupts
+from pipesched.runtime.transaction import InterruptHold, StepSnapshot, deferred_interrupts
 from pipesched.schedule import Schedule, Timeline
 
-__all__ = ["Engine", "RunResult", "Workers"]
+__all__ = ["Engine", "PendingStep", "RunResult", "Workers"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +73,7 @@ class RunResult:
         loss: a training step's weighted losses summed, on every rank; else None.
         timeline: this process's actions, measured.
         seconds: the step's wall time, transaction included.
+        pending: the step, for its owner to settle (``run(..., settle=False)``); else None.
     """
 
     outputs: dict[int, Any]
@@ -80,6 +81,62 @@ class RunResult:
     loss: torch.Tensor | None
     timeline: Timeline
     seconds: float
+    pending: PendingStep | None = None
+
+
+COMMITTED = (
+    "this Ctrl-C came after the step had committed: its gradients are in .grad, and "
+    "GradientAccumulator counted it (acc.steps); do not step the same batch again"
+)
+"""The note on a Ctrl-C raised after a step was kept."""
+
+
+class PendingStep:
+    """A step that ran, its gradients in ``.grad``, still undoable: its owner keeps it.
+
+    Why: between a step's commit and its owner's count of it (a
+    GradientAccumulator's window position), a Ctrl-C raised at once would
+    leave gradients that nothing counts, and a retry of the batch would add
+    them twice. So Ctrl-C is held from the commit on: the owner calls
+    :meth:`keep`, counts the step if it was kept, then :meth:`release`. A
+    Ctrl-C held before :meth:`keep` undoes the step (in one process; on a
+    mesh, where ranks must agree, a step is kept as it commits); one that
+    comes after is raised by :meth:`release` noting that the step counts.
+    """
+
+    __slots__ = ("_engine", "_hold", "_snapshot", "kept")
+
+    def __init__(self, engine: Engine, snapshot: StepSnapshot, hold: InterruptHold) -> None:
+        self._engine, self._snapshot, self._hold = engine, snapshot, hold
+        self.kept: bool | None = None
+        """Whether :meth:`keep` kept the step (None: not decided yet)."""
+
+    def keep(self, *, undo: bool = False) -> bool:
+        """Keeps the step, or undoes it if a Ctrl-C came since it ran (or ``undo``: its owner
+        failed); returns whether it was kept. Then call :meth:`release`."""
+        if self.kept is None:
+            engine = self._engine
+            if (undo or self._hold.caught) and engine.workers.mesh is None:
+                self._snapshot.restore()
+                engine.sync.drop_started()
+                engine.sync.after_step(committed=False)
+                self.kept = False
+            else:
+                engine.keep(self._snapshot)
+                self.kept = True
+        return self.kept
+
+    def release(self) -> None:
+        """Stops holding Ctrl-C, raising one held: as it came if the step was undone, noting
+        that it counts if the step was kept."""
+        self._hold.release(COMMITTED if self.kept else None)
+
+    def settle(self) -> None:
+        """:meth:`keep`, then :meth:`release`."""
+        try:
+            self.keep()
+        finally:
+            self.release()
 
 
 class Engine:
@@ -170,6 +227,7 @@ class Engine:
                 on_stage_done=self._stage_done,
                 around_action=self.sync.around_action if self.sync.per_action else None,
             )
+            self.sync.any_rank = self.runtime.any_rank
         self.reruns = 0
         self.grad_backup = grad_backup
         self._snapshot: StepSnapshot | None = None
@@ -178,7 +236,9 @@ class Engine:
         """Whether the calling thread is one of this engine's workers, inside a step."""
         return self.runtime.interpreter.running_here()
 
-    def run(self, schedule: Schedule, step: StepInputs, *, detach: bool) -> RunResult:
+    def run(
+        self, schedule: Schedule, step: StepInputs, *, detach: bool, settle: bool = True
+    ) -> RunResult:
         """Runs ``step`` on ``schedule`` as a transaction (see the module).
 
         Args:
@@ -187,6 +247,8 @@ class Engine:
                 drawn here.
             detach: a training step's losses are detached (``pipe.step``);
                 else the outputs keep their autograd graph (``pipe(x)``).
+            settle: keep the step before returning; else the result's
+                ``pending`` is for the caller to settle (Ctrl-C is held until then).
 
         Raises:
             ConfigError: called from inside one of this pipeline's steps.
@@ -201,18 +263,31 @@ class Engine:
             )
         with self.runtime.interpreter.lock:
             try:
-                state = self._attempt(schedule, step, detach)
+                state, pending = self._attempt(schedule, step, detach)
             except UnseededDraws:
                 for seeding in self.seedings:
                     seeding.probe()
                 self.reruns += 1
-                state = self._attempt(schedule, step, detach)
-        loss = None
-        if step.loss_fn is not None:
-            loss = self._total(state.losses, len(step.inputs))
-        timeline = state.timeline or Timeline((), schedule.placement)
-        seconds = time.perf_counter() - begin
-        return RunResult(state.outputs, state.losses, loss, timeline, seconds)
+                state, pending = self._attempt(schedule, step, detach)
+        try:
+            loss = None
+            if step.loss_fn is not None:
+                loss = self._total(state.losses, len(step.inputs))
+            timeline = state.timeline or Timeline((), schedule.placement)
+            seconds = time.perf_counter() - begin
+            result = RunResult(state.outputs, state.losses, loss, timeline, seconds, pending)
+        except BaseException as exc:
+            try:
+                pending.keep(undo=True)
+            finally:
+                pending.release()
+            if pending.kept:
+                exc.add_note(COMMITTED)
+            raise
+        if settle:
+            pending.settle()
+            return dataclasses.replace(result, pending=None)
+        return result
 
     def gather_timeline(self, timeline: Timeline, *, everywhere: bool = False) -> Timeline | None:
         """``timeline`` with every pp rank's actions, on pp rank 0 (``everywhere``: on all).
@@ -249,8 +324,10 @@ class Engine:
             return draw_seed()  # before any recomputation juggles the generator (see _attempt)
         return None
 
-    def _attempt(self, schedule: Schedule, step: StepInputs, detach: bool) -> StepState:
-        """One run of the step: committed if it returns, put back if it raises."""
+    def _attempt(
+        self, schedule: Schedule, step: StepInputs, detach: bool
+    ) -> tuple[StepState, PendingStep]:
+        """One run of the step: committed, Ctrl-C held, if it returns; put back if it raises."""
         self.sync.before_step()
         # Read each time: parameters replaced since (load_state_dict(assign=True)) count too.
         parameters = list(self.model.parameters())
@@ -285,15 +362,29 @@ class Engine:
             raise
         finally:
             self._snapshot = None
-        with deferred_interrupts():
+        hold = InterruptHold()  # until the step's owner has kept and counted it
+        try:
             snapshot.commit()
+        except BaseException:
+            snapshot.restore()
+            self.sync.drop_started()
+            self.sync.after_step(committed=False)
+            hold.release()
+            raise
+        pending = PendingStep(self, snapshot, hold)
+        if self.workers.mesh is not None:  # ranks decide nothing alone: kept as committed
+            pending.keep()
+        return state, pending
+
+    def keep(self, snapshot: StepSnapshot) -> None:
+        """Makes a committed step final (:meth:`PendingStep.keep`)."""
+        snapshot.release()
         self.sync.after_step(committed=True)
         # Only torch's own recomputation moves the shared generator (a draw in backward is
         # seeded on the stage's private generator): only it pins every stage.
         checkpoints = any(s.checkpoints for s in self.seedings)
         for seeding in self.seedings:
             seeding.settle(pin=checkpoints)
-        return state
 
     def _spoiled_somewhere(self) -> bool:
         """On a mesh, a collective: whether a stage on any rank saw an unseeded draw.

@@ -26,7 +26,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from pipesched.runtime.grad_backup import DiskCopies, HostCopies, copies_for, in_place, read_back
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
 
-__all__ = ["StepSnapshot", "deferred_interrupts"]
+__all__ = ["InterruptHold", "StepSnapshot", "deferred_interrupts"]
 
 
 @dataclass(frozen=True)
@@ -85,17 +85,23 @@ class StepSnapshot:
         return cls(aside, fresh, tuple(buffers), deferred, rng, set(), kept, copies)
 
     def commit(self) -> None:
-        """Adds the step's gradients into the set-aside ones, and puts those back."""
+        """Puts the window's gradients in: each set-aside gradient plus the step's, in the
+        step's tensor (as :meth:`commit_early`). Undone by :meth:`restore` until
+        :meth:`release`: the set-aside gradients and the copies are still held."""
         with torch.no_grad():
             for p, before in self.aside.items():
+                grad = p.grad
                 if p in self.early:
                     continue
-                if p.grad is not None:
-                    if before.layout == torch.strided:
-                        before.add_(p.grad)
-                    else:  # sparse: as AccumulateGrad adds
-                        before = before + p.grad
-                p.grad = before
+                if grad is None:
+                    p.grad = before
+                elif grad.layout == torch.strided and before.layout == torch.strided:
+                    p.grad = grad.add_(before)
+                else:  # sparse: as AccumulateGrad adds
+                    p.grad = before + grad
+
+    def release(self) -> None:
+        """Drops what would undo a committed step: it is final."""
         self.aside.clear()
         if self.copies is not None:  # the kept gradients hold the step's sums already
             self.copies.close()
@@ -104,8 +110,9 @@ class StepSnapshot:
         """Makes ``parameters``' gradients final before the step ends (a replica's all-reduce).
 
         Each ``.grad`` becomes the set-aside gradient plus the step's, in the
-        step's tensor: the set-aside one stays untouched, so :meth:`restore`
-        still puts it back if the step fails later.
+        step's tensor (the same bits: addition commutes): the set-aside one
+        stays untouched, so :meth:`restore` still puts it back if the step
+        fails later.
         """
         with torch.no_grad():
             for p in parameters:
@@ -147,31 +154,61 @@ class StepSnapshot:
             )
 
 
-@contextmanager
-def deferred_interrupts() -> Iterator[list[tuple[int, Any]]]:
-    """Holds a Ctrl-C (SIGINT) back until the block ends, then raises it.
+class InterruptHold:
+    """Holds Ctrl-C (SIGINT) from its creation until :meth:`release`, which raises one held.
 
     Why: setting gradients aside, committing or putting them back, cut
-    half-way, would leave some parameters' gradients lost or counted twice.
-    The block gets the list of the signals held so far (to stop early where
-    one came). Only the main thread receives signals, and a SIGINT handler
-    set outside Python cannot be put back: there this holds nothing.
+    half-way, would leave some parameters' gradients lost or counted twice;
+    and a step's commit and its owner's count of it (a window's position)
+    are one change, across returns. Only the main thread receives signals,
+    and a SIGINT handler set outside Python cannot be put back: there this
+    holds nothing.
+
+    Attributes:
+        caught: the signals held so far (to stop early where one came).
     """
-    caught: list[tuple[int, Any]] = []
-    if (
-        threading.current_thread() is not threading.main_thread()
-        or _signal.getsignal(signal.SIGINT) is None
-    ):
-        yield caught
-        return
-    # _signal, not signal: the same call without signal.py's enum conversions, a tenth of
-    # the time (a step enters this block four times).
-    previous = _signal.signal(signal.SIGINT, lambda number, frame: caught.append((number, frame)))
-    try:
-        yield caught
-    finally:
+
+    __slots__ = ("_previous", "caught")
+
+    def __init__(self) -> None:
+        self.caught: list[tuple[int, Any]] = []
+        self._previous: Any = None
+        if (
+            threading.current_thread() is threading.main_thread()
+            and _signal.getsignal(signal.SIGINT) is not None
+        ):
+            # _signal, not signal: the same call without signal.py's enum conversions, a
+            # tenth of the time (a step holds interrupts four times).
+            self._previous = _signal.signal(signal.SIGINT, self._hold)
+
+    def _hold(self, number: int, frame: Any) -> None:
+        self.caught.append((number, frame))
+
+    def release(self, note: str | None = None) -> None:
+        """Stops holding; raises a Ctrl-C held (with ``note`` added), as it would have been."""
+        previous, self._previous = self._previous, None
+        if previous is None:
+            return
         _signal.signal(signal.SIGINT, previous)
-        if caught and callable(previous):
-            previous(*caught[0])
-        elif caught and previous == signal.SIG_DFL:
-            signal.raise_signal(signal.SIGINT)
+        if not self.caught:
+            return
+        try:
+            if callable(previous):
+                previous(*self.caught[0])
+            elif previous == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
+        except BaseException as exc:
+            if note is not None:
+                exc.add_note(note)
+            raise
+
+
+@contextmanager
+def deferred_interrupts() -> Iterator[list[tuple[int, Any]]]:
+    """Holds a Ctrl-C (SIGINT) back until the block ends, then raises it
+    (:class:`InterruptHold` over the block); the block gets the signals held so far."""
+    hold = InterruptHold()
+    try:
+        yield hold.caught
+    finally:
+        hold.release()

@@ -192,7 +192,7 @@ class GradientAccumulator:
         if last:
             self.pipe.sync.window_ends()  # replicas may start summing as stages finish
         try:
-            loss_sum, items = self.pipe.accumulate(
+            loss_sum, items, pending = self.pipe.accumulate_pending(
                 inputs,
                 target,
                 loss_fn=loss_fn,
@@ -205,19 +205,29 @@ class GradientAccumulator:
             if last:
                 self.pipe.sync.window_ends(False)
             raise
-        self._follow_freed_parameters()
-        loss = float(loss_sum)
-        rows = (
-            batch_size(inputs) if microbatches is None else sum(batch_size(x) for x in microbatches)
-        )
-        with deferred_interrupts():  # the step's gradients are in: so are its counts
-            self._loss_sum += loss
-            self._items += items
-            self._samples += rows
-            self._rows.append(rows)
-            self._given = None if microbatches is None else len(microbatches)
-            self.position += 1
-            self.steps += 1
+        # Ctrl-C is held from the step's commit until its counts are in (PendingStep).
+        kept = False
+        try:
+            self._follow_freed_parameters()
+            loss = float(loss_sum)
+            given = [inputs] if microbatches is None else microbatches
+            rows = sum(map(batch_size, given))
+            kept = pending.keep()
+            if kept:
+                self._loss_sum += loss
+                self._items += items
+                self._samples += rows
+                self._rows.append(rows)
+                self._given = None if microbatches is None else len(microbatches)
+                self.position += 1
+                self.steps += 1
+        except BaseException:
+            kept = pending.keep(undo=True)
+            raise
+        finally:
+            if not kept and last:
+                self.pipe.sync.window_ends(False)
+            pending.release()  # a Ctrl-C held: raised (the step undone, or counted and noted)
         step_loss = loss / items if items > 0 else math.nan
         if self.position == self.accumulation_steps:
             self._last_loss = step_loss
@@ -251,7 +261,9 @@ class GradientAccumulator:
     @property
     def window_sums(self) -> WindowSums:
         """The window so far on this replica: its item and row counts, loss sum and scale."""
-        return WindowSums(self._items, self._samples, self._loss_sum, self._scale)
+        return WindowSums(
+            self._items, self._samples, self._loss_sum, self._scale, tuple(self._rows)
+        )
 
     @property
     def window_end_pending(self) -> bool:
@@ -491,11 +503,13 @@ class GradientAccumulator:
         samples: int,
         loss_sum: float,
         scale: float,
+        step_rows: tuple[int, ...] = (),
     ) -> None:
         """Sets the counters and the window so far, as a checkpoint holds them (its load)."""
         self.steps, self.windows = steps, windows
         self.position, self._items, self._samples = position, items, samples
         self._loss_sum, self._scale = loss_sum, scale
+        self._rows = list(step_rows)
 
 
 @dataclass(frozen=True)
@@ -507,12 +521,14 @@ class WindowSums:
         samples: the steps' rows.
         loss_sum: the steps' summed losses, unscaled.
         scale: the loss scale, constant through the window.
+        step_rows: each step's rows.
     """
 
     items: float
     samples: int
     loss_sum: float
     scale: float
+    step_rows: tuple[int, ...] = ()
 
 
 def _note(err: BaseException, what: str) -> None:
