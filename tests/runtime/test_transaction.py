@@ -16,8 +16,8 @@ from torch import nn
 from pipesched import ConfigError, DeferredBatchNorm, GradientAccumulator, Pipeline
 from pipesched.runtime.engine import Engine, PendingStep
 from pipesched.runtime.transaction import StepSnapshot
-from pipesched.train import accumulator
 from pipesched.schedule import stages_per_worker
+from pipesched.train import accumulator
 
 # The models hold BatchNorms on purpose: their micro-batch warning is expected here.
 pytestmark = [
