@@ -158,6 +158,17 @@ def test_a_script_that_ends_right_after_a_step_exits_cleanly(tmp_path):
         assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-2000:]}"
 
 
+def test_a_rank_killed_in_its_window_end_is_a_remote_error_naming_it(tmp_path):
+    # The window end's agreement runs over the pipeline's own group: a lost rank is
+    # explained as in a step, not a raw gloo error.
+    exits = launch("window-kill", 2, tmp_path, timeout=60)
+    assert exits[1].code == -9  # SIGKILL
+    assert exits[0].code not in (0, None), exits[0].output[-2000:]
+    assert "RemoteError" in exits[0].output, exits[0].output[-2000:]
+    assert "lost pp rank 1" in exits[0].output, exits[0].output[-2000:]
+    assert "to end the window" in exits[0].output, exits[0].output[-2000:]
+
+
 def test_a_killed_rank_makes_the_others_exit_with_a_clear_error(tmp_path):
     exits = launch("kill", 3, tmp_path, timeout=60)
     assert exits[1].code == -9  # SIGKILL

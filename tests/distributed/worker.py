@@ -27,6 +27,7 @@ SCENARIOS = {
     "csv": (2, 1, Schedule.from_csv(get_schedule("1f1b", 2, 4).to_csv()), [3, 4]),
     "raise": (2, 1, "1f1b", [3, 4]),
     "kill": (3, 1, "1f1b", [2, 2, 3]),
+    "window-kill": (2, 1, "1f1b", [3, 4]),  # pp rank 1 killed in its window end's optimizer
 }
 WINDOWS, STEPS, CHUNKS = 2, 2, 4
 TOKEN_SCENARIOS = ("tokens", "traced", "lazy")
@@ -130,6 +131,11 @@ class Die(nn.Module):
         return x
 
 
+class DieInStep(torch.optim.SGD):
+    def step(self, closure=None):  # type: ignore[no-untyped-def,override]
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     # Every weight fused, however small: the distributed runtime's fused path stays covered.
     fused_linear.MIN_FUSED_BYTES = 0
@@ -158,9 +164,10 @@ def main() -> None:
         checkpoint="except_last",
         **(traced if scenario in ("traced", "lazy") else {}),
     )
+    dies = scenario == "window-kill" and torch.distributed.get_rank() == 1
     acc = GradientAccumulator(
         pipe,
-        torch.optim.SGD(pipe.parameters(), lr=0.1),
+        (DieInStep if dies else torch.optim.SGD)(pipe.parameters(), lr=0.1),
         accumulation_steps=STEPS,
         max_grad_norm=0.5,
     )

@@ -152,12 +152,19 @@ class DistributedRuntime:
         self.last_origin_wall = state.origin_wall
         return state
 
-    def any_rank(self, flag: bool, *, replicas: bool) -> bool:
+    def any_rank(
+        self,
+        flag: bool,
+        *,
+        replicas: bool,
+        doing: str = "waiting for the other ranks to finish the step",
+    ) -> bool:
         """Whether ``flag`` holds on any rank of this pipeline (``replicas``: of every replica).
 
         A collective: a MAX all-reduce of one integer over the pipeline's group,
         then over "dp" where ``replicas`` (every replica's step must then rerun:
-        their gradients were summed during it).
+        their gradients were summed during it). ``doing`` says what this rank
+        was doing, in a failure's message.
 
         Raises:
             RemoteError: another rank failed, died or did not answer.
@@ -171,7 +178,7 @@ class DistributedRuntime:
             # step, and gloo's thread must not free the work then (see wait_kept).
             self._kept_work = work
 
-        self._collective(reduce, "waiting for the other ranks to finish the step")
+        self._collective(reduce, doing)
         if replicas and self.info.dp_size > 1:
             start = time.monotonic()
             try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from typing import Any, Protocol, cast
 
 import torch
@@ -183,6 +184,10 @@ class GradientSync:
         self._reduce_after_step = False
         self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
         self._dropped: deque[Any] = deque(maxlen=64)  # freed by Python, not gloo's thread
+        self.any_rank: Callable[..., bool] | None = None
+        """The pipeline runtime's agreement (``DistributedRuntime.any_rank``), given once it
+        is built: :meth:`all_true` then runs over the pipeline's own group, a lost or hung
+        rank raised as a ``RemoteError``, the default group left usable."""
         # One group per set of pp ranks sharing parameters, for each replica. Every rank
         # creates every group in the same order, as new_group requires; but only the ranks
         # of a pipeline know its tied sets, so they are gathered first.
@@ -203,6 +208,10 @@ class GradientSync:
         return [float(v) for v in t.tolist()]
 
     def all_true(self, flag: bool) -> bool:
+        if self.any_rank is not None:  # over the pipeline's own groups, failures explained
+            return not self.any_rank(
+                not flag, replicas=True, doing="waiting for the other ranks to end the window"
+            )
         t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=self.info.device)
         wait_kept(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
         return int(t.item()) == 0
