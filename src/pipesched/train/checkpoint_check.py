@@ -381,7 +381,16 @@ class LoadSnapshot:
         self.grads = [(p, p.grad) for p in acc.pipe.parameters()]
         self.fields = {
             k: getattr(acc, k)
-            for k in ("steps", "windows", "position", "_items", "_samples", "_loss_sum", "_scale")
+            for k in (
+                "steps",
+                "windows",
+                "position",
+                "_items",
+                "_samples",
+                "_loss_sum",
+                "_scale",
+                "_rows",
+            )
         }
         self.rng = rng_state()
 

@@ -48,6 +48,7 @@ def accumulator_state(acc: GradientAccumulator) -> dict[str, Any]:
             "samples": sums.samples,
             "loss_sum": sums.loss_sum,
             "scale": sums.scale,
+            "step_rows": list(sums.step_rows),
             "grads": {
                 n: p.grad.detach().clone()
                 for n, p in acc.pipe.named_parameters()
@@ -118,6 +119,7 @@ def apply_state(acc: GradientAccumulator, state: dict[str, Any]) -> None:
         window["samples"],
         window["loss_sum"],
         window["scale"],
+        tuple(window.get("step_rows", ())),  # older checkpoints have none
     )
     for name, p in acc.pipe.named_parameters():
         grad = window["grads"].get(name)
