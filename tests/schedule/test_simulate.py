@@ -5,6 +5,7 @@ from __future__ import annotations
 import networkx as nx
 import pytest
 
+from pipesched.errors import ConfigTypeError
 from pipesched.schedule import Costs, Schedule, get_schedule, simulate
 
 PM = [(p, m) for p in (1, 2, 3, 4, 5, 8) for m in (1, 2, 3, 4, 7, 8, 16, 33)]
@@ -107,3 +108,9 @@ def test_each_action_starts_after_its_worker_and_its_data():
     for w in range(t.num_workers):
         events = t.worker_events(w)
         assert [e.action for e in events] == list(schedule.actions[w])
+
+
+def test_costs_that_are_not_a_costs_are_refused_by_name():
+    schedule = get_schedule("1f1b", 2, 4)
+    with pytest.raises(ConfigTypeError, match=r"simulate\(costs=...\) takes one Costs.*list"):
+        schedule.simulate([Costs(), Costs()])  # type: ignore[arg-type]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from pipesched.errors import ConfigTypeError
 from pipesched.schedule.action import BACKWARD, FORWARD
 from pipesched.schedule.costs import Costs
 from pipesched.schedule.gc_pause import paused_gc
@@ -32,6 +33,7 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
     Raises:
         ScheduleError: the schedule cannot run.
         ConfigError: a per-stage cost list does not match ``schedule.num_stages``.
+        ConfigTypeError: ``costs`` is not a :class:`Costs`.
 
     Example:
         >>> from pipesched.schedule import get_schedule
@@ -39,6 +41,12 @@ def simulate(schedule: Schedule, costs: Costs | None = None) -> Timeline:
         >>> t.makespan, round(t.bubble_fraction, 4)
         (33.0, 0.2727)
     """
+    if costs is not None and not isinstance(costs, Costs):
+        raise ConfigTypeError(
+            f"simulate(costs=...) takes one Costs (None: unit costs), got "
+            f"{type(costs).__name__} {costs!r:.80}; for a cost per stage give each field a "
+            "tuple, e.g. Costs(forward=(1.0, 1.2), backward=(2.0, 2.4))"
+        )
     costs = costs or Costs()
     duration = costs.per_stage(schedule.num_stages, split_backward=schedule.split_backward)
     schedule.validate()
