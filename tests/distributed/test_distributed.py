@@ -158,6 +158,17 @@ def test_a_script_that_ends_right_after_a_step_exits_cleanly(tmp_path):
         assert e.code == 0, f"rank {e.rank} exited {e.code}:\n{e.output[-2000:]}"
 
 
+def test_an_exception_on_one_replica_is_named_on_the_other(tmp_path):
+    exits = launch("raise-replica", 4, tmp_path, timeout=90)
+    for e in exits:
+        assert e.code not in (0, None), f"rank {e.rank}: {e.code}\n{e.output[-2000:]}"
+    assert "ValueError: boom in a stage" in exits[3].output
+    # Replica 0's steps ran; it reads why replica 1 stopped from the job's store, which rank 0
+    # holds (rank 1 may find it gone: a RemoteError still, without the cause).
+    assert "rank 3 (pp 1, dp 1) failed in action" in exits[0].output, exits[0].output[-3000:]
+    assert "RemoteError" in exits[1].output, exits[1].output[-3000:]
+
+
 def test_a_rank_killed_in_its_window_end_is_a_remote_error_naming_it(tmp_path):
     # The window end's agreement runs over the pipeline's own group: a lost rank is
     # explained as in a step, not a raw gloo error.

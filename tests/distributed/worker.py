@@ -28,6 +28,7 @@ SCENARIOS = {
     "raise": (2, 1, "1f1b", [3, 4]),
     "kill": (3, 1, "1f1b", [2, 2, 3]),
     "window-kill": (2, 1, "1f1b", [3, 4]),  # pp rank 1 killed in its window end's optimizer
+    "raise-replica": (2, 2, "1f1b", [3, 4]),  # a stage of replica 1 raises, replica 0 does not
 }
 WINDOWS, STEPS, CHUNKS = 2, 2, 4
 TOKEN_SCENARIOS = ("tokens", "traced", "lazy")
@@ -145,6 +146,10 @@ def main() -> None:
     model = model_of(scenario)
     if scenario == "raise":
         model = nn.Sequential(*model[:3], Boom(), *model[3:])
+        balance = [3, 5]
+    if scenario == "raise-replica":  # ranks 2 and 3 are replica 1's
+        replica = torch.distributed.get_rank() // pp
+        model = nn.Sequential(*model[:3], Boom() if replica else nn.Identity(), *model[3:])
         balance = [3, 5]
     if scenario == "kill":
         model = nn.Sequential(*model[:2], Die(), *model[2:])

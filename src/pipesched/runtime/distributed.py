@@ -188,6 +188,9 @@ class DistributedRuntime:
                     )
                 )
             except Exception as error:  # another replica's pipeline failed or died
+                reported = self.failures.first()  # the channel is every replica's
+                if reported is not None:
+                    raise reported.error() from error
                 raise RemoteError(
                     "pipesched: another replica did not finish the step (its pipeline failed, "
                     f"died or hung; its ranks' errors say which): {error}",

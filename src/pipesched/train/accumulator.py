@@ -338,8 +338,10 @@ class GradientAccumulator:
             failure = err
         try:
             everywhere = sync.all_true(failure is None)  # one flag more on a mesh
-        except BaseException as err:  # another rank is gone: put back, raise what happened here
+        except BaseException as err:  # another rank failed or is gone: put back, raise why
             everywhere = False
+            if isinstance(err, RemoteError) and failure is not None:  # ours followed from it
+                err.__context__, failure = failure, err
             failure = failure or err
         if not everywhere:
             snapshot.restore()
