@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -219,6 +220,25 @@ def test_missing_and_unexpected_model_keys_change_nothing(tmp_path):
         "model: in the checkpoint but not in this model: '9.weight'",
     )
     _resumes_exactly(acc, tmp_path)
+
+
+def test_on_a_mesh_layers_this_rank_lacks_point_to_the_sharded_checkpoint(tmp_path):
+    # On a mesh a rank's state dict holds its own stages; a file of another layout is
+    # refused naming the keys and the checkpoint that loads at any layout.
+    def rename(state):
+        state["model"]["9.weight"] = state["model"].pop("2.weight")
+
+    path = _edited(tmp_path, rename)
+    acc = _acc()
+    _train(acc, range(SAVED_AT), data=500)
+    before = _everything(acc)
+    mesh = types.SimpleNamespace(shard_mesh=None)
+    with pytest.MonkeyPatch.context() as patch, pytest.raises(CheckpointError) as info:
+        patch.setattr(type(acc.pipe), "mesh", property(lambda self: mesh))
+        acc.load(path)
+    assert "in the checkpoint but not in this model: '9.weight'" in str(info.value)
+    assert "acc.save(directory, sharded=True)" in str(info.value)
+    _assert_same(before, _everything(acc))
 
 
 def test_adam_state_of_another_shape_changes_nothing(tmp_path):

@@ -127,6 +127,13 @@ def _check_model(acc: GradientAccumulator, saved: Any, problems: list[str]) -> N
         problems.append(f"model: missing from the checkpoint: {_listed(missing)}")
     if unexpected:
         problems.append(f"model: in the checkpoint but not in this model: {_listed(unexpected)}")
+        if getattr(acc.pipe, "mesh", None) is not None:
+            problems.append(
+                "on a mesh a single-file checkpoint is one rank's own (its stages alone), and "
+                "this rank holds other layers: a checkpoint of another layout (one process, "
+                "another cut) loads only as a sharded one: save it with "
+                "acc.save(directory, sharded=True) and load that directory on every rank"
+            )
     for key, mine in here.items():
         theirs = saved.get(key)
         if not isinstance(mine, torch.Tensor) or key not in saved:
