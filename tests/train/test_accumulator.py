@@ -390,3 +390,14 @@ def test_log_line_with_replicas_adds_up_to_the_effective_batch():
     assert log_line(result(16, (8, 8), ended=False), 4, 2, None).endswith(
         "eff. batch 16 (2 x 4 chunks x 2 steps so far on this replica, of 2 replicas)"
     )
+
+
+def test_an_optimizer_over_another_models_parameters_is_refused():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    copy_of_model = copy.deepcopy(model)
+    pipe = Pipeline(model, 2, devices=["cpu", "cpu"])
+    GradientAccumulator(pipe, torch.optim.SGD(model.parameters(), lr=0.1), accumulation_steps=2)
+    with pytest.raises(ConfigError, match=r"optimizer holds \d+ parameters, none of them"):
+        GradientAccumulator(
+            pipe, torch.optim.SGD(copy_of_model.parameters(), lr=0.1), accumulation_steps=2
+        )

@@ -90,6 +90,7 @@ class GradientAccumulator:
                     f"{where} must be a torch.optim.Optimizer, got {type(opt).__name__} "
                     f"{opt!r}; e.g. torch.optim.SGD(pipe.parameters(), lr=0.1)"
                 )
+        _check_optimizers_train(pipe, self.optimizers)
         self.schedulers = (
             []
             if lr_scheduler is None
@@ -512,6 +513,25 @@ class GradientAccumulator:
         self.position, self._items, self._samples = position, items, samples
         self._loss_sum, self._scale = loss_sum, scale
         self._rows = list(step_rows)
+
+
+def _check_optimizers_train(pipe: Pipeline, optimizers: list[torch.optim.Optimizer]) -> None:
+    """Raises ConfigError for an optimizer that holds parameters, none of them the pipeline's.
+
+    Why: such an optimizer (built over a copy of the model, or another model) steps
+    nothing the pipeline trains, and the run would go on silently untrained.
+    """
+    ours = {id(p) for p in pipe.parameters()}
+    for k, optimizer in enumerate(optimizers):
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        if held and not any(id(p) in ours or id(replacement(p)) in ours for p in held):
+            where = "optimizer" if len(optimizers) == 1 else f"optimizer[{k}]"
+            raise ConfigError(
+                f"{where} holds {len(held)} parameters, none of them this pipeline's "
+                "(pipe.parameters()): it would step nothing the pipeline trains. Build it "
+                "over pipe.parameters() (one built over a copy of the model, e.g. after "
+                "copy.deepcopy, holds the copy's)"
+            )
 
 
 @dataclass(frozen=True)
