@@ -5,6 +5,9 @@ arguments, while the runtime passes one object between stages and stages must us
 the model's own parameters. Dropout and BatchNorm layers (torch's own ``forward``)
 are called as layers, so modes, seeding and ``deferred_batch_norm`` apply; other
 random operations run as a seeded :class:`~pipesched.partition.traced_stage.RandomOp`.
+Why write-backs move: export writes a reassigned buffer back (``self.n += 1``,
+``self.n = self.n + 1``) with a ``copy_`` at the graph's end, in the last stage,
+while stage 0 computes it; see :func:`_place_write_backs`.
 """
 
 from __future__ import annotations
@@ -88,6 +91,8 @@ def split_traced(
     for region in regions.values():  # a layer's operations run where its output is made
         for node in region.nodes:
             stage_of[node] = stage_of[region.output]
+    aliases = _buffer_aliases(traced)
+    _place_write_backs(traced, stage_of, aliases)
     members: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     for node in ops:
         members[stage_of[node]].append(node)
@@ -108,8 +113,74 @@ def split_traced(
     ]
     _check_devices(traced, members, regions, devices)
     return [
-        _stage(traced, s, num_stages, members[s], regions, sends, order) for s in range(num_stages)
+        _stage(traced, s, num_stages, members[s], regions, sends, aliases)
+        for s in range(num_stages)
     ]
+
+
+def _buffer_aliases(traced: TracedModel) -> dict[fx.Node, fx.Node]:
+    """Each buffer and each value sharing its data (an in-place result, a view): the buffer."""
+    aliases = {node: node for node, ref in traced.state.items() if ref.kind == "buffer"}
+    for node in traced.ops:
+        target = node.args[0] if node.args else None
+        if isinstance(target, fx.Node) and target in aliases and _returns_alias(node):
+            aliases[node] = aliases[target]
+    return aliases
+
+
+def _place_write_backs(
+    traced: TracedModel, stage_of: dict[fx.Node, int], aliases: dict[fx.Node, fx.Node]
+) -> None:
+    """Moves each buffer write-back to the last stage that uses the buffer or makes its value.
+
+    Why: export writes a reassigned buffer back with ``copy_(buffer, value)``
+    after the model's last operation. Left there, the last stage writes micro-batch
+    ``i``'s value while stage 0, another thread, already runs micro-batch ``i + 1``
+    on the old one (``self.n = self.n + 1`` counts once per pipeline, not per
+    micro-batch), or, for ``self.n += 1``, copies back a copy of the buffer it
+    received (a checkpointed stage copies its input), taken before stage 0's next
+    update and written after it: updates are lost. A stage runs its micro-batches
+    in order, so the write-back keeps the plain model's order when it runs in the
+    last stage that reads the buffer (or a view or in-place result of it) and
+    after its value is made, and no later stage touches the buffer. It stays where
+    it is when its value shares another buffer's data.
+
+    Args:
+        traced: the trace.
+        stage_of: each operation's stage; the write-backs' entries are changed.
+        aliases: from :func:`_buffer_aliases`.
+    """
+    last: dict[fx.Node, int] = {}  # buffer -> last stage of an operation using it
+    write_backs: list[tuple[fx.Node, fx.Node, Any]] = []  # (copy_, buffer, value)
+    for node in traced.ops:
+        target = node.args[0] if node.args else None
+        copies = node.target is torch.ops.aten.copy_.default and not node.users
+        if copies and isinstance(target, fx.Node) and aliases.get(target) is target:
+            write_backs.append((node, target, node.args[1]))
+            continue
+        for source in node.all_input_nodes:
+            if (buffer := aliases.get(source)) is not None:
+                last[buffer] = max(last.get(buffer, 0), stage_of[node])
+    for node, buffer, value in write_backs:
+        if not isinstance(value, fx.Node):
+            made = 0  # a constant
+        elif aliases.get(value, buffer) is not buffer:
+            continue  # its value shares another buffer's data: that buffer's order matters
+        else:
+            made = stage_of.get(value, 0)  # 0: a user input or the model's state
+        stage_of[node] = min(stage_of[node], max(last.get(buffer, 0), made))
+
+
+def _returns_alias(node: fx.Node) -> bool:
+    """Whether ``node`` returns (a view of) its first argument: an in-place or view op."""
+    op = node.target
+    if not isinstance(op, OpOverload):
+        return False
+    schema = op_schema(op)
+    if not schema.arguments or not schema.returns:
+        return False
+    first, result = schema.arguments[0].alias_info, schema.returns[0].alias_info
+    return first is not None and result is not None and first.before_set == result.before_set
 
 
 def _stage(
@@ -119,7 +190,7 @@ def _stage(
     ops: list[fx.Node],
     regions: dict[fx.Node, _Region],
     sends: list[list[fx.Node]],
-    order: dict[fx.Node, int],
+    aliases: dict[fx.Node, fx.Node],
 ) -> TracedStage:
     model = traced.model
     inside = {n for r in regions.values() for n in r.nodes} - set(regions)
@@ -173,6 +244,7 @@ def _stage(
         owners=owners,
         produced=[n.name for n in produced],
         sends=None if last else [n.name for n in sends[s]],
+        snapshots=[] if last else [n.name for n in sends[s] if n in aliases and n in ops],
         outputs=[v.name if isinstance(v, fx.Node) else v for v in traced.outputs],
         mode_checks=list({c.name: c for c in checks}.values()),
         constants=constants,

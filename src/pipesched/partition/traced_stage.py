@@ -4,7 +4,8 @@ A stage takes one object and returns one: later stages take a dict of the values
 they need, including values that only pass through to a later stage (a U-Net's
 skip). Why parameters are looked up at every call: the stage then uses the model's
 very Parameters (tied weights accumulate into one ``.grad``) and any buffer a
-recomputation guard has swapped in.
+recomputation guard has swapped in (for the recomputing thread only: see
+:func:`~pipesched.runtime.stage.recompute.throwaway_buffers`).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch import fx, nn
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.partition.trace import TracedModel
 from pipesched.runtime.compat.internals import pytree
+from pipesched.runtime.stage.recompute import throwaway_buffers
 from pipesched.runtime.stage.tree import tensors
 
 __all__ = ["ModeCheck", "RandomOp", "Switch", "TracedStage"]
@@ -106,6 +108,8 @@ class TracedStage(nn.Module):
         owners: modules owning the parameters and buffers used, for ``.to()``.
         produced: names of the values ``graph`` returns.
         sends: names of the values the next stage receives (None: last stage).
+        snapshots: those of ``sends`` this stage makes that share a buffer's data
+            (``self.n += 1`` returns the buffer itself): sent as copies.
         outputs: last stage, the model's flattened outputs: names or constants.
         mode_checks: modules whose mode must stay as traced.
         constants: tensors export lifted out of the code, held here.
@@ -126,6 +130,7 @@ class TracedStage(nn.Module):
         outputs: Sequence[Any],
         mode_checks: Sequence[ModeCheck],
         constants: dict[str, torch.Tensor],
+        snapshots: Sequence[str] = (),
     ) -> None:
         super().__init__()
         self.index, self.num_stages = index, num_stages
@@ -140,6 +145,7 @@ class TracedStage(nn.Module):
         self._owners = tuple(owners)
         self._produced = tuple(produced)
         self._sends = None if sends is None else tuple(sends)
+        self._snapshots = frozenset(snapshots)
         self._outputs = tuple(outputs)
         self._mode_checks = tuple(mode_checks)
 
@@ -165,7 +171,11 @@ class TracedStage(nn.Module):
         return self._owners
 
     def buffer_slots(self) -> list[tuple[dict[str, Any], str]]:
-        """Where each of the model's buffers this stage reads lives (for the checkpoint guard)."""
+        """Where each of the model's buffers this stage reads lives (for the checkpoint guard).
+
+        The stage reads them as ``holder[key]`` at each call, or the guard's copy
+        while this thread recomputes it.
+        """
         holders = [owner._buffers for owner in self._owners]
         return [(d, k) for d, k in self._state if any(d is h for h in holders)]
 
@@ -200,16 +210,29 @@ class TracedStage(nn.Module):
                 f"returns, got {type(x).__name__}"
             )
         device = next(iter(tensors(list(env.values()))), None)
+        # Not the dicts' entries alone: a recomputation in this thread reads its own copies,
+        # while other stages' threads go on reading (and updating) the model's buffers.
+        throwaway = throwaway_buffers()
+        state = (
+            (throwaway.get((id(holder), key), holder[key]) for holder, key in self._state)
+            if throwaway
+            else (holder[key] for holder, key in self._state)
+        )
         values = self.graph(
             device.device if device is not None else self._state_device(),
             *(env[name] for name in self._inputs),
-            *(holder[key] for holder, key in self._state),
+            *state,
         )
         env = {**env, **dict(zip(self._produced, values, strict=True))}
         if self._sends is None:
             leaves = [env[v] if isinstance(v, str) else v for v in self._outputs]
             return pytree.tree_unflatten(leaves, self._traced.out_spec)
-        return {name: _carry(env[name]) for name in self._sends}
+        # Why copies of values sharing a buffer's data: this stage updates the buffer again
+        # for the next micro-batch, maybe before the next stage reads this one's value.
+        return {
+            name: _snapshot(env[name]) if name in self._snapshots else _carry(env[name])
+            for name in self._sends
+        }
 
     def _first_inputs(self) -> Iterator[str]:
         return (node.name for node in self._traced.inputs)
@@ -241,6 +264,11 @@ class TracedStage(nn.Module):
 def _carry(value: Any) -> Any:
     """A value passing through: a view, so its gradient flows back through this stage."""
     return value.view_as(value) if isinstance(value, torch.Tensor) else value
+
+
+def _snapshot(value: Any) -> Any:
+    """A value sharing a buffer's data, copied as it is now (the gradient flows through)."""
+    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _mode_error(check: ModeCheck) -> None:

@@ -4,13 +4,22 @@ Why torch's non-reentrant checkpoint and not torchgpipe's reentrant one: paramet
 get gradients whatever the inputs (token ids), and autocast and RNG are replayed.
 Why a buffer guard: recomputation repeats side effects (BatchNorm's running stats),
 so each buffer the module uses is swapped for a throwaway clone while it runs.
+Why two ways to swap: a traced stage reads the model's buffers by name from the
+model's own ``_buffers`` dicts, which other stages, run by other threads, read
+too (a root-level counter, a mask every block reads). Swapping the dict's entry
+there would hand this thread's clone to another stage's forward (its update
+lost) and, with two recomputations interleaved, could leave a clone in the
+model for good; so those buffers are swapped for this thread only
+(:func:`throwaway_buffers`). A module that reads its buffers as attributes
+(BatchNorm, a stage of an ``nn.Sequential``) belongs to one stage, and its
+dict entries are swapped as torch would.
 Other modules with side effects can ask :func:`is_recomputing`.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from types import TracebackType
 from typing import Any, Final
@@ -29,6 +38,7 @@ __all__ = [
     "checkpoint_stop",
     "is_recomputing",
     "stage_stops",
+    "throwaway_buffers",
 ]
 
 CHECKPOINT_MODES: Final = ("always", "except_last", "never")
@@ -41,6 +51,9 @@ _Slot = tuple[dict[str, Any], str]
 class _ThreadState(threading.local):
     def __init__(self) -> None:
         self.recomputing = False
+        # The clones this thread's recomputations read in place of the buffers that
+        # traced stages read by name, by (id(holder), key).
+        self.throwaway: dict[tuple[int, str], Tensor] = {}
 
 
 _state = _ThreadState()
@@ -59,6 +72,21 @@ def is_recomputing() -> bool:
     return _state.recomputing
 
 
+def throwaway_buffers() -> Mapping[tuple[int, str], Tensor]:
+    """The throwaway copies this thread's recomputation reads, by ``(id(holder), key)``.
+
+    A module that reads buffers by their slot (a traced stage: ``holder[key]``)
+    reads ``throwaway_buffers().get((id(holder), key), holder[key])``: the
+    copy only in the thread that recomputes, the buffer itself in every other.
+    Empty outside a recomputation.
+
+    Example:
+        >>> dict(throwaway_buffers())
+        {}
+    """
+    return _state.throwaway
+
+
 class _Recomputation:
     """Entered around each recomputation of ``module``: sets the flag, guards the buffers.
 
@@ -71,18 +99,30 @@ class _Recomputation:
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
-        self._saved: list[tuple[bool, list[tuple[dict[str, Any], str, Tensor]]]] = []
+        self._saved: list[
+            tuple[bool, dict[tuple[int, str], Tensor], list[tuple[dict[str, Any], str, Tensor]]]
+        ] = []
 
     def __enter__(self) -> None:
         # Clone everything first: if a clone fails, nothing has changed yet. One clone
         # per tensor, so a buffer two modules share stays shared.
-        slots = [(holder, key, holder[key]) for holder, key in buffer_slots(self.module)]
+        by_name, owned = _slots(self.module)
+        outer = _state.throwaway
+        named = [
+            (holder, key, outer.get((id(holder), key), holder[key])) for holder, key in by_name
+        ]
+        slots = [(holder, key, holder[key]) for holder, key in owned]
         clones: dict[int, Tensor] = {}
-        for _, _, buffer in slots:
+        for _, _, buffer in (*named, *slots):
             if id(buffer) not in clones:
                 clones[id(buffer)] = buffer.clone()
-        self._saved.append((_state.recomputing, slots))
+        self._saved.append((_state.recomputing, outer, slots))
         _state.recomputing = True
+        # This thread's copies only (see the module's docstring): the dicts stay as they are.
+        _state.throwaway = {
+            **outer,
+            **{(id(holder), key): clones[id(buffer)] for holder, key, buffer in named},
+        }
         for holder, key, buffer in slots:
             holder[key] = clones[id(buffer)]
 
@@ -92,8 +132,9 @@ class _Recomputation:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        previous, slots = self._saved.pop()
+        previous, outer, slots = self._saved.pop()
         _state.recomputing = previous
+        _state.throwaway = outer
         for holder, key, buffer in slots:
             holder[key] = buffer
 
@@ -106,19 +147,29 @@ def buffer_slots(module: nn.Module) -> list[_Slot]:
     (constants); any other gives its ``_buffers`` entries; then their children
     (a traced stage's BatchNorm and Dropout layers, called as modules).
     """
-    slots: dict[tuple[int, str], _Slot] = {}
+    by_name, owned = _slots(module)
+    slots = {(id(holder), key): (holder, key) for holder, key in (*by_name, *owned)}
+    return list(slots.values())
+
+
+def _slots(module: nn.Module) -> tuple[list[_Slot], list[_Slot]]:
+    """:func:`buffer_slots` in two: the slots read by name (``buffer_slots()``), the rest."""
+    by_name: dict[tuple[int, str], _Slot] = {}
+    owned: dict[tuple[int, str], _Slot] = {}
     stack = [module]
     while stack:
         m = stack.pop()
         own = getattr(m, "buffer_slots", None)
         if callable(own):
             found: list[_Slot] = own()
+            into = by_name
         else:
             found = [(m._buffers, k) for k, t in m._buffers.items() if t is not None]
+            into = owned
         stack.extend(m.children())
         for holder, key in found:
-            slots[id(holder), key] = (holder, key)
-    return list(slots.values())
+            into[id(holder), key] = (holder, key)
+    return list(by_name.values()), list(owned.values())
 
 
 def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True) -> Any:

@@ -1,0 +1,257 @@
+"""A traced model's forward that updates buffers updates them once per micro-batch, in order.
+
+The reference is the plain model run on the micro-batches one after the other
+(docs/guide.md: a forward's buffer update runs once per micro-batch, and the
+model's state is the same in every checkpoint mode).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from pipesched import Pipeline, is_recomputing
+from pipesched.runtime.stage.recompute import checkpoint
+
+pytestmark = pytest.mark.usefixtures("fp64")
+
+WIDTH = 8
+
+
+class Counting(nn.Module):
+    """Root-level buffers the forward updates, in place and by reassignment.
+
+    export writes ``calls`` and ``total`` back with a ``copy_`` after the last
+    operation, in the last stage; ``ema`` is updated in place where it is
+    computed; ``scale`` is only read, in the first and the last block.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(20, WIDTH)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(WIDTH), nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(4)
+        )
+        self.head = nn.Linear(WIDTH, 3)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("total", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(WIDTH))
+        self.register_buffer("drift", torch.zeros(WIDTH))
+        self.register_buffer("scale", torch.full((WIDTH,), 0.5))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids) * self.scale
+        if self.training:
+            self.calls += 1
+            self.total = self.total + ids.shape[0]
+            self.ema.mul_(0.9).add_(0.1 * h.detach().mean((0, 1)))
+            self.drift = 0.8 * self.drift + 0.2 * h.detach().square().mean((0, 1))
+        for block in self.blocks:
+            h = h + block(h)
+        return self.head(h.mean(1) * self.scale)
+
+
+def _plain_state(model: nn.Module, ids: torch.Tensor, chunks: int, steps: int) -> dict:
+    """The buffers after the plain model's forwards, one micro-batch after another."""
+    for _ in range(steps):
+        for part in ids.tensor_split(chunks):
+            model(part)
+    return {name: b.clone() for name, b in model.named_buffers()}
+
+
+def _data() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 20, (8, 5), generator=generator)
+    return ids, torch.randint(0, 3, (8,), generator=generator)
+
+
+@pytest.mark.parametrize(
+    ("schedule", "split_points", "checkpoint"),
+    [
+        ("gpipe", ["blocks.2"], "never"),
+        ("gpipe", ["blocks.2"], "always"),
+        ("1f1b", ["blocks.2"], "never"),
+        ("1f1b", ["blocks.2"], "always"),
+        ("1f1b", ["blocks.2"], "except_last"),
+        ("zb-h1", ["blocks.2"], "always"),
+        ("1f1b", ["blocks.1", "blocks.3"], "always"),
+        ("gpipe", ["blocks.1", "blocks.3"], "except_last"),
+    ],
+)
+def test_buffers_a_traced_forward_updates_match_the_plain_model_per_micro_batch(
+    schedule, split_points, checkpoint
+):
+    chunks, steps = 4, 3
+    ids, labels = _data()
+    torch.manual_seed(0)
+    plain = Counting()
+    model = copy.deepcopy(plain)
+    expected = _plain_state(plain, ids, chunks, steps)
+    own = {name: b for name, b in model.named_buffers()}
+    pipe = Pipeline(
+        model, chunks, devices=["cpu"] * (len(split_points) + 1), schedule=schedule,
+        split_points=split_points, checkpoint=checkpoint,
+    )  # fmt: skip
+    for _ in range(steps):
+        pipe.step(ids, labels, loss_fn=nn.functional.cross_entropy)
+    assert int(model.calls) == steps * chunks
+    assert int(model.total) == steps * len(ids)
+    for name, buffer in model.named_buffers():
+        assert buffer is own[name], f"{name} is no longer the model's own tensor"
+        # The same operations on the same micro-batches in the same order: bitwise.
+        torch.testing.assert_close(buffer, expected[name], rtol=0, atol=0, msg=name)
+
+
+def test_a_write_back_runs_in_the_stage_that_makes_its_value():
+    """Only stage 0 updates the counters; later stages read only ``scale``."""
+    ids, _ = _data()
+    torch.manual_seed(0)
+    pipe = Pipeline(
+        Counting(), 4, devices=["cpu"] * 3, split_points=["blocks.1", "blocks.3"],
+        example_inputs=(ids[:2],),
+    )  # fmt: skip
+    slots = [sorted(key for _, key in stage.buffer_slots()) for stage in pipe.stages]
+    assert slots == [["calls", "drift", "ema", "scale", "total"], [], ["scale"]]
+
+
+class _Repro(nn.Module):
+    """The reported model's shape: ``calls += 1`` and an in-place average, at the root."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, WIDTH), nn.Linear(WIDTH, 2)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        self.calls += 1
+        self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return self.b(h)
+
+
+def test_a_checkpointed_later_stage_writes_back_no_stale_counter():
+    """Stage 1 copies micro-batch 0's input (a checkpointed stage does, at its start),
+    then stage 0, another thread, runs micro-batch 1, then stage 1 runs on its copy:
+    ``calls`` must still count both micro-batches."""
+    torch.manual_seed(0)
+    plain = _Repro()
+    model = copy.deepcopy(plain)
+    parts = torch.randn(8, 4).tensor_split(2)
+    expected = [plain(part) for part in parts]
+    pipe = Pipeline(model, 2, devices=["cpu"] * 2, split_points=["b"], example_inputs=(parts[0],))
+    first, last = pipe.stages
+    received = {k: v.clone() for k, v in first(parts[0]).items()}  # as passes._own_copy
+    sent = first(parts[1])
+    got = [last(received), last({k: v.clone() for k, v in sent.items()})]
+    for value, want in zip(got, expected, strict=True):
+        torch.testing.assert_close(value, want, rtol=0, atol=0)
+    assert int(model.calls) == int(plain.calls) == 2
+    torch.testing.assert_close(model.ema, plain.ema, rtol=0, atol=0)
+
+
+class _ReadLate(nn.Module):
+    """``ema`` updated in place by the first stage; the last reads the updated value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, WIDTH), nn.Linear(WIDTH, WIDTH)
+        self.c = nn.Linear(WIDTH, 2)
+        self.register_buffer("ema", torch.zeros(WIDTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        self.ema.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        h = torch.tanh(self.b(h))
+        return self.c(h + self.ema)
+
+
+def test_a_later_stage_reads_the_buffer_as_its_micro_batch_left_it():
+    """Stage 0 runs micro-batch 1 before stage 1 runs micro-batch 0 (as GPipe does)."""
+    torch.manual_seed(0)
+    plain = _ReadLate()
+    model = copy.deepcopy(plain)
+    parts = torch.randn(8, 4).tensor_split(2)
+    expected = [plain(part) for part in parts]
+    pipe = Pipeline(model, 2, devices=["cpu"] * 2, split_points=["b"], example_inputs=(parts[0],))
+    first, last = pipe.stages
+    sent = [first(part) for part in parts]
+    for got, want in zip([last(x) for x in sent], expected, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(model.ema, plain.ema, rtol=0, atol=0)
+
+
+def _float_sum(values: dict) -> torch.Tensor:
+    return sum(v.sum() for v in values.values() if v.requires_grad)
+
+
+def test_recomputations_in_two_threads_leave_the_model_its_own_buffers():
+    """Both stages recompute at once, and stage 0 runs a forward meanwhile, forced so.
+
+    Stage 0's recomputation (micro-batch 0) waits, mid-way, until stage 1's
+    (micro-batch 0, another thread) has begun; stage 1's waits until stage 0's
+    has ended and stage 0 has run micro-batch 1's forward, as 1F1B runs them.
+    The buffers must be the model's own tensors afterwards, updated once per
+    micro-batch: the throwaway copies a recomputation reads are its own.
+    """
+    torch.manual_seed(0)
+    plain = Counting()
+    model = copy.deepcopy(plain)
+    ids, _ = _data()
+    parts = ids.tensor_split(2)
+    expected = _plain_state(plain, ids, 2, 1)
+    own = dict(model.named_buffers())
+    pipe = Pipeline(
+        model, 2, devices=["cpu"] * 2, split_points=["blocks.2"], example_inputs=(parts[0],)
+    )
+    first, last = pipe.stages
+    assert "scale" in [key for _, key in last.buffer_slots()]  # read by both stages
+
+    first_in, last_in, first_done = threading.Event(), threading.Event(), threading.Event()
+
+    def pause(entered: threading.Event, until: threading.Event):
+        def hook(module, args):
+            if is_recomputing():
+                entered.set()
+                assert until.wait(30), "the other recomputation never got that far"
+
+        return hook
+
+    first.graph.register_forward_pre_hook(pause(first_in, last_in))
+    last.graph.register_forward_pre_hook(pause(last_in, first_done))
+    sent = checkpoint(first, parts[0], preserve_rng_state=False)
+    received = {k: v.detach().requires_grad_(v.requires_grad) for k, v in sent.items()}
+    out = checkpoint(last, received, preserve_rng_state=False)
+    failures: list[BaseException] = []
+
+    def run(backward, entered: threading.Event) -> None:
+        try:
+            backward()
+        except BaseException as error:  # reported by the main thread
+            failures.append(error)
+            entered.set()
+
+    threads = [
+        threading.Thread(target=run, args=(lambda: _float_sum(sent).backward(), first_in)),
+        threading.Thread(target=run, args=(lambda: out.sum().backward(), last_in)),
+    ]
+    try:
+        threads[0].start()
+        assert first_in.wait(30), "stage 0 was not recomputed"
+        threads[1].start()
+        threads[0].join(30)
+        with torch.no_grad():
+            first(parts[1])  # micro-batch 1, while stage 1 recomputes micro-batch 0
+    finally:
+        first_done.set()
+        last_in.set()
+        for thread in threads:
+            thread.join(30)
+    assert not failures, failures
+    for name, buffer in model.named_buffers():
+        assert buffer is own[name], f"{name} is no longer the model's own tensor"
+        torch.testing.assert_close(buffer, expected[name], rtol=0, atol=0, msg=name)
