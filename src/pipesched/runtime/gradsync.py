@@ -354,8 +354,8 @@ class GradientSync:
             ranks = self.tied.get(id(p))
             if p.grad is None or (ranks is not None and ranks[0] != self.info.pp_rank):
                 continue  # a shared parameter counts once, on the first rank holding it
-            local = _local(p.grad.detach())
-            squares[int(local is not p.grad)] += local.double().pow(2).sum()
+            sharded = isinstance(p.grad, DTensor)  # else whole (a weight tied within a rank)
+            squares[int(sharded)] += _local(p.grad.detach()).double().pow(2).sum()
         if self.sharded:  # over the ranks of a shard group (HSDP: its innermost dim)
             mesh = self.info.shard_mesh
             group = mesh.get_group(mesh.ndim - 1)  # type: ignore[union-attr]

@@ -1,4 +1,13 @@
-"""Whole-model gradient operations across every stage and device: scale, check, measure, clip."""
+"""Whole-model gradient operations across every stage and device: scale, check, measure, clip.
+
+On a sharded mesh (FSDP2) a rank's gradients mix placements: its stages' sharded
+DTensors, and the weights left whole (a weight tied between two stages of the
+rank), plain or replicated. DTensor ops across such a mix fail (a sharded
+``.all()`` is a ``Partial``, which a ``Replicate`` one cannot join), so the
+check and the clip work on each rank's own part of every gradient: the check's
+flag is then reduced over every rank by the caller (``sync.all_true``), and the
+clip multiplies each part by the one global coefficient.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +16,7 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from pipesched.runtime import foreach_mul_
 
@@ -44,9 +54,13 @@ def scaled(
 
 
 def all_finite(grads: list[torch.Tensor]) -> bool:
-    """Whether no gradient on any device holds an inf or a NaN (one host sync per device)."""
+    """Whether no gradient on any device holds an inf or a NaN (one host sync per device).
+
+    Of a DTensor gradient (a sharded stage's), this rank's part only: on a mesh
+    the caller reduces the flag over every rank, which then covers every part.
+    """
     by_device: dict[torch.device, list[torch.Tensor]] = {}
-    for g in grads:
+    for g in map(_local, grads):
         if g.layout != torch.strided:  # a sparse gradient (nn.Embedding(sparse=True)): its values
             g = g.coalesce().values()
         by_device.setdefault(g.device, []).append(g)
@@ -65,8 +79,23 @@ def clip_to_(parameters: list[nn.Parameter], max_norm: float | None, norm: float
     """
     if max_norm is None or not math.isfinite(norm):
         return
-    with_grads = [p for p in parameters if p.grad is not None]
-    if with_grads:
-        # In the gradients' dtype, as clip_grad_norm_ computes it (not the default float32).
-        total = torch.tensor(norm, dtype=with_grads[0].grad.dtype)  # type: ignore[union-attr]
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total)
+    grads = [_local(p.grad) for p in parameters if p.grad is not None]
+    if not grads:
+        return
+    # As clip_grads_with_norm_ computes it: the coefficient in the gradients' dtype (not the
+    # default float32), clamped to 1, and multiplied in (into this rank's part of a DTensor,
+    # where torch's own would mix a plain coefficient with DTensors and fail).
+    total = torch.tensor(norm, dtype=grads[0].dtype)
+    coefficient = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for g in grads:
+        by_device.setdefault(g.device, []).append(g)
+    for device, group in by_device.items():
+        on_device = coefficient.to(device)
+        for g in group:
+            g.mul_(on_device)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: its local tensor where ``t`` is a DTensor, else ``t``."""
+    return t.to_local() if isinstance(t, DTensor) else t

@@ -4,10 +4,17 @@ Why: per-rank ``state_dict`` files resume only at the layout that wrote them. He
 every entry is keyed by the model's names (``model/``, ``optim/``, ``grad/``,
 ``accumulator``, ``rng/``, ``checksums/``), split state is summed first, every rank
 writes its stages' entries, and a load at any pp, dp or balance reads its own.
+
+A tied parameter (one Parameter under several names) has its ``optim/`` and
+``grad/`` entries under the first of its names the saving rank sees, and
+``aliases/<rank>`` maps each of its other names there: a rank that sees
+another subset of its names (the tie split over ranks at one layout, whole on
+one at the other) still finds them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Container, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -59,6 +66,8 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
     own = [p for p in pipe.parameters() if not p.is_meta]
     for pid, grad in pipe.sync.summed_gradients(own).items():
         state[f"grad/{names[pid][0]}"] = grad
+    # Each other name of a tied parameter -> the name its entries are under (above).
+    state[f"aliases/{rank}"] = {a: names[id(p)][0] for p in own for a in names[id(p)][1:]}
     sums = acc.window_sums
     items, samples, loss_sum = pipe.sync.sum([sums.items, float(sums.samples), sums.loss_sum])
     extra = {
@@ -147,7 +156,7 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
         )
     rank_rng = f"rng/{_rank(mesh is not None)}"
     small = ["accumulator", "rng/0", rank_rng]
-    small += [k for k in metadata if k.startswith(("optim_groups/", "checksums/"))]
+    small += [k for k in metadata if k.startswith(("optim_groups/", "aliases/", "checksums/"))]
     data = store.read(directory, sorted({k for k in small if k in metadata}), metadata)
     extra = data["accumulator"]
     rng_key = rank_rng if extra["layout"] == _layout(acc) and rank_rng in data else "rng/0"
@@ -155,24 +164,31 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
     for key in [k for k in data if k.startswith("optim_groups/")]:
         for held, group_options in data[key]:
             options.update(dict.fromkeys(held, group_options))
+    moved: dict[str, str] = {}  # a tied parameter's other names -> the one saved under
+    for key in [k for k in data if k.startswith("aliases/")]:
+        moved.update(data[key])
     names = _aliases(pipe)
+    own = [p for p in pipe.parameters() if not p.is_meta]
     saved: dict[int, tuple[str, dict[str, Any]]] = {}  # id -> (name saved under, its options)
-    for p in pipe.parameters():
-        found = [n for n in names[id(p)] if n in options]
-        if found and not p.is_meta:
-            saved[id(p)] = (found[0], options[found[0]])
+    for p in own:
+        found = _saved_name(names[id(p)], options, moved)
+        if found is not None:
+            saved[id(p)] = (found, options[found])
+    _check_optimized(acc, names, saved, path)
+    graded = {k[len("grad/") :] for k in metadata if k.startswith("grad/")}
+    grad_names = {id(p): _saved_name(names[id(p)], graded, moved) for p in own}
     wanted = {name for name, _ in saved.values()}
     keys = [f"model/{k}" for k in own_model]
     keys += [k for k in metadata if k.startswith("optim/") and _owner(k) in wanted]
-    own_names = {n for p in pipe.parameters() if not p.is_meta for n in names[id(p)]}
-    keys += [f"grad/{n}" for n in sorted(own_names) if f"grad/{n}" in metadata]
+    keys += sorted({f"grad/{n}" for n in grad_names.values() if n is not None})
     data.update(store.read(directory, keys, metadata))
     _verify(data, directory, path)
     primary = _primary(acc)
     grads = {}
     for n, p in pipe.named_parameters():
-        grad = next((data[f"grad/{a}"] for a in names[id(p)] if f"grad/{a}" in data), None)
-        if grad is not None:
+        saved_as = grad_names.get(id(p))
+        if saved_as is not None:
+            grad = data[f"grad/{saved_as}"]
             grads[n] = grad if id(p) in primary else torch.zeros_like(grad)
     window = dict(extra["window"], grads=grads)
     if mesh is not None and mesh.dp_rank != 0:  # the window's sums start on one replica
@@ -187,6 +203,53 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
         "counters": extra["counters"],
         "window": window,
     }
+
+
+def _saved_name(aliases: list[str], saved: Container[str], moved: Mapping[str, str]) -> str | None:
+    """The name a parameter's entries are saved under, given its names here; None: none.
+
+    One of ``aliases`` itself, or the name a saving rank that saw it tied
+    wrote them under (``moved``): the tie may be split over ranks here and
+    whole there, or the other way round.
+    """
+    for name in aliases:
+        if name in saved:
+            return name
+    for name in aliases:
+        if moved.get(name) in saved:
+            return moved[name]
+    return None
+
+
+def _check_optimized(
+    acc: GradientAccumulator,
+    names: dict[int, list[str]],
+    saved: dict[int, tuple[str, dict[str, Any]]],
+    path: str,
+) -> None:
+    """Refuses a checkpoint whose optimizers held none of this rank's optimized parameters.
+
+    Why: such a parameter would keep its options and get no state (fresh
+    moments) silently, and its tied copies on other ranks diverge from it.
+    """
+    missing = sorted(
+        names[id(p)][0]
+        for optimizer in acc.optimizers
+        for group in optimizer.param_groups
+        for p in group["params"]
+        if not p.is_meta and id(p) in names and id(p) not in saved
+    )
+    if missing:
+        raise CheckpointError(
+            f"checkpoint {path!r} holds no optimizer entry for {len(missing)} of this rank's "
+            f"optimized parameters ({', '.join(map(repr, missing[:6]))}"
+            f"{', ...' if len(missing) > 6 else ''}) under any of their names: the optimizers "
+            "that saved it did not hold them, or it predates the tied-weight names a "
+            "checkpoint records (a weight tied across pp ranks). Nothing was loaded or "
+            "changed. Fix: build the optimizers over the parameters the run that saved it "
+            "did; a checkpoint of an older pipesched: load it at the layout that saved it, "
+            "save it again, then load that"
+        )
 
 
 def _verify(data: dict[str, Any], directory: str, path: str) -> None:
