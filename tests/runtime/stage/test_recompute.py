@@ -11,6 +11,7 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
+from pipesched import Pipeline
 from pipesched.errors import ConfigError
 from pipesched.runtime.stage.recompute import (
     CHECKPOINT_MODES,
@@ -436,3 +437,15 @@ def test_modes_per_stage_are_checked_against_the_stages():
         Pipeline(model, 2, schedule="auto", devices=["cpu"] * 2, checkpoint=["never", "always"])
     with pytest.raises(TypeError, match="checkpoint must be a mode"):
         Pipeline(model, 2, balance=[1, 1], devices=["cpu"] * 2, checkpoint=[])
+
+
+@pytest.mark.parametrize("mode", ["always", "never"])
+def test_a_stop_iteration_a_stage_raises_reaches_the_caller_as_itself(mode):
+    # torch's checkpoint runs the forward in a generator, where Python turns it into a
+    # RuntimeError; the plain model raises StopIteration, and so must every mode.
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    model[2].register_forward_hook(lambda *_: next(iter([])))
+    pipe = Pipeline(model, 2, devices=["cpu", "cpu"], checkpoint=mode)
+    with pytest.raises(StopIteration):
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4), loss_fn=nn.functional.mse_loss)
+    assert all(p.grad is None for p in model.parameters())

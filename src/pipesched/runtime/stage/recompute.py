@@ -221,17 +221,24 @@ def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True)
         return nullcontext(), _Recomputation(module)
 
     call: Callable[..., Any] = torch.utils.checkpoint.checkpoint
-    return call(
-        module,
-        *inputs,
-        use_reentrant=False,
-        preserve_rng_state=preserve_rng_state,
-        context_fn=context_fn,
-        # torch saves an operation's inputs before running it, and stopping early
-        # raises right there: an input the operation fills in place (RReLU's
-        # noise) is then saved unfilled, and backward reads uninitialized memory.
-        early_stop=False,
-    )
+    try:
+        return call(
+            module,
+            *inputs,
+            use_reentrant=False,
+            preserve_rng_state=preserve_rng_state,
+            context_fn=context_fn,
+            # torch saves an operation's inputs before running it, and stopping early
+            # raises right there: an input the operation fills in place (RReLU's
+            # noise) is then saved unfilled, and backward reads uninitialized memory.
+            early_stop=False,
+        )
+    except RuntimeError as error:
+        # torch runs the forward inside a generator, where Python (PEP 479) turns a
+        # StopIteration the module raised into this RuntimeError: the module's own is raised.
+        if isinstance(error.__cause__, StopIteration) and "raised StopIteration" in str(error):
+            raise error.__cause__ from None
+        raise
 
 
 def checkpoint_stop(mode: str, num_microbatches: int) -> int:
