@@ -77,15 +77,17 @@ def test_resume_mid_window_is_bit_identical(tmp_path):
         assert torch.equal(value, expected[key]), key
 
 
-def test_a_resumed_window_reports_the_rows_of_its_steps_before_the_save(tmp_path):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_resumed_window_reports_the_rows_of_its_steps_before_the_save(tmp_path, sharded):
     _, acc = _setup()
     _train(acc, range(4))
-    acc.save(os.path.join(tmp_path, "ckpt.pt"))
+    path = os.path.join(tmp_path, "ckpt")
+    acc.save(path, sharded=sharded)
     x, y = _data(4)
     expected = acc.step(x[:7], y[:7], loss_fn=nn.functional.mse_loss)
     assert expected.step_rows == (10, 7)
     _, acc = _setup()
-    acc.load(os.path.join(tmp_path, "ckpt.pt"))
+    acc.load(path)
     assert acc.step(x[:7], y[:7], loss_fn=nn.functional.mse_loss) == expected
 
 

@@ -69,7 +69,9 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
     # Each other name of a tied parameter -> the name its entries are under (above).
     state[f"aliases/{rank}"] = {a: names[id(p)][0] for p in own for a in names[id(p)][1:]}
     sums = acc.window_sums
-    items, samples, loss_sum = pipe.sync.sum([sums.items, float(sums.samples), sums.loss_sum])
+    items, samples, loss_sum, *rows = pipe.sync.sum(
+        [sums.items, float(sums.samples), sums.loss_sum, *map(float, sums.step_rows)]
+    )  # every replica is as many steps into the window
     extra = {
         "counters": {"steps": acc.steps, "windows": acc.windows},
         "window": {
@@ -78,6 +80,7 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
             "samples": int(samples),
             "loss_sum": loss_sum,
             "scale": sums.scale,
+            "step_rows": [int(r) for r in rows],
         },
         "accumulation_steps": acc.accumulation_steps,
         "schedulers": [s.state_dict() for s in acc.schedulers],
@@ -192,7 +195,7 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
             grads[n] = grad if id(p) in primary else torch.zeros_like(grad)
     window = dict(extra["window"], grads=grads)
     if mesh is not None and mesh.dp_rank != 0:  # the window's sums start on one replica
-        window.update(items=0.0, samples=0, loss_sum=0.0)
+        window.update(items=0.0, samples=0, loss_sum=0.0, step_rows=[])
     return {
         "model": {k: data.get(f"model/{k}", v) for k, v in live.items()},
         "optimizers": [_optimizer_state(o, saved, data, path) for o in acc.optimizers],
