@@ -354,6 +354,8 @@ class Engine:
             if self.model.training:
                 commit_all(self.model)  # deferred BatchNorm statistics of the whole batch
             _settle_generators(start, state.seed, snapshot.rng[1])
+            # Last: from here a Ctrl-C waits until the step's owner has kept and counted it.
+            hold = InterruptHold()
         except BaseException:
             with deferred_interrupts():
                 snapshot.restore()
@@ -362,7 +364,6 @@ class Engine:
             raise
         finally:
             self._snapshot = None
-        hold = InterruptHold()  # until the step's owner has kept and counted it
         try:
             snapshot.commit()
         except BaseException:
