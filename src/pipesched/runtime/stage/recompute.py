@@ -4,15 +4,8 @@ Why torch's non-reentrant checkpoint and not torchgpipe's reentrant one: paramet
 get gradients whatever the inputs (token ids), and autocast and RNG are replayed.
 Why a buffer guard: recomputation repeats side effects (BatchNorm's running stats),
 so each buffer the module uses is swapped for a throwaway clone while it runs.
-Why two ways to swap: a traced stage reads the model's buffers by name from the
-model's own ``_buffers`` dicts, which other stages, run by other threads, read
-too (a root-level counter, a mask every block reads). Swapping the dict's entry
-there would hand this thread's clone to another stage's forward (its update
-lost) and, with two recomputations interleaved, could leave a clone in the
-model for good; so those buffers are swapped for this thread only
-(:func:`throwaway_buffers`). A module that reads its buffers as attributes
-(BatchNorm, a stage of an ``nn.Sequential``) belongs to one stage, and its
-dict entries are swapped as torch would.
+Buffers a traced stage reads by name are swapped for its thread only
+(:func:`throwaway_buffers`; see :class:`_Recomputation`).
 Other modules with side effects can ask :func:`is_recomputing`.
 """
 
@@ -89,6 +82,16 @@ def throwaway_buffers() -> Mapping[tuple[int, str], Tensor]:
 
 class _Recomputation:
     """Entered around each recomputation of ``module``: sets the flag, guards the buffers.
+
+    Why two ways to swap: a traced stage reads the model's buffers by name from
+    the model's own ``_buffers`` dicts, which other stages, run by other
+    threads, read too (a root-level counter, a mask every block reads).
+    Swapping the dict's entry there would hand this thread's clone to another
+    stage's forward (its update lost) and, with two recomputations interleaved,
+    could leave a clone in the model for good; so those are this thread's only
+    (:func:`throwaway_buffers`). A module that reads its buffers as attributes
+    (BatchNorm, a stage of an ``nn.Sequential``) belongs to one stage, and its
+    dict entries are swapped as torch would.
 
     A class and not a ``@contextmanager`` generator because torch enters the
     same object once per backward pass over the graph (``retain_graph=True``
