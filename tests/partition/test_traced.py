@@ -198,3 +198,27 @@ def test_an_example_of_one_row_still_takes_any_batch():
     pipe.step(x, y, loss_fn=_image_loss)
     _image_loss(plain(x), y).backward()
     _assert_grads_equal(pipe, plain)
+
+
+class _Tagged(nn.Module):
+    """Returns a string constant beside its tensor; ``tag`` may bear an input's name."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> dict[str, object]:
+        return {"out": self.b(torch.tanh(self.a(x))) * mask, "kind": self.tag}
+
+
+@pytest.mark.parametrize("tag", ["regression", "mask", "x"])
+def test_a_string_the_model_returns_comes_back_as_itself(tag):
+    # Not as the graph's value of that name ("mask", "x": inputs reaching the last stage).
+    model = _Tagged(tag).double()
+    x, mask = torch.randn(8, 4, dtype=torch.float64), torch.ones(8, 2, dtype=torch.float64)
+    pipe = Pipeline(model, 2, devices=["cpu", "cpu"], example_inputs=(x, mask))
+    with torch.no_grad():
+        out = pipe(x, mask)
+    assert out["kind"] == tag and isinstance(out["kind"], str)
+    torch.testing.assert_close(out["out"], model(x, mask)["out"], rtol=0, atol=1e-15)

@@ -22,7 +22,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.errors import PartitionError
 from pipesched.partition.trace import TracedModel
-from pipesched.partition.traced_stage import ModeCheck, RandomOp, Switch, TracedStage
+from pipesched.partition.traced_stage import ModeCheck, RandomOp, Switch, TracedStage, ValueName
 from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm
 from pipesched.runtime.stage.draw_keys import RANDOM_MODULES
@@ -245,7 +245,7 @@ def _stage(
         produced=[n.name for n in produced],
         sends=None if last else [n.name for n in sends[s]],
         snapshots=[] if last else [n.name for n in sends[s] if n in aliases and n in ops],
-        outputs=[v.name if isinstance(v, fx.Node) else v for v in traced.outputs],
+        outputs=[ValueName(v.name) if isinstance(v, fx.Node) else v for v in traced.outputs],
         mode_checks=list({c.name: c for c in checks}.values()),
         constants=constants,
     )

@@ -23,7 +23,19 @@ from pipesched.runtime.compat.internals import pytree
 from pipesched.runtime.stage.recompute import throwaway_buffers
 from pipesched.runtime.stage.tree import tensors
 
-__all__ = ["ModeCheck", "RandomOp", "Switch", "TracedStage"]
+__all__ = ["ModeCheck", "RandomOp", "Switch", "TracedStage", "ValueName"]
+
+
+@dataclass(frozen=True)
+class ValueName:
+    """An output of the model that is a value of the graph, by its name.
+
+    Why not the name itself: an output may be a string constant (a tag the
+    model returns), which must come back as the string, not as the value that
+    happens to bear that name.
+    """
+
+    name: str
 
 
 @dataclass(frozen=True)
@@ -110,7 +122,8 @@ class TracedStage(nn.Module):
         sends: names of the values the next stage receives (None: last stage).
         snapshots: those of ``sends`` this stage makes that share a buffer's data
             (``self.n += 1`` returns the buffer itself): sent as copies.
-        outputs: last stage, the model's flattened outputs: names or constants.
+        outputs: last stage, the model's flattened outputs: values (:class:`ValueName`)
+            or constants.
         mode_checks: modules whose mode must stay as traced.
         constants: tensors export lifted out of the code, held here.
     """
@@ -225,7 +238,7 @@ class TracedStage(nn.Module):
         )
         env = {**env, **dict(zip(self._produced, values, strict=True))}
         if self._sends is None:
-            leaves = [env[v] if isinstance(v, str) else v for v in self._outputs]
+            leaves = [env[v.name] if isinstance(v, ValueName) else v for v in self._outputs]
             return pytree.tree_unflatten(leaves, self._traced.out_spec)
         # Why copies of values sharing a buffer's data: this stage updates the buffer again
         # for the next micro-batch, maybe before the next stage reads this one's value.
