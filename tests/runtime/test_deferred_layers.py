@@ -305,3 +305,26 @@ def test_a_layer_inside_a_transform_on_a_plain_operand_runs_as_its_own() -> None
     assert stashed == 0
     for a, b in zip(whole, split, strict=True):
         assert a is not None and b is not None and torch.equal(a, b)
+
+
+def test_a_compiled_layer_is_not_deferred_and_trains_exactly_in_every_schedule():
+    # Dynamo would compile a deferring forward without a guard on the thread's deferral;
+    # a pipeline run after another (another schedule) then recomputed a different graph.
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 16, dtype=torch.float64), torch.randn(8, 4, dtype=torch.float64)
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        compiled = torch.compile(nn.Linear(16, 16))
+        layers = [nn.Linear(16, 16), compiled, nn.Tanh(), nn.Linear(16, 16), nn.Linear(16, 4)]
+        return nn.Sequential(*layers).double()
+
+    reference = build()
+    nn.functional.mse_loss(reference(x), y).backward()
+    for schedule in ("zb-v", "zb-h2", "zb-h1"):
+        model = build()
+        pipe = Pipeline(model, 4, devices=["cpu", "cpu"], schedule=schedule)
+        assert install_deferred_layers(model[1]) == 0
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-15)

@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pipesched.runtime.compat.internals import is_compiled
 from pipesched.runtime.deferred import DeferredWeightsMode, WeightStore, hooks_in_force
 from pipesched.runtime.deferred_ops import HANDLERS, linear
 from pipesched.runtime.placement import is_traced
@@ -86,7 +87,14 @@ def install_deferred_layers(stage: nn.Module) -> int:
         The number of layers that defer.
     """
     count = 0
+    # Why not inside a torch.compile'd module: Dynamo would compile the deferring forward
+    # without a guard on this thread's deferral, and reuse it where the layer's own ran (or
+    # the reverse): a recomputation then differs from its forward. Its weights get
+    # autograd's whole gradient in B: exact, only not deferred.
+    compiled = {id(m) for c in stage.modules() if is_compiled(c) for m in c.modules()}
     for module in stage.modules():
+        if id(module) in compiled:
+            continue
         if isinstance(vars(module).get("forward"), _DeferringForward):
             count += 1
             continue

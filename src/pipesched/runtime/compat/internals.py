@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -38,6 +39,7 @@ __all__ = [
     "has_gradient_hooks",
     "has_module_hooks",
     "in_functorch",
+    "is_compiled",
     "one_recomputation",
     "op_schema",
     "parse_to",
@@ -275,6 +277,17 @@ def function_output(out: Tensor) -> Tensor:
     comes next). ATen's ``matmul`` hands its output back the same way.
     """
     return unsafe_view(out) if out._is_view() else out
+
+
+def is_compiled(module: nn.Module) -> bool:
+    """Whether ``module`` is ``torch.compile``'s wrapper (Dynamo's ``OptimizedModule``).
+
+    Read from Dynamo's module only where a program imported it (no compiled
+    module exists otherwise); False where the class is gone.
+    """
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    kind = getattr(frame, "OptimizedModule", None)
+    return isinstance(kind, type) and isinstance(module, kind)
 
 
 def in_functorch(t: Tensor) -> bool:
