@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from pipesched.analysis.prediction import StepModel, predict
 from pipesched.errors import ConfigError
 from pipesched.planning import LayerCost, peak_bytes, plan_layers
+from pipesched.planning.candidate import Candidate, Planning
 from pipesched.planning.search import MARGIN
 from pipesched.runtime.stage.recompute import stage_stops
 from pipesched.schedule import get_schedule
@@ -197,3 +198,13 @@ def test_peak_bytes_counts_what_a_micro_batch_holds_between_b_and_w(schedule) ->
     alone = get_schedule("zb-h1", 1, 3).simulate()
     assert peak_bytes(alone, 0, [(1.0, 10.0)], [0.0], [15.0]) == 15.0
     assert peak_bytes(alone, 0, [(1.0, 10.0)], [0.0], [3.0]) == 10.0
+
+
+def test_a_baseline_over_the_budget_and_faster_reads_faster_not_negative_slower() -> None:
+    pick = Candidate("zb-h1", "always", (2, 2), 4, step=0.012, peak_bytes=1e6, fits=True)
+    baseline = Candidate("1f1b", "never", (2, 2), 4, step=0.010, peak_bytes=9e6, fits=False)
+    slower = Candidate("gpipe", "always", (2, 2), 4, step=0.015, peak_bytes=1e6, fits=True)
+    text = Planning((pick, slower, baseline), pick, 2, 2e6, baseline=baseline).explain()
+    assert "16.7% faster, and over the budget" in text  # 0.010 against 0.012
+    assert "next best: " in text and "25.0% slower" in text
+    assert "-16.7%" not in text

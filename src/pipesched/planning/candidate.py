@@ -116,13 +116,13 @@ class Planning:
         if others:
             runner = others[0]
             lines.append(
-                f"  next best: {_label(runner)}, {_percent(runner.step, pick.step)} slower"
+                f"  next best: {_label(runner)}, {_than(runner.step, pick.step)}"
             )
         if self.baseline is not None and self.baseline is not pick:
             lines.append(
                 f"  1f1b with time-balanced stages ({_modes(self.baseline.checkpoint)}, "
                 f"{list(self.baseline.counts)}): {_ms(self.baseline.step)}, "
-                f"{_percent(self.baseline.step, pick.step)} slower"
+                f"{_than(self.baseline.step, pick.step)}"
                 + ("" if self.baseline.fits else ", and over the budget")
             )
         faster = [c for c in self.candidates if not c.fits and c.step < pick.step]
@@ -139,8 +139,8 @@ class Planning:
                 why = "the only mode compared"
             elif fitting:
                 best = min(fitting, key=lambda c: c.step)
-                slower = _percent(best.step, pick.step)
-                why = f"without recomputation the fastest that fits is {slower} slower"
+                than = _than(best.step, pick.step)
+                why = f"without recomputation the fastest that fits is {than}"
             else:
                 why = "nothing without recomputation fits the budget"
             lines.append(f"  checkpoint={_modes(pick.checkpoint)}: {why}")
@@ -203,8 +203,12 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-def _percent(slower: float, faster: float) -> str:
-    return f"{(slower / faster - 1) * 100:.1f}%" if faster > 0 else "n/a"
+def _than(other: float, pick: float) -> str:
+    """``other``'s step against the pick's: "12.5% slower" or "3.1% faster"."""
+    if pick <= 0:
+        return "n/a"
+    change = (other / pick - 1) * 100
+    return f"{change:.1f}% slower" if change >= 0 else f"{-change:.1f}% faster"
 
 
 def _bytes(n: float) -> str:
