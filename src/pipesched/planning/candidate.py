@@ -115,9 +115,7 @@ class Planning:
         others = [c for c in self.candidates if c.fits and c is not pick]
         if others:
             runner = others[0]
-            lines.append(
-                f"  next best: {_label(runner)}, {_than(runner.step, pick.step)}"
-            )
+            lines.append(f"  next best: {_label(runner)}, {_than(runner.step, pick.step)}")
         if self.baseline is not None and self.baseline is not pick:
             lines.append(
                 f"  1f1b with time-balanced stages ({_modes(self.baseline.checkpoint)}, "
