@@ -134,17 +134,23 @@ class _Repro(nn.Module):
         return self.b(h)
 
 
-def test_a_checkpointed_later_stage_writes_back_no_stale_counter():
-    """Stage 1 copies micro-batch 0's input (a checkpointed stage does, at its start),
-    then stage 0, another thread, runs micro-batch 1, then stage 1 runs on its copy:
-    ``calls`` must still count both micro-batches."""
+def _cut_in_two(build):
+    """A model, its plain copy, two micro-batches, the plain outputs, and its two stages
+    (cut at layer ``b``), called by hand in the order a test needs."""
     torch.manual_seed(0)
-    plain = _Repro()
+    plain = build()
     model = copy.deepcopy(plain)
     parts = torch.randn(8, 4).tensor_split(2)
     expected = [plain(part) for part in parts]
     pipe = Pipeline(model, 2, devices=["cpu"] * 2, split_points=["b"], example_inputs=(parts[0],))
-    first, last = pipe.stages
+    return plain, model, parts, expected, pipe.stages
+
+
+def test_a_checkpointed_later_stage_writes_back_no_stale_counter():
+    """Stage 1 copies micro-batch 0's input (a checkpointed stage does, at its start),
+    then stage 0, another thread, runs micro-batch 1, then stage 1 runs on its copy:
+    ``calls`` must still count both micro-batches."""
+    plain, model, parts, expected, (first, last) = _cut_in_two(_Repro)
     received = {k: v.clone() for k, v in first(parts[0]).items()}  # as passes._own_copy
     sent = first(parts[1])
     got = [last(received), last({k: v.clone() for k, v in sent.items()})]
@@ -172,13 +178,7 @@ class _ReadLate(nn.Module):
 
 def test_a_later_stage_reads_the_buffer_as_its_micro_batch_left_it():
     """Stage 0 runs micro-batch 1 before stage 1 runs micro-batch 0 (as GPipe does)."""
-    torch.manual_seed(0)
-    plain = _ReadLate()
-    model = copy.deepcopy(plain)
-    parts = torch.randn(8, 4).tensor_split(2)
-    expected = [plain(part) for part in parts]
-    pipe = Pipeline(model, 2, devices=["cpu"] * 2, split_points=["b"], example_inputs=(parts[0],))
-    first, last = pipe.stages
+    plain, model, parts, expected, (first, last) = _cut_in_two(_ReadLate)
     sent = [first(part) for part in parts]
     for got, want in zip([last(x) for x in sent], expected, strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
