@@ -67,6 +67,7 @@ class Fix:
 
 _x_grad = torch.randn(6, 4, requires_grad=True)
 _x_nonleaf = torch.randn(6, 4, requires_grad=True) * 2
+_t_teacher = torch.randn(6, 2, requires_grad=True) * 2  # a target with autograd history
 _opt = torch.optim.SGD
 FIXES: dict[str, Fix] = {
     "pipe(x, x)": Fix(
@@ -156,6 +157,38 @@ FIXES: dict[str, Fix] = {
         lambda: _pipe().step(_x_nonleaf, torch.randn(6, 2), loss_fn=mse),
         "pass x.detach() instead",
         lambda: _pipe().step(_x_nonleaf.detach(), torch.randn(6, 2), loss_fn=mse),
+    ),
+    "target requires grad": Fix(
+        lambda: _pipe().step(torch.randn(6, 4), _t_teacher, loss_fn=mse),
+        "pass its .detach()",
+        lambda: _pipe().step(torch.randn(6, 4), _t_teacher.detach(), loss_fn=mse),
+    ),
+    "targets[1] requires grad": Fix(
+        lambda: _pipe().step(
+            microbatches=[torch.randn(3, 4)] * 2,
+            targets=[torch.randn(3, 2), _t_teacher[:3]],
+            loss_fn=mse,
+        ),
+        "pass its .detach()",
+        lambda: _pipe().step(
+            microbatches=[torch.randn(3, 4)] * 2,
+            targets=[torch.randn(3, 2), _t_teacher[:3].detach()],
+            loss_fn=mse,
+        ),
+    ),
+    "complex loss": Fix(
+        lambda: _pipe().step(*_batch(), loss_fn=lambda o, t: mse(o, t) * (1 + 2j)),
+        "return its .real",
+        lambda: _pipe().step(*_batch(), loss_fn=lambda o, t: (mse(o, t) * (1 + 2j)).real),
+    ),
+    "optimizer over a copy of the model": Fix(
+        lambda: GradientAccumulator(
+            _pipe(), _opt(_model().parameters(), lr=0.1), accumulation_steps=2
+        ),
+        "Build it over pipe.parameters()",
+        lambda: GradientAccumulator(
+            (p := _pipe()), _opt(p.parameters(), lr=0.1), accumulation_steps=2
+        ),
     ),
     "max_grad_norm=0": Fix(
         lambda: GradientAccumulator(

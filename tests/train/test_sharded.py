@@ -17,7 +17,7 @@ from torch import nn
 from pipesched import GradientAccumulator, Pipeline
 from pipesched.cli.main import main
 from pipesched.errors import CheckpointError
-from pipesched.train import export_model, import_model, load_model, model_state
+from pipesched.train import export, export_model, import_model, load_model, model_state
 from pipesched.train.store import LATEST, resolve
 
 STEPS = 2
@@ -246,6 +246,16 @@ def test_a_sharded_save_onto_a_file_is_refused_naming_it(tmp_path):
     (tmp_path / "file").write_text("not a directory")
     with pytest.raises(CheckpointError, match="cannot save the checkpoint to .*file"):
         acc.save(str(tmp_path / "file"), sharded=True)
+
+
+@pytest.mark.parametrize("read", [model_state, export.describe], ids=["export", "show"])
+def test_a_one_process_file_is_told_apart_from_a_sharded_checkpoint(tmp_path, read):
+    acc = _acc([3, 3])
+    acc.save(str(tmp_path / "ckpt.pt"))  # one process: a file
+    with pytest.raises(CheckpointError, match="'.*ckpt.pt' is a file, not a sharded checkpoint"):
+        read(str(tmp_path / "ckpt.pt"))
+    with pytest.raises(FileNotFoundError):
+        read(str(tmp_path / "nothing"))
 
 
 def test_a_loss_scaler_resumes_with_its_scale_and_growth(tmp_path):

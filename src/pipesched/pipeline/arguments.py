@@ -216,3 +216,20 @@ def check_inputs(inputs: Any, name: str) -> int:
             "autograd-transparent: loss_fn(pipe(x), y).backward()"
         )
     return rows
+
+
+def check_target(target: Any, name: str) -> None:
+    """Raises ConfigError where a tensor of ``target`` (called ``name``) requires grad.
+
+    Why refused: each micro-batch's backward would run through the target's
+    autograd history (a teacher's output), once per micro-batch over one shared
+    graph, and write the teacher's ``.grad`` from inside the step, outside its
+    transaction; plain PyTorch runs that history once.
+    """
+    if any(t.requires_grad for t in tensors(target)):
+        raise ConfigError(
+            f"{name} requires grad (it carries autograd history, e.g. a teacher model's "
+            "output): a step runs one backward per micro-batch, which would each go "
+            "through that history; pass its .detach() (to train the model it came from, "
+            "compute that loss outside the pipeline)"
+        )

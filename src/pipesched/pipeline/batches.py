@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pipesched.errors import ConfigError, ConfigTypeError
-from pipesched.pipeline.arguments import check_inputs
+from pipesched.pipeline.arguments import check_inputs, check_target
 from pipesched.runtime.stage.microbatch import scatter
 from pipesched.runtime.stage.tree import tensors
 
@@ -104,6 +104,7 @@ def step_batches(
                 "inputs= pass the batch's target as target= (it is cut like inputs)"
             )
         count = check_inputs(inputs, "inputs")
+        check_target(target, "target")
         other = {t.shape[0] for t in tensors(target) if t.ndim >= 1} - {count}
         if other:
             raise ConfigError(
@@ -145,6 +146,7 @@ def step_batches(
             )
         if target_list is not None:
             _check_target_rows(i, target_list[i], r)
+            check_target(target_list[i], f"targets[{i}]")
     return StepBatches(given, target_list, rows)
 
 

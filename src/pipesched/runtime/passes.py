@@ -319,6 +319,12 @@ def _check_loss(loss: Any) -> None:
             f"loss_fn must return a scalar tensor, got {type(loss).__name__}{shape}; "
             "reduce it with .mean() or .sum() (use num_items= with a sum)"
         )
+    if loss.is_complex():  # loss.backward() refuses it: no gradient of a complex number
+        raise ConfigError(
+            f"loss_fn returned a complex loss (dtype {loss.dtype}); a gradient is defined for "
+            "a real scalar only (loss.backward() refuses it too): return its .real, .abs() "
+            "or another real function of it"
+        )
     if not loss.requires_grad:
         why = "an integer tensor" if not loss.is_floating_point() else "detached from the model"
         raise ConfigError(

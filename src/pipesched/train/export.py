@@ -37,14 +37,7 @@ def model_state(checkpoint: str) -> dict[str, torch.Tensor]:
         FileNotFoundError: nothing is at ``checkpoint``.
         CheckpointError: it is not a sharded checkpoint, or cannot be read.
     """
-    if not store.is_sharded(checkpoint):
-        if not os.path.exists(checkpoint):
-            raise FileNotFoundError(f"no checkpoint at {checkpoint!r}")
-        raise CheckpointError(
-            f"{checkpoint!r} is a file, not a sharded checkpoint directory: a one-process "
-            "GradientAccumulator.save file holds the model's state dict already, under "
-            "'model' (torch.load(path, weights_only=False)['model'])"
-        )
+    _check_sharded(checkpoint)
     directory = store.resolve(checkpoint)
     metadata = store.read_metadata(directory)
     keys = [k for k in metadata if k.startswith(_PREFIX)]
@@ -55,6 +48,7 @@ def describe(checkpoint: str) -> str:
     """A few lines on a sharded checkpoint: its version, the layout and point that saved it."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # see store
 
+    _check_sharded(checkpoint)
     directory = store.resolve(checkpoint)
     metadata = store.read_metadata(directory)
     tensors = {k: v for k, v in metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -77,6 +71,19 @@ def describe(checkpoint: str) -> str:
     else:
         lines.append("model weights only (load with pipesched.train.load_model)")
     return "\n".join(lines)
+
+
+def _check_sharded(checkpoint: str) -> None:
+    """Raises FileNotFoundError (nothing there) or CheckpointError (a one-process file)."""
+    if store.is_sharded(checkpoint):
+        return
+    if not os.path.exists(checkpoint):
+        raise FileNotFoundError(f"no checkpoint at {checkpoint!r}")
+    raise CheckpointError(
+        f"{checkpoint!r} is a file, not a sharded checkpoint directory: a one-process "
+        "GradientAccumulator.save file holds the model's state dict already, under "
+        "'model' (torch.load(path, weights_only=False)['model'])"
+    )
 
 
 def _size(count: int) -> str:
