@@ -84,6 +84,7 @@ def test_plan_takes_keyword_batches_and_a_budget(model_file, capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "memory budget 1.00 GiB per worker" in out
+    assert "memory_budget=1073741824)" in out  # to paste: exact, not 1.074e+09
 
 
 @pytest.mark.parametrize(

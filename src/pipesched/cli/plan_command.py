@@ -120,7 +120,8 @@ def run_plan(args: argparse.Namespace) -> None:
     print(
         f"\nto build it: Pipeline(model, chunks={best.pick.chunks}, schedule='auto', "
         f"example_inputs=<one micro-batch>"
-        + ("" if args.memory_budget is None else f", memory_budget={args.memory_budget:.4g}")
+        # The budget exactly, to paste: 3MiB is 3145728, which .4g would print as 3.146e+06.
+        + ("" if args.memory_budget is None else f", memory_budget={int(args.memory_budget)}")
         + ")"
     )
 
