@@ -176,6 +176,11 @@ FIXES: dict[str, Fix] = {
             loss_fn=mse,
         ),
     ),
+    "input on the meta device": Fix(
+        lambda: _pipe().step(torch.randn(6, 4, device="meta"), torch.randn(6, 2), loss_fn=mse),
+        "pass the batch itself",
+        lambda: _pipe().step(torch.randn(6, 4), torch.randn(6, 2), loss_fn=mse),
+    ),
     "complex loss": Fix(
         lambda: _pipe().step(*_batch(), loss_fn=lambda o, t: mse(o, t) * (1 + 2j)),
         "return its .real",

@@ -203,9 +203,14 @@ def check_inputs(inputs: Any, name: str) -> int:
 
     Raises:
         ConfigError: ``inputs`` holds no tensor with a batch dimension, two
-            of them differ on dim 0, or one requires grad.
+            of them differ on dim 0, or one requires grad or is on the meta device.
     """
     rows = batch_size(inputs, name)  # stage 0 needs a tensor with a batch dimension to cut
+    if any(t.is_meta for t in tensors(inputs)):
+        raise ConfigError(
+            f"{name} is on the meta device: it has a shape but no values to train on; "
+            "pass the batch itself (a model may be built on meta, its data may not)"
+        )
     if any(t.requires_grad for t in tensors(inputs)):
         # step's backward ends at stage 0's input: it fills the parameters' .grad,
         # never the input's; silently returning no x.grad would be worse than this.
