@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 import textwrap
@@ -238,6 +239,20 @@ def test_ctrl_c_after_a_step_was_kept_says_it_counts(ctrl_c, monkeypatch):
     params, _, seen = _window((PendingStep, "keep"), monkeypatch)
     clean_params, _, _ = _window()
     assert len(seen) == 1 and any("do not step the same batch again" in n for n in seen[0])
+    for name in clean_params:
+        assert torch.equal(params[name], clean_params[name]), name
+
+
+def test_a_programs_own_ctrl_c_handler_that_only_notes_it_keeps_the_step(monkeypatch):
+    # A graceful-shutdown handler raises nothing: the step must count, not be undone silently.
+    seen = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: seen.append(number))
+    try:
+        params, _, interrupts = _window((StepSnapshot, "commit"), monkeypatch)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    clean_params, _, _ = _window()
+    assert seen == [signal.SIGINT] and interrupts == []  # handled once, nothing raised
     for name in clean_params:
         assert torch.equal(params[name], clean_params[name]), name
 

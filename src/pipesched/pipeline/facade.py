@@ -524,9 +524,9 @@ class Pipeline(Shadowing, Pinned):
         steps (:class:`pipesched.GradientAccumulator`).
 
         Ctrl-C is held from the step's commit until the caller calls the
-        returned step's ``keep()`` (it undoes the step if a Ctrl-C came, or
-        with ``undo=True``; it returns whether it kept it), counts the step if
-        kept, and then calls ``release()`` (which raises the Ctrl-C held).
+        returned step's ``keep()`` (which undoes the step and raises where a
+        Ctrl-C came), counts the step, and then calls ``release()`` (which
+        raises a Ctrl-C held since); ``abandon(error)`` where it failed first.
 
         Returns:
             ``(summed loss, item count, the pending step)``.
@@ -537,9 +537,8 @@ class Pipeline(Shadowing, Pinned):
         total, pending = self._train(batches, loss_fn, summed=num_items is not None, scale=scale)
         try:
             loss = total / scale
-        except BaseException:
-            pending.keep(undo=True)
-            pending.release()
+        except BaseException as error:
+            pending.abandon(error)
             raise
         return loss, items, pending
 

@@ -98,10 +98,11 @@ class PendingStep:
     GradientAccumulator's window position), a Ctrl-C raised at once would
     leave gradients that nothing counts, and a retry of the batch would add
     them twice. So Ctrl-C is held from the commit on: the owner calls
-    :meth:`keep`, counts the step if it was kept, then :meth:`release`. A
-    Ctrl-C held before :meth:`keep` undoes the step (in one process; on a
-    mesh, where ranks must agree, a step is kept as it commits); one that
-    comes after is raised by :meth:`release` noting that the step counts.
+    :meth:`keep`, counts the step, then :meth:`release` (or :meth:`abandon`
+    where it failed first). A Ctrl-C held before :meth:`keep` undoes the step
+    (in one process; on a mesh, where ranks must agree, a step is kept as it
+    commits); one that comes after is raised by :meth:`release` noting that
+    the step counts.
     """
 
     __slots__ = ("_engine", "_hold", "_snapshot", "kept")
@@ -111,24 +112,39 @@ class PendingStep:
         self.kept: bool | None = None
         """Whether :meth:`keep` kept the step (None: not decided yet)."""
 
-    def keep(self, *, undo: bool = False) -> bool:
-        """Keeps the step, or undoes it if a Ctrl-C came since it ran (or ``undo``: its owner
-        failed); returns whether it was kept. Then call :meth:`release`."""
+    def keep(self) -> bool:
+        """Keeps the step, unless a Ctrl-C came since it ran and its handler raises (Python's
+        own: ``KeyboardInterrupt``): then the step is undone and that is raised. Returns
+        whether it was kept; then call :meth:`release`.
+
+        Why run the handler here: a program's own handler that only notes the
+        Ctrl-C (to stop after this step) raises nothing, and the step must count.
+        """
         if self.kept is None:
-            engine = self._engine
-            if (undo or self._hold.caught) and engine.workers.mesh is None:
-                self._snapshot.restore()
-                engine.sync.drop_started()
-                engine.sync.after_step(committed=False)
-                self.kept = False
-            else:
-                engine.keep(self._snapshot)
-                self.kept = True
+            if self._engine.workers.mesh is None and self._hold.caught:
+                try:
+                    self._hold.deliver()
+                except BaseException:
+                    self._undo()
+                    raise
+            self._engine.keep(self._snapshot)
+            self.kept = True
         return self.kept
 
+    def abandon(self, error: BaseException) -> None:
+        """Its owner failed with ``error`` before :meth:`keep`: undoes the step (on a mesh it
+        was kept: ``error`` then says the step counts) and stops holding Ctrl-C."""
+        try:
+            if self.kept is None:
+                self._undo()
+            elif self.kept:
+                error.add_note(COMMITTED)
+        finally:
+            self.release()
+
     def release(self) -> None:
-        """Stops holding Ctrl-C, raising one held: as it came if the step was undone, noting
-        that it counts if the step was kept."""
+        """Stops holding Ctrl-C, raising one held since :meth:`keep`, noting that the step
+        counts."""
         self._hold.release(COMMITTED if self.kept else None)
 
     def settle(self) -> None:
@@ -137,6 +153,12 @@ class PendingStep:
             self.keep()
         finally:
             self.release()
+
+    def _undo(self) -> None:
+        self.kept = False
+        self._snapshot.restore()
+        self._engine.sync.drop_started()
+        self._engine.sync.after_step(committed=False)
 
 
 class Engine:
@@ -277,12 +299,7 @@ class Engine:
             seconds = time.perf_counter() - begin
             result = RunResult(state.outputs, state.losses, loss, timeline, seconds, pending)
         except BaseException as exc:
-            try:
-                pending.keep(undo=True)
-            finally:
-                pending.release()
-            if pending.kept:
-                exc.add_note(COMMITTED)
+            pending.abandon(exc)
             raise
         if settle:
             pending.settle()

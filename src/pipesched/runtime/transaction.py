@@ -184,23 +184,36 @@ class InterruptHold:
     def _hold(self, number: int, frame: Any) -> None:
         self.caught.append((number, frame))
 
-    def release(self, note: str | None = None) -> None:
-        """Stops holding; raises a Ctrl-C held (with ``note`` added), as it would have been."""
-        previous, self._previous = self._previous, None
-        if previous is None:
+    def deliver(self, note: str | None = None) -> None:
+        """Runs now what a held Ctrl-C would have run (the handler before this hold, which
+        raises ``KeyboardInterrupt`` unless the program set its own), ``note`` added to
+        what it raises; holding goes on."""
+        if not self.caught or self._previous is None:
             return
-        _signal.signal(signal.SIGINT, previous)
-        if not self.caught:
-            return
+        number, frame = self.caught[0]
+        self.caught.clear()
+        previous = self._previous
         try:
             if callable(previous):
-                previous(*self.caught[0])
-            elif previous == signal.SIG_DFL:
+                previous(number, frame)
+            elif previous == signal.SIG_DFL:  # the default action: the process ends
+                _signal.signal(signal.SIGINT, previous)
                 signal.raise_signal(signal.SIGINT)
         except BaseException as exc:
             if note is not None:
                 exc.add_note(note)
             raise
+
+    def release(self, note: str | None = None) -> None:
+        """Stops holding, then runs a Ctrl-C held (:meth:`deliver`)."""
+        previous = self._previous
+        if previous is None:
+            return
+        _signal.signal(signal.SIGINT, previous)
+        try:
+            self.deliver(note)
+        finally:
+            self._previous = None
 
 
 @contextmanager

@@ -207,28 +207,25 @@ class GradientAccumulator:
                 self.pipe.sync.window_ends(False)
             raise
         # Ctrl-C is held from the step's commit until its counts are in (PendingStep).
-        kept = False
         try:
             self._follow_freed_parameters()
             loss = float(loss_sum)
             given = [inputs] if microbatches is None else microbatches
             rows = sum(map(batch_size, given))
-            kept = pending.keep()
-            if kept:
-                self._loss_sum += loss
-                self._items += items
-                self._samples += rows
-                self._rows.append(rows)
-                self._given = None if microbatches is None else len(microbatches)
-                self.position += 1
-                self.steps += 1
-        except BaseException:
-            kept = pending.keep(undo=True)
-            raise
-        finally:
-            if not kept and last:
+            pending.keep()
+        except BaseException as error:
+            if last and not pending.kept:
                 self.pipe.sync.window_ends(False)
-            pending.release()  # a Ctrl-C held: raised (the step undone, or counted and noted)
+            pending.abandon(error)
+            raise
+        self._loss_sum += loss
+        self._items += items
+        self._samples += rows
+        self._rows.append(rows)
+        self._given = None if microbatches is None else len(microbatches)
+        self.position += 1
+        self.steps += 1
+        pending.release()  # a Ctrl-C held since: raised, noting that the step counts
         step_loss = loss / items if items > 0 else math.nan
         if self.position == self.accumulation_steps:
             self._last_loss = step_loss
