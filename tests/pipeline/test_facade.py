@@ -278,3 +278,20 @@ def test_a_step_with_nothing_to_train_raises(model):
         pipe.step(x, y, loss_fn=nn.functional.mse_loss)
     with torch.no_grad():
         torch.testing.assert_close(pipe(x), module(x))  # evaluation still runs
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "copy", "pickle"])
+def test_a_pipeline_refuses_to_be_copied_and_says_how_to_copy_its_weights(how: str) -> None:
+    import copy
+    import pickle
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    pipe = Pipeline(model, chunks=2, num_stages=2)
+    copier = {"deepcopy": copy.deepcopy, "copy": copy.copy, "pickle": pickle.dumps}[how]
+    with pytest.raises(TypeError, match=r"cannot be copied or pickled.*load_state_dict"):
+        copier(pipe)
+    # The fix it names works: the twin has the pipeline's weights.
+    twin = copy.deepcopy(model)
+    twin.load_state_dict(pipe.state_dict())
+    for a, b in zip(twin.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b) and a is not b

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipesched.errors import ConfigError
+from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.partition import Partition
 from pipesched.partition.call import Call, call_key, one_call, stage_input, with_cache_off
 from pipesched.partition.materialize import InitWeights, check_meta
@@ -373,6 +373,21 @@ class Pipeline(Shadowing, Pinned):
     def running_here(self) -> bool:
         """Whether the calling thread is one of this pipeline's workers, inside a step."""
         return self._cuts.running_here()
+
+    def __reduce_ex__(self, protocol: object) -> Any:
+        """Refused: a Pipeline is not copied (``copy``, ``copy.deepcopy``) nor pickled.
+
+        Why not as ``nn.Module`` (which pickles): it owns worker threads, streams and,
+        on a mesh, process groups, and a shallow copy would share a step's state.
+        """
+        raise ConfigTypeError(
+            "a Pipeline cannot be copied or pickled (copy.copy, copy.deepcopy, pickle, "
+            "torch.save of the Pipeline): it owns worker threads and, on a mesh, process "
+            "groups. Copy its weights instead: twin = copy.deepcopy(model); "
+            "twin.load_state_dict(pipe.state_dict()) (wrap the twin in a Pipeline of its "
+            "own if it should run pipelined); save with torch.save(pipe.state_dict(), f), "
+            "or GradientAccumulator.save(path) to resume training"
+        )
 
     def schedule_for(self, num_microbatches: int) -> Schedule:
         """The validated schedule this pipeline runs for ``num_microbatches`` micro-batches."""
