@@ -138,3 +138,22 @@ def test_order_is_every_action_once_each_after_its_dependencies(name):
     position = {a: i for i, a in enumerate(order)}
     graph = schedule.graph()
     assert all(position[u] < position[v] for u, v in graph.edges)
+
+
+@pytest.mark.parametrize("change", ["deadlock", "missing"])
+def test_a_schedule_changed_with_replace_is_validated_afresh(change: str) -> None:
+    """dataclasses.replace carried the validated order over: a broken copy passed."""
+    import dataclasses
+
+    good = Schedule.from_csv("0F0,0F1,0B0,0F2,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2\n").validate()
+    good.simulate()  # fills the transfer plan too
+    if change == "deadlock":
+        rows = Schedule.from_csv("0F0,0F1,0B2,0F2,0B1,0B0\n1F0,1B0,1F1,1B1,1F2,1B2\n").actions
+        match = "deadlocks on the cycle"
+    else:
+        rows = (good.actions[0][:-1], good.actions[1])
+        match = "cannot run"
+    changed = dataclasses.replace(good, actions=rows)
+    for check in (changed.validate, changed.simulate, changed.order):
+        with pytest.raises(ScheduleError, match=match):
+            check()

@@ -53,7 +53,7 @@ class Schedule:
     placement: tuple[int, ...]
     num_microbatches: int
     name: str = "custom"
-    _cache: dict[str, object] = field(default_factory=dict, repr=False, compare=False)
+    _cache: dict[str, object] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "actions", tuple(map(_as_actions, self.actions)))
