@@ -222,6 +222,88 @@ def test_dropout_gradients_do_not_depend_on_balance_or_schedule(balance, schedul
         torch.testing.assert_close(grads[name], g, rtol=1e-12, atol=1e-14, msg=name)
 
 
+class _Block(nn.Module):
+    """A Linear and a Dropout the model shares with another block."""
+
+    def __init__(self, drop: nn.Module) -> None:
+        super().__init__()
+        self.lin, self.drop = nn.Linear(6, 6), drop
+
+    def forward(self, x):
+        return self.drop(self.lin(x)).tanh()
+
+
+def _shared_dropout_model(probes: list[MaskProbe]) -> nn.Sequential:
+    """One Dropout at two positions, another inside two blocks; a probe after each use."""
+    torch.manual_seed(0)
+    top, inner = nn.Dropout(0.5), nn.Dropout(0.4)
+    a, b = _Block(inner), _Block(inner)
+    return nn.Sequential(
+        nn.Linear(6, 6), top, probes[0], a, probes[1], nn.Linear(6, 6), top, probes[2], b, probes[3]
+    )
+
+
+class _Reused(nn.Module):
+    """A traced model calling one Dropout after each of its layers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(6, 6) for _ in range(4))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.drop(layer(x))
+        return x
+
+
+@pytest.mark.parametrize(
+    ("balance", "schedule", "workers", "mode"),
+    [
+        ([4, 6], "1f1b", 2, "never"),
+        ([2, 8], "gpipe", 2, "always"),
+        ([7, 3], "zb-h1", 2, "except_last"),
+        ([2, 2, 3, 3], "1f1b", 4, "never"),
+        ([3, 3, 2, 2], "zb-v", 2, "always"),
+    ],
+)
+def test_a_module_used_in_two_places_draws_alike_whatever_the_cut(balance, schedule, workers, mode):
+    """A draw's place is where the module is used, not the module: before, a shared
+    Dropout's n-th draw within a stage, so its masks moved with the cut."""
+
+    def run(**kwargs):
+        probes = [MaskProbe() for _ in range(4)]
+        step = _step(Pipeline(_shared_dropout_model(probes), 4, **kwargs))
+        return step, [[h for recomputed, h in p.seen if not recomputed] for p in probes]
+
+    (loss0, grads0), masks0 = run(balance=[10], devices=["cpu"])
+    assert masks0[0] != masks0[2] and masks0[1] != masks0[3]  # each use draws its own
+    (loss, grads), masks = run(
+        balance=balance, devices=["cpu"] * workers, schedule=schedule, checkpoint=mode
+    )
+    assert [sorted(m) for m in masks] == [sorted(m) for m in masks0]
+    torch.testing.assert_close(loss, loss0, rtol=0, atol=0)
+    for name, g in grads0.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("split", ["layers.1", "layers.2", "layers.3"])
+def test_a_traced_models_dropout_called_after_each_layer_draws_alike_whatever_the_cut(split):
+    x = torch.randn(8, 6)
+
+    def run(**kwargs):
+        model = _Reused()
+        pipe = Pipeline(model, 2, example_inputs=(x[:4],), schedule="1f1b", **kwargs)
+        return _step(pipe, batch=8)
+
+    loss0, grads0 = run(num_stages=1)
+    loss, grads = run(devices=["cpu"] * 2, split_points=[split], checkpoint="always")
+    torch.testing.assert_close(loss, loss0, rtol=0, atol=0)
+    for name, g in grads0.items():
+        torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=name)
+
+
 @pytest.mark.parametrize(("schedule", "workers"), ALL)
 @pytest.mark.parametrize("batch", [10, 16, 3])
 def test_deferred_batch_norm_equals_batch_norm_on_the_whole_batch(schedule, workers, batch):

@@ -34,15 +34,28 @@ from pipesched.partition.cuts import (
 from pipesched.partition.materialize import on_meta
 from pipesched.partition.profile import device_kind, measure_sequential, measure_traced
 from pipesched.partition.report import Partition, StagePlan
-from pipesched.partition.sequential import split_sequential
+from pipesched.partition.sequential import SequentialStage, split_sequential
 from pipesched.partition.split import split_traced
 from pipesched.partition.stage_graph import Layer, layers, sequential_graph, traced_graph
 from pipesched.partition.trace import TracedModel, trace_model
+from pipesched.partition.traced_stage import TracedStage
 from pipesched.runtime.stage.tree import tensors
 from pipesched.schedule import Schedule, Timeline
 from pipesched.schedule.spec import ScheduleSpec, schedule_for
 
-__all__ = ["BALANCE_MODES", "ModelCut", "plan_partition", "simulate_partition"]
+__all__ = ["BALANCE_MODES", "ModelCut", "draw_places", "plan_partition", "simulate_partition"]
+
+
+def draw_places(stages: Sequence[nn.Module]) -> list[nn.Module]:
+    """What names places of random draws besides the model's modules, for the engine's
+    ``extra_names``: a traced stage's random operations, a sequential stage's sites."""
+    places: list[nn.Module] = []
+    for stage in stages:
+        if isinstance(stage, TracedStage) and stage.random_ops is not None:
+            places.append(stage.random_ops)
+        elif isinstance(stage, SequentialStage):
+            places.append(stage.draw_places)
+    return places
 
 
 @dataclass(frozen=True, eq=False)

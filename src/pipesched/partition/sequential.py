@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import itertools
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from torch import nn
 
 from pipesched.errors import PartitionError
 from pipesched.partition.balance import min_max_counts
 
-__all__ = ["balance_by_params", "check_balance", "sequential_layers", "split_sequential"]
+__all__ = [
+    "SequentialStage",
+    "balance_by_params",
+    "check_balance",
+    "sequential_layers",
+    "split_sequential",
+]
 
 
 def sequential_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -52,11 +59,79 @@ def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.S
     """
     counts = check_balance(module, balance)
     layers = sequential_layers(module)
-    stages, start = [], 0
+    # Layers the model holds under more than one name: listed twice, or also inside another.
+    held = Counter(id(m) for _, m in module.named_modules(remove_duplicate=False))
+    repeated = frozenset(id(layer) for _, layer in layers if held[id(layer)] > 1)
+    stages: list[nn.Sequential] = []
+    start = 0
     for count in counts:
-        stages.append(nn.Sequential(OrderedDict(layers[start : start + count])))
+        part = layers[start : start + count]
+        if repeated:
+            stages.append(SequentialStage(part, repeated))
+        else:
+            stages.append(nn.Sequential(OrderedDict(part)))
         start += count
     return stages
+
+
+class _Site(nn.Module):
+    """One position of a layer the model holds under two names: calls the layer there."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self._layer = (layer,)  # a tuple: not a child, so it owns no parameters
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The layer on its input."""
+        return self._layer[0](*args, **kwargs)
+
+
+class SequentialStage(nn.Sequential):
+    """A slice of a model holding a layer under two names (``nn.Sequential(drop, lin, drop)``).
+
+    Why not a plain ``nn.Sequential``: a random draw is keyed by the innermost of
+    the model's named modules running it (:mod:`pipesched.runtime.stage.draw_keys`),
+    and a layer at two positions is one module, so its draws were counted in
+    whichever stage ran it and moved with the cut. Here each such position runs
+    through a module of its own, named as the position (:attr:`sites`), and a
+    draw's place is its position, as for any layer.
+
+    Args:
+        layers: the slice's ``(name, layer)`` pairs, under the model's names (or a
+            mapping: ``nn.Sequential`` slices itself so).
+        repeated: ids of the layers the model holds under more than one name.
+    """
+
+    def __init__(
+        self,
+        layers: Sequence[tuple[str, nn.Module]] | Mapping[str, nn.Module],
+        repeated: frozenset[int] = frozenset(),
+    ) -> None:
+        pairs = list(layers.items()) if isinstance(layers, Mapping) else list(layers)
+        super().__init__(OrderedDict(pairs))
+        sites = nn.Module()
+        calls: list[nn.Module] = []
+        for name, layer in pairs:
+            if id(layer) in repeated:
+                site = _Site(layer)
+                sites.add_module(name, site)
+                calls.append(site)
+            else:
+                calls.append(layer)
+        self._calls = tuple(calls)
+        self.__dict__["sites"] = sites  # not a child: no state of its own
+
+    @property
+    def draw_places(self) -> nn.Module:
+        """The positions' sites, named as the positions: places of random draws."""
+        sites: nn.Module = self.__dict__["sites"]
+        return sites
+
+    def forward(self, input: Any) -> Any:
+        """The layers in order, each repeated layer through its site."""
+        for call in self._calls:
+            input = call(input)
+        return input
 
 
 def balance_by_params(module: nn.Sequential, num_stages: int) -> list[int]:

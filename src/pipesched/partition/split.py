@@ -12,6 +12,7 @@ while stage 0 computes it; see :func:`_place_write_backs`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -296,6 +297,8 @@ def _regions(traced: TracedModel) -> dict[fx.Node, _Region]:
         if stack:
             key = next(reversed(stack))
             groups.setdefault(key, []).append(node)
+    sites = Counter(_stack_path(nodes[0], key) for key, nodes in groups.items())
+    held = Counter(id(m) for _, m in traced.model.named_modules(remove_duplicate=False))
     regions = {}
     for key, nodes in groups.items():
         name = _stack_path(nodes[0], key)
@@ -304,6 +307,12 @@ def _regions(traced: TracedModel) -> dict[fx.Node, _Region]:
         except AttributeError:
             continue
         if not _called_as_layer(module):
+            continue
+        if isinstance(module, RANDOM_MODULES) and (sites[name] > 1 or held[id(module)] > 1):
+            # One dropout called at several sites (a model's self.drop after each block)
+            # or held under two names: left as operations, each a RandomOp named after
+            # its node, a draw's place is its call site, which no cut changes (as a layer
+            # it was the module's n-th draw in the stage, so draws moved with the cut).
             continue
         members = frozenset(nodes)
         own = {

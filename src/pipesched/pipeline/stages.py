@@ -19,6 +19,7 @@ from pipesched.errors import ConfigError, RetraceWarning, warn_user
 from pipesched.partition import ModelCut, Partition, TracedStage, check_balance, plan_partition
 from pipesched.partition.call import Call, call_key, describe_change
 from pipesched.partition.materialize import Swaps, Unloaded, materialize_stages, on_meta
+from pipesched.partition.model_cut import draw_places
 from pipesched.partition.sequential import sequential_layers
 from pipesched.partition.trace import TracedModel
 from pipesched.planning.plan import Plan
@@ -51,7 +52,8 @@ class Stages:
         layers: what the Pipeline registers under the model's names (an
             ``nn.Sequential``'s layers of this process).
         replaced: the model's top-level modules that DeferredBatchNorm replaced.
-        random_ops: a traced model's random operations (places of draws too).
+        random_ops: what names places of random draws besides the model (a traced
+            model's random operations, a sequential stage's sites: ``draw_places``).
         unloaded: what ``init_weights="skip"`` left for a load and no load
             has written yet (checked before every call), or None.
         swaps: a model on the meta device: which of its tensors this
@@ -186,7 +188,6 @@ def build_stages(
     layers = []
     if sequential:  # this process's layers, under the model's names
         layers = [(name, layer) for s in own for name, layer in sequential_layers(modules[s])]
-    random_ops = [t.random_ops for t in modules if isinstance(t, TracedStage)]
     return Stages(
         key,
         () if sequential else _modes(model),
@@ -196,7 +197,7 @@ def build_stages(
         tied,
         layers,
         replaced,
-        [r for r in random_ops if r is not None],
+        draw_places(modules),
         unloaded,
         swaps,
     )

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipesched.partition import TracedStage, plan_partition
+from pipesched.partition import plan_partition
 from pipesched.partition.call import Call
+from pipesched.partition.model_cut import draw_places
 from pipesched.partition.trace import TracedModel
 from pipesched.runtime.engine import Engine, Workers
 from pipesched.runtime.passes import StepInputs
@@ -126,14 +127,13 @@ def _timed(
     stages = cut.build(module, [device] * num_layers)
     for stage in stages:
         stage.to(device)
-    random_ops = [t.random_ops for t in stages if isinstance(t, TracedStage)]
     engine = Engine(
         stages,
         range(num_layers),
         {},
         Workers((device,), (0,) * num_layers, threads),
         model=module,
-        extra_names=[r for r in random_ops if r is not None],
+        extra_names=draw_places(stages),
     )
     engine.runtime.passes.whole_backward = False  # B and W as split schedules split them
     batch = call.args[0] if sequential else call

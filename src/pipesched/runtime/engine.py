@@ -175,7 +175,7 @@ class Engine:
             layers are put back when a step fails); its module names are the
             places of random draws, so they do not depend on the cut.
         extra_names: modules named for draws besides ``model``'s (a traced
-            model's random operations).
+            model's random operations, a Sequential's sites).
         fuse: accumulate ``linear`` weight gradients inside the GEMM where no
             other stage holds the weight.
         grad_backup: where a step keeps the gradients pending before it
@@ -203,11 +203,11 @@ class Engine:
         mesh, devices = workers.mesh, workers.stage_devices
         if any(device.type == "cpu" for device in workers.devices):
             keep_freed_memory()  # each pass's freed memory stays mapped for the next
-        names = module_names(model, stages, extra_names)
+        names = module_names(model, extra_names)
         deferred = mesh is not None  # ranks agree on a spoiled step after it, then rerun
         self.seedings = [
             StageSeeding(
-                names[s], stage, devices[s], adaptive=True, deferred=deferred, label=f"stage {s}"
+                names, stage, devices[s], adaptive=True, deferred=deferred, label=f"stage {s}"
             )
             for s, stage in enumerate(stages)
         ]

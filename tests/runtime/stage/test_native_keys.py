@@ -24,9 +24,7 @@ def test_every_kind_draws_alike_keyed_in_cpp_or_in_python(kind, native):
     model, x = model_of(kind), torch.randn(16, 8)
     outs = {}
     for keyed in ("cpp", "python"):
-        seeding = StageSeeding(
-            module_names(model, [model])[0], model, torch.device("cpu"), adaptive=False
-        )
+        seeding = StageSeeding(module_names(model), model, torch.device("cpu"), adaptive=False)
         assert seeding.table is not None
         if keyed == "python":
             seeding.table = None
@@ -43,9 +41,7 @@ def test_every_kind_draws_alike_keyed_in_cpp_or_in_python(kind, native):
 
 def test_the_cpp_keys_seed_the_cpu_draws_of_a_dropout_themselves(native):
     model, x = model_of("Dropout"), torch.randn(16, 8)
-    seeding = StageSeeding(
-        module_names(model, [model])[0], model, torch.device("cpu"), adaptive=False
-    )
+    seeding = StageSeeding(module_names(model), model, torch.device("cpu"), adaptive=False)
     before = random_routing.native_draws()
     with seeding.forward(StepSeed(3), 0):
         model(x)

@@ -56,7 +56,7 @@ def unrouted(monkeypatch):
 
 
 def _seeding(model: nn.Module) -> StageSeeding:
-    names = module_names(model, [model])[0]
+    names = module_names(model)
     return StageSeeding(names, model, torch.device("cpu"), adaptive=False)
 
 

@@ -158,29 +158,27 @@ def draw_seed(generator: torch.Generator | None = None) -> int:
     return int(torch.randint(0, 2**62, (), generator=generator, device=generator.device).item())
 
 
-def module_names(
-    model: nn.Module, stages: Sequence[nn.Module], extra: Sequence[nn.Module] = ()
-) -> list[dict[int, str]]:
-    """Per stage, ``id(module) -> name`` for the modules of ``model``: the places of draws.
+def module_names(model: nn.Module, extra: Sequence[nn.Module] = ()) -> dict[int, str]:
+    """``id(module) -> name`` for the modules of ``model``: the places of draws.
 
-    Names are the model's own, so places do not depend on the cut; a module
-    that runs in several stages (one Dropout called twice in a Sequential)
-    gets the stage in its name there, or both calls would draw alike.
-    ``extra`` adds modules (a traced model's random operations) under their names.
+    Names are the model's own, so places do not depend on the cut. A module the
+    model holds under more than one name (one Dropout at two positions of a
+    Sequential, a block reused in two places) is no place: its draws are placed
+    by the module that calls it (a Sequential's position by its site,
+    :class:`~pipesched.partition.sequential.SequentialStage`), so each use draws
+    apart, whichever stages run them. ``extra`` adds modules (a traced model's
+    random operations, a Sequential's sites) under their names.
     """
-    names: dict[int, str] = {}
-    for root in (model, *extra):
+    paths: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        if name:
+            paths.setdefault(id(module), []).append(name)
+    names = {ident: found[0] for ident, found in paths.items() if len(found) == 1}
+    for root in extra:
         for name, module in root.named_modules():
             if name:
                 names.setdefault(id(module), name)
-    holders: dict[int, set[int]] = {}
-    for s, stage in enumerate(stages):
-        for module in stage.modules():
-            holders.setdefault(id(module), set()).add(s)
-    shared = [i for i, held in holders.items() if len(held) > 1 and i in names]
-    if not shared:
-        return [names] * len(stages)
-    return [names | {i: f"{names[i]}@stage{s}" for i in shared} for s in range(len(stages))]
+    return names
 
 
 _METHODS: dict[int, tuple[CodeType, bool]] = {}  # id(code) -> (code, first argument is self)

@@ -81,7 +81,7 @@ def _walks_agree(native: Any) -> bool:
     a function, a checkpoint, a module outside the names, the pass's entry frame."""
     model = _Outer()
     root = nn.Sequential(model)  # (a model's root is not named: its children are)
-    names = module_names(root, [root])[0]
+    names = module_names(root)
     table = _table(native, names)
     entry = sys._getframe()
     onlys = [None, frozenset(), frozenset({id(model)}), frozenset({id(model.inner)})]
