@@ -255,3 +255,72 @@ def test_recomputations_in_two_threads_leave_the_model_its_own_buffers():
     for name, buffer in model.named_buffers():
         assert buffer is own[name], f"{name} is no longer the model's own tensor"
         torch.testing.assert_close(buffer, expected[name], rtol=0, atol=0, msg=name)
+
+
+class _OneNorm(nn.Module):
+    """One BatchNorm called after each of four layers (its statistics updated four times)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(4))
+        self.bn = nn.BatchNorm1d(WIDTH)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = self.bn(layer(x)).tanh()
+        return x
+
+
+@pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")
+@pytest.mark.parametrize("split", ["layers.1", "layers.3"])
+def test_a_buffer_two_stages_would_write_is_refused_naming_it(split: str) -> None:
+    """Before, stage 1 bumped a copy of num_batches_tracked it received: 1 or 3, not 4."""
+    x = torch.randn(8, WIDTH)
+    with pytest.raises(ValueError, match=r"'bn.num_batches_tracked' is written by stages \[0, 1\]"):
+        pipe = Pipeline(_OneNorm(), 1, devices=["cpu"] * 2, split_points=[split])
+        pipe.step(x, x, loss_fn=nn.functional.mse_loss)
+
+
+@pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")
+def test_a_layer_called_at_several_places_in_one_stage_updates_as_the_plain_model() -> None:
+    x = torch.randn(8, WIDTH)
+    plain = _OneNorm()
+    nn.functional.mse_loss(plain(x), x).backward()
+    model = _OneNorm()
+    pipe = Pipeline(model, 1, num_stages=1, example_inputs=(x[:4],))
+    pipe.step(x, x, loss_fn=nn.functional.mse_loss)
+    assert int(model.bn.num_batches_tracked) == int(plain.bn.num_batches_tracked) == 4
+    torch.testing.assert_close(model.bn.running_mean, plain.bn.running_mean, rtol=0, atol=1e-15)
+    torch.testing.assert_close(model.bn.running_var, plain.bn.running_var, rtol=0, atol=1e-15)
+    for a, b in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-12, atol=1e-14)
+
+
+def test_a_deferred_batch_norm_called_at_several_places_is_refused() -> None:
+    """Its deferral was silently dropped (the calls stay operations, not the layer)."""
+    x = torch.randn(8, WIDTH)
+    with pytest.raises(ValueError, match="'bn' is called at 4 places"):
+        Pipeline(_OneNorm(), 2, num_stages=1, example_inputs=(x[:4],), deferred_batch_norm=True)
+
+
+@pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")
+def test_a_sequentials_batch_norm_in_two_stages_is_refused_and_in_one_runs() -> None:
+    bn = nn.BatchNorm1d(WIDTH)
+    layers = [nn.Linear(WIDTH, WIDTH), bn, nn.Linear(WIDTH, WIDTH), bn]
+    with pytest.raises(ValueError, match=r"BatchNorm '1' is used by stages \[0, 1\]"):
+        Pipeline(nn.Sequential(*layers), 2, balance=[2, 2], devices=["cpu"] * 2)
+    model = nn.Sequential(*layers, nn.Linear(WIDTH, WIDTH))
+    pipe = Pipeline(model, 1, balance=[4, 1], devices=["cpu"] * 2)
+    x = torch.randn(8, WIDTH)
+    pipe.step(x, x, loss_fn=nn.functional.mse_loss)
+    assert int(bn.num_batches_tracked) == 2  # once per place, as the plain model
+
+
+def test_converting_a_batch_norm_used_at_two_places_is_refused() -> None:
+    """Before, only its first place became deferred; the second kept moving per micro-batch."""
+    from pipesched import DeferredBatchNorm
+
+    bn = nn.BatchNorm1d(WIDTH)
+    with pytest.raises(ValueError, match=r"used at 2 places \('1', '3'\)"):
+        DeferredBatchNorm.convert(nn.Sequential(nn.Linear(WIDTH, WIDTH), bn, nn.Tanh(), bn))

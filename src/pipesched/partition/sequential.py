@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.errors import PartitionError
 from pipesched.partition.balance import min_max_counts
@@ -71,7 +72,32 @@ def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.S
         else:
             stages.append(nn.Sequential(OrderedDict(part)))
         start += count
+    _check_statistics_in_one_stage(stages)
     return stages
+
+
+def _check_statistics_in_one_stage(stages: Sequence[nn.Module]) -> None:
+    """Raises PartitionError if a BatchNorm with running statistics is in two stages.
+
+    Why: stages run in threads of their own (or processes on a mesh), so its
+    statistics' updates would race, or be split between the ranks' copies.
+    """
+    held: dict[int, list[int]] = {}
+    for s, stage in enumerate(stages):
+        for module in stage.modules():
+            if isinstance(module, _BatchNorm) and module.track_running_stats:
+                held.setdefault(id(module), []).append(s)
+    for stage in stages:
+        for name, module in stage.named_modules():
+            where = held.get(id(module), [])
+            if len(set(where)) > 1:
+                raise PartitionError(
+                    f"BatchNorm {name!r} is used by stages {sorted(set(where))}: the model "
+                    "holds one BatchNorm at more than one place, and stages run in threads "
+                    "or processes of their own, so the updates of its running statistics "
+                    "would race or be split between copies. Choose a balance that keeps its "
+                    "places in one stage, or give each place a BatchNorm of its own"
+                )
 
 
 class _Site(nn.Module):

@@ -21,7 +21,7 @@ import torch
 from torch import fx, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from pipesched.errors import PartitionError
+from pipesched.errors import ConfigError, PartitionError
 from pipesched.partition.trace import TracedModel
 from pipesched.partition.traced_stage import ModeCheck, RandomOp, Switch, TracedStage, ValueName
 from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree
@@ -94,6 +94,7 @@ def split_traced(
             stage_of[node] = stage_of[region.output]
     aliases = _buffer_aliases(traced)
     _place_write_backs(traced, stage_of, aliases)
+    _check_buffer_writers(traced, stage_of, aliases)
     members: list[list[fx.Node]] = [[] for _ in range(num_stages)]
     for node in ops:
         members[stage_of[node]].append(node)
@@ -170,6 +171,38 @@ def _place_write_backs(
         else:
             made = stage_of.get(value, 0)  # 0: a user input or the model's state
         stage_of[node] = min(stage_of[node], max(last.get(buffer, 0), made))
+
+
+def _check_buffer_writers(
+    traced: TracedModel, stage_of: dict[fx.Node, int], aliases: dict[fx.Node, fx.Node]
+) -> None:
+    """Raises PartitionError if two stages write one buffer (in place or by its write-back).
+
+    Why: stages run in threads of their own (or processes on a mesh): a buffer
+    written by two of them (one BatchNorm called after layers on both sides of a
+    cut, a counter bumped at two places) would have its updates race, or split
+    between the ranks' copies, where the plain model makes them in order.
+    """
+    writers: dict[fx.Node, set[int]] = {}
+    for node in traced.ops:
+        if not isinstance(node.target, OpOverload):
+            continue
+        for argument, value in zip(op_schema(node.target).arguments, node.args, strict=False):
+            info = argument.alias_info
+            written = info is not None and info.is_write and isinstance(value, fx.Node)
+            if written and (buffer := aliases.get(value)) is not None:  # type: ignore[arg-type]
+                writers.setdefault(buffer, set()).add(stage_of[node])
+    for buffer, stages in writers.items():
+        if len(stages) > 1:
+            name = traced.state[buffer].name
+            raise PartitionError(
+                f"buffer {name!r} is written by stages {sorted(stages)}: the model updates "
+                "it at more than one place (one BatchNorm called after layers on both sides "
+                "of a cut, a counter bumped twice) and stages run in threads or processes "
+                "of their own, so its updates would race or be split between copies. Cut "
+                "where its updates fall in one stage (split_points=, balance=), or give "
+                "each place a module of its own"
+            )
 
 
 def _returns_alias(node: fx.Node) -> bool:
@@ -308,11 +341,20 @@ def _regions(traced: TracedModel) -> dict[fx.Node, _Region]:
             continue
         if not _called_as_layer(module):
             continue
-        if isinstance(module, RANDOM_MODULES) and (sites[name] > 1 or held[id(module)] > 1):
-            # One dropout called at several sites (a model's self.drop after each block)
-            # or held under two names: left as operations, each a RandomOp named after
-            # its node, a draw's place is its call site, which no cut changes (as a layer
-            # it was the module's n-th draw in the stage, so draws moved with the cut).
+        if sites[name] > 1 or held[id(module)] > 1:
+            # A layer called at several sites (a model's self.drop after each block) or
+            # held under two names stays operations. A dropout's each become a RandomOp
+            # named after its node: a draw's place is its call site, which no cut moves
+            # (as a layer, it was the module's n-th draw in the stage). A BatchNorm's
+            # updates of its statistics become values flowing from use to use, as
+            # torch.export wrote them, not two stages writing one buffer.
+            if isinstance(module, DeferredBatchNorm):
+                raise ConfigError(
+                    f"BatchNorm {name!r} is called at {sites[name]} places: nn.BatchNorm moves "
+                    "its running statistics once per call, a DeferredBatchNorm once per "
+                    "mini-batch for all its calls together; give each place a BatchNorm of "
+                    "its own, or keep per-micro-batch statistics (deferred_batch_norm=False)"
+                )
             continue
         members = frozenset(nodes)
         own = {

@@ -200,13 +200,26 @@ class DeferredBatchNorm(_BatchNorm):
             ``module`` is itself a BatchNorm.
 
         Raises:
-            ConfigError: a lazy BatchNorm has not seen an input yet.
+            ConfigError: a lazy BatchNorm has not seen an input yet, or one BatchNorm
+                is used at two places of ``module``.
 
         Example:
             >>> model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
             >>> type(DeferredBatchNorm.convert(model)[1]).__name__
             'DeferredBatchNorm'
         """
+        places: dict[int, list[str]] = {}
+        for name, child in module.named_modules(remove_duplicate=False):
+            if is_plain_batch_norm(child):
+                places.setdefault(id(child), []).append(name or "(the model)")
+        shared = next((names for names in places.values() if len(names) > 1), None)
+        if shared is not None:
+            raise ConfigError(
+                f"a BatchNorm is used at {len(shared)} places ({', '.join(map(repr, shared))}): "
+                "nn.BatchNorm moves its running statistics once per use, a DeferredBatchNorm "
+                "once per mini-batch for all its uses together; give each place a BatchNorm "
+                "of its own, or keep per-micro-batch statistics (deferred_batch_norm=False)"
+            )
         output = module
         if is_plain_batch_norm(module):
             output = cls._replace(module)
