@@ -295,3 +295,13 @@ def test_a_pipeline_refuses_to_be_copied_and_says_how_to_copy_its_weights(how: s
     twin.load_state_dict(pipe.state_dict())
     for a, b in zip(twin.parameters(), model.parameters(), strict=True):
         assert torch.equal(a, b) and a is not b
+
+
+def test_eval_and_train_switch_the_model_itself() -> None:
+    """The model's root is not registered in the Pipeline: its own flag stayed True."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 4))
+    pipe = Pipeline(model, chunks=2, num_stages=2)
+    assert pipe.eval() is pipe
+    assert not model.training and not any(m.training for m in model.modules())
+    pipe.train()
+    assert model.training and all(m.training for m in model.modules())

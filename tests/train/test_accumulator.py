@@ -401,3 +401,24 @@ def test_an_optimizer_over_another_models_parameters_is_refused():
         GradientAccumulator(
             pipe, torch.optim.SGD(copy_of_model.parameters(), lr=0.1), accumulation_steps=2
         )
+
+
+def test_a_scheduler_stepped_with_a_metric_is_refused_with_the_way_to_step_it() -> None:
+    """ReduceLROnPlateau raised at every window end, and every retry (flush) again."""
+    pipe = _pipe(_model())
+    opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    with pytest.raises(
+        ConfigError, match=r"ReduceLROnPlateau\) steps with metrics.*step it yourself"
+    ):
+        GradientAccumulator(pipe, opt, accumulation_steps=2, lr_scheduler=plateau)
+    with pytest.raises(TypeError, match="must have a step"):
+        GradientAccumulator(pipe, opt, accumulation_steps=2, lr_scheduler=[object()])
+    # The way it names works, and schedulers that step with no argument are taken.
+    steplr = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    acc = GradientAccumulator(pipe, opt, accumulation_steps=1, lr_scheduler=steplr)
+    x, y = torch.randn(6, 5), torch.randn(6, 3)
+    result = acc.step(x, y, loss_fn=nn.functional.mse_loss)
+    if result.stepped:
+        plateau.step(result.window_loss)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.05)

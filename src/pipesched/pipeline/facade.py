@@ -374,6 +374,16 @@ class Pipeline(Shadowing, Pinned):
         """Whether the calling thread is one of this pipeline's workers, inside a step."""
         return self._cuts.running_here()
 
+    def train(self, mode: bool = True) -> Pipeline:
+        """Sets training mode (``eval()``: ``train(False)``) here and on the model itself.
+
+        Why the model too: its layers are registered here, the model is not, so its own
+        ``training`` (read by code that branches on ``self.training``) stayed as it was.
+        """
+        super().train(mode)
+        self._model[0].train(mode)
+        return self
+
     def __reduce_ex__(self, protocol: object) -> Any:
         """Refused: a Pipeline is not copied (``copy``, ``copy.deepcopy``) nor pickled.
 

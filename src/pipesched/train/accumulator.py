@@ -8,6 +8,7 @@ unscaled, checked, clipped, stepped, scheduled and zeroed, each once.
 
 from __future__ import annotations
 
+import inspect
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -98,6 +99,7 @@ class GradientAccumulator:
             if isinstance(lr_scheduler, Sequence)
             else [lr_scheduler]
         )
+        _check_schedulers(self.schedulers)
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.loss_scale = LossScale(scaler, list(pipe.devices))
@@ -528,6 +530,37 @@ def _check_optimizers_train(pipe: Pipeline, optimizers: list[torch.optim.Optimiz
                 "(pipe.parameters()): it would step nothing the pipeline trains. Build it "
                 "over pipe.parameters() (one built over a copy of the model, e.g. after "
                 "copy.deepcopy, holds the copy's)"
+            )
+
+
+def _check_schedulers(schedulers: list[Any]) -> None:
+    """Raises ConfigError for a scheduler the window end cannot step with no argument.
+
+    Why before the first window: ``ReduceLROnPlateau.step(metrics)`` raised at every
+    window end, and the retried end (``acc.flush()``) raised again, for good.
+    """
+    for k, scheduler in enumerate(schedulers):
+        where = "lr_scheduler" if len(schedulers) == 1 else f"lr_scheduler[{k}]"
+        step = getattr(scheduler, "step", None)
+        if not callable(step):
+            raise ConfigTypeError(
+                f"{where} must have a step() method (a torch.optim.lr_scheduler), got "
+                f"{type(scheduler).__name__} {scheduler!r}"
+            )
+        try:
+            needs = [
+                p.name
+                for p in inspect.signature(step).parameters.values()
+                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+            ]
+        except (TypeError, ValueError):  # no signature to read (a builtin): let it run
+            needs = []
+        if needs:
+            raise ConfigError(
+                f"{where} ({type(scheduler).__name__}) steps with {', '.join(needs)} "
+                f"(step({', '.join(needs)})), and the window end steps schedulers with no "
+                "argument: leave it out of lr_scheduler= and step it yourself, e.g. "
+                f"`if result.stepped: scheduler.step({needs[0]})` after acc.step"
             )
 
 
