@@ -27,6 +27,8 @@ from pipesched.pipeline.batches import StepBatches, step_batches
 from pipesched.pipeline.checks.coupled_outputs import coupled_paths, warn_coupled
 from pipesched.pipeline.checks.gradient_hooks import warn_gradient_hooks
 from pipesched.pipeline.checks.micro_batch_norm import warn_micro_batch_norm
+from pipesched.pipeline.checks.model_changes import ModelPrint
+from pipesched.pipeline.checks.separable_loss import check_separable, wants_check
 from pipesched.pipeline.outputs import join_step_outputs
 from pipesched.pipeline.pinned import Pinned
 from pipesched.pipeline.predict_step import predict_step
@@ -210,6 +212,8 @@ class Pipeline(Shadowing, Pinned):
         self._grad_backup = grad_backup
         self._model = (module,)  # a tuple: its layers are registered, not the model itself
         self._cuts = Cuts(module, mesh_bound=info is not None)
+        self._print: ModelPrint | None = None  # the model as the cuts hold it
+        self._live: set[int] | None = None if isinstance(module, nn.Sequential) else set()
         self.last_timeline: Timeline | None = None
         """The last call's measured actions (this process's)."""
         self.last_step_seconds: float | None = None
@@ -250,10 +254,16 @@ class Pipeline(Shadowing, Pinned):
             grad_backup=self._grad_backup,
         )
         self._cuts.add(stages, engine)
+        if self._live is not None:  # a traced stage's called layers run their own code
+            self._live.update(id(m) for stage in stages.modules for m in stage.modules())
+        self._print = ModelPrint.of(model, self._live)
         return stages, engine
 
     def _cut_for(self, call: Call | None, inputs: list[Any]) -> tuple[Stages, Engine]:
         """The cut that runs ``inputs`` (micro-batches of ``call``), cut now if none fits."""
+        if self._print is not None:
+            now = ModelPrint.of(self._model[0], self._live)
+            self._print.check(now, "the model changed since the Pipeline was built on it")
         if call is None:  # an nn.Sequential: cut once, at construction
             return self._cuts.current
         found = self._cuts.find(call, inputs)
@@ -614,10 +624,24 @@ class Pipeline(Shadowing, Pinned):
             loss_fn=loss_fn,
             loss_weights=[scale if summed else scale * rows for rows in batches.rows],
             checkpoint_stop=self._plan.stage_stops(m),
+            keep_outputs=2 if wants_check(self, m) else 0,
         )
         result = engine.run(self.schedule_for(m), step, detach=True, settle=False)
         self.last_timeline = result.timeline
         self.last_step_seconds = time.perf_counter() - begin
+        if result.outputs:  # the last stage's rank, on the first step of two or more
+            check_separable(
+                self,
+                batches.inputs[0],
+                result.outputs,
+                batches.targets,
+                result.losses,
+                step.loss_weights,
+                batches.rows,
+                loss_fn,
+                stages.modules[-1],
+                summed=summed,
+            )
         # A training step's loss is never None, and its pending step is there.
         return cast(torch.Tensor, result.loss), cast(PendingStep, result.pending)
 

@@ -52,6 +52,8 @@ class StepInputs:
             (a tuple: stage ``s``'s ``i < checkpoint_stop[s]``).
         seed: this call's seed for random operations (see :mod:`pipesched.runtime.stage.draw_keys`);
             None: drawn from torch's default CPU generator when first needed.
+        keep_outputs: a training step also keeps the last stage's outputs of
+            micro-batches ``i < keep_outputs``, detached, in :attr:`StepState.outputs`.
     """
 
     inputs: list[Any]
@@ -60,6 +62,7 @@ class StepInputs:
     loss_weights: list[float] = field(default_factory=list)
     checkpoint_stop: int | tuple[int, ...] = 0
     seed: int | None = None
+    keep_outputs: int = 0
 
 
 @dataclass
@@ -67,7 +70,8 @@ class StepState:
     """One step's results and the values its passes keep between actions.
 
     Attributes:
-        outputs: per micro-batch, the last stage's output (forward only).
+        outputs: per micro-batch, the last stage's output (forward only; a training
+            step: those it keeps, ``StepInputs.keep_outputs``).
         losses: per micro-batch, the weighted loss (training).
         events: every action's measured start and end (seconds from the step's start).
         timeline: the events as a Timeline, once the step has run.
@@ -206,6 +210,8 @@ class StagePasses:
         if step.loss_fn is None:
             state.outputs[i] = y
             return None
+        if i < step.keep_outputs:
+            state.outputs[i] = map_tensors(y, torch.Tensor.detach)
         if step.targets is None:
             target: tuple[Any, ...] = ()
         elif isinstance(t := step.targets[i], torch.Tensor):

@@ -1,0 +1,104 @@
+"""What of the model must stay as the Pipeline was built on it: its modules, and a trace's Python.
+
+The stages hold the model's modules (an ``nn.Sequential``'s layers, a traced
+stage's called layers), so a module put in another's place after the build
+(``model[4] = nn.Linear(...)``, a LoRA layer swapped in) would never run, and a
+traced stage runs the Python the export saw: a hook registered later, a
+``forward`` replaced, an attribute its code reads changed (``self.temperature``,
+a flag) would not either. Parameters and buffers are looked up by name at every
+call, so replacing those is fine; these changes are refused, not ignored.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from pipesched.errors import ConfigError
+
+__all__ = ["ModelPrint"]
+
+_SCALARS = (bool, int, float, str, type(None))
+_HOOKS = ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks", "_backward_pre_hooks")
+
+
+@dataclass(frozen=True)
+class ModelPrint:
+    """The model's modules by name and, where a trace fixed them, their hooks, forward
+    and plain attributes (:meth:`of`); :meth:`check` tells what changed since.
+
+    Args:
+        modules: ``(name, id)`` of every module under each of its names.
+        traced: per module whose code a trace fixed, by name: its hooks, its own
+            ``forward`` (None: its class's) and its public scalar attributes.
+    """
+
+    modules: tuple[tuple[str, int], ...]
+    traced: tuple[tuple[str, Any], ...]
+
+    @classmethod
+    def of(cls, model: nn.Module, live: set[int] | None) -> ModelPrint:
+        """``model`` now; ``live``: ids of the modules whose own code runs at every call
+        (a traced stage's called layers); None: all do (an ``nn.Sequential``)."""
+        modules = tuple((name, id(m)) for name, m in model.named_modules(remove_duplicate=False))
+        traced: tuple[tuple[str, Any], ...] = ()
+        if live is not None:
+            traced = tuple(
+                (name, _python(m)) for name, m in model.named_modules() if id(m) not in live
+            )
+        return cls(modules, traced)
+
+    def check(self, now: ModelPrint, doing: str) -> None:
+        """Raises ConfigError naming the first change from this print to ``now``."""
+        if now == self:
+            return
+        fix = (
+            "the Pipeline holds the model as it was built: build a new Pipeline over the "
+            "model now (its parameters are the model's, so an optimizer over them still "
+            "works), or make the change before building it"
+        )
+        before, after = dict(self.modules), dict(now.modules)
+        for name in (*before, *after):
+            if before.get(name) != after.get(name):
+                what = (
+                    "was added" if name not in before
+                    else "was removed" if name not in after
+                    else "was replaced by another module"
+                )  # fmt: skip
+                raise ConfigError(f"{doing}: module {name or '(the model)'!r} {what}; {fix}")
+        was, is_ = dict(self.traced), dict(now.traced)
+        for name, (hooks, forward, scalars) in was.items():
+            new_hooks, new_forward, new_scalars = is_.get(name, (hooks, forward, scalars))
+            where = repr(name or "(the model)")
+            if new_hooks != hooks:
+                change = f"module {where}'s hooks changed"
+            elif new_forward is not forward:
+                change = f"module {where}'s forward was replaced"
+            elif new_scalars != scalars:
+                changed = next(
+                    k for k in {**scalars, **new_scalars} if scalars.get(k) != new_scalars.get(k)
+                )
+                change = (
+                    f"attribute {changed!r} of module {where} changed from "
+                    f"{scalars.get(changed)!r} to {new_scalars.get(changed)!r}"
+                )
+            else:
+                continue
+            raise ConfigError(
+                f"{doing}: {change} after the model was traced; the trace runs the code "
+                f"as it was then (torch.export fixes such values), so {fix}"
+            )
+
+
+def _python(module: nn.Module) -> tuple[Any, ...]:
+    """What a trace fixed of ``module``'s own Python: hooks, a ``forward`` of its own,
+    public scalar attributes (its mode apart: the pipeline follows ``train()``/``eval()``)."""
+    hooks = tuple(tuple(map(id, getattr(module, h).values())) for h in _HOOKS)
+    scalars = {
+        k: v
+        for k, v in vars(module).items()
+        if not k.startswith("_") and k != "training" and type(v) in _SCALARS
+    }
+    return hooks, vars(module).get("forward"), scalars
