@@ -27,6 +27,30 @@ class DataDependent(nn.Module):
         return y
 
 
+class DynamicCache:
+    """Like transformers' key-value cache: an object holding tensors, not a pytree."""
+
+    def __init__(self, x: torch.Tensor) -> None:
+        self.keys = [x]
+
+
+class Cached(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, use_cache: bool = False):
+        y = self.b(self.a(x).tanh())
+        return (y, DynamicCache(y)) if use_cache else (y,)
+
+
+def test_a_model_returning_a_key_value_cache_is_told_to_call_without_it():
+    pipe = Pipeline(Cached(), 2, devices=["cpu", "cpu"])
+    with pytest.raises(PartitionError, match=r"returns a key-value cache.*use_cache=False"):
+        pipe(torch.randn(4, 4), use_cache=True)
+    assert pipe(torch.randn(4, 4))[0].shape == (4, 4)
+
+
 def _unet(**kwargs) -> Pipeline:
     torch.manual_seed(0)
     options = {"chunks": 2, "example_inputs": (X,), "devices": ["cpu", "cpu"]} | kwargs

@@ -365,6 +365,13 @@ def _describe_failure(model: nn.Module, error: Exception) -> str:
         code = (f.line or "").strip()
         place = f"{os.path.basename(f.filename)}:{f.lineno} in {f.name}"
         where = f"the operation at {place}: `{code}` failed"
+    if "Cache" in message and "not a known type" in message:  # a Hugging Face KV cache
+        return (
+            f"torch.export could not trace {type(model).__name__}: it returns a key-value "
+            f"cache ({type(error).__name__}: {message}). A pipeline returns tensors per "
+            "micro-batch, not a cache across calls: call it with use_cache=False (the "
+            "default pipesched passes where the call does not name use_cache)"
+        )
     return (
         f"torch.export could not trace {type(model).__name__}: {where} "
         f"({type(error).__name__}: {message}). To pipeline it, {_FIXES}; once it traces, "
