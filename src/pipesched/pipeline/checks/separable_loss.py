@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -55,8 +56,9 @@ def check_separable(
 
     Runs ``loss_fn`` twice more, without gradients, leaving the random state as it
     was: on micro-batch 0 (a ``loss_fn`` that does not give its value again, one
-    that draws or keeps state, is not checked) and on 0 and 1 joined. A
-    ``loss_fn`` that cannot take the joined value (or raises on it) is not checked.
+    that draws or keeps state, is not checked) and on 0 and 1 joined. Outputs that
+    do not join (micro-batches of their own lengths), or a ``loss_fn`` that cannot
+    take the joined value, are not checked.
 
     Args:
         pipe: the pipeline (checked once).
@@ -82,16 +84,18 @@ def check_separable(
         if summed
         else (rows[0] * apart[0] + rows[1] * apart[1]) / (rows[0] + rows[1])
     )
-    joined = join_step_outputs(batch, {0: outputs[0], 1: outputs[1]}, rows[:2], last)
-    target = () if targets is None else (join_outputs(targets[:2], rows[:2]),)
     first = () if targets is None else (targets[0],)
-    low = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors(joined))
-    devices = sorted({t.device.index for t in tensors(joined) if t.is_cuda})
-    try:
+    try:  # micro-batches of their own lengths may not join: then it is not checked
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # what joining says was said by the step
+            joined = join_step_outputs(batch, {0: outputs[0], 1: outputs[1]}, rows[:2], last)
+            target = () if targets is None else (join_outputs(targets[:2], rows[:2]),)
+        low = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors(joined))
+        devices = sorted({t.device.index for t in tensors(joined) if t.is_cuda})
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             again = float(loss_fn(outputs[0], *first))
             together = float(loss_fn(joined, *target))
-    except Exception:
+    except Exception:  # any loss_fn, any output: what cannot be joined or taken is not judged
         return
     if not _close(again, apart[0], low):
         return  # it does not repeat itself on micro-batch 0 (it draws, or keeps state)
