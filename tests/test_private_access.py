@@ -36,7 +36,10 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
     ),
     "pipeline/checks/micro_batch_norm.py": ({"_BatchNorm"}, "finds every BatchNorm layer"),
     "partition/traced_stage.py": ({"_buffers"}, "a stage writes its owners' buffers back"),
-    "partition/sequential.py": ({"_modules"}, "a Sequential's layers in order, repeats kept"),
+    "partition/sequential.py": (
+        {"_modules", "_BatchNorm"},
+        "a Sequential's layers in order, repeats kept; a BatchNorm's statistics in one stage",
+    ),
     "partition/trace.py": (
         {"_assert_tensor_metadata", "_assert_scalar"},
         "drops the ATen checks torch.export inserts",

@@ -223,8 +223,13 @@ def whole_bytes_at_forwards(pipe: Pipeline) -> list[int]:
             )
         )
 
+    model = {id(m) for m in pipe.modules()}
     for group in groups:
-        group.register_forward_pre_hook(hook)
+        # A stage (an nn.Sequential's) runs its groups' hooks; a traced model's owner is
+        # called by no stage (the trace runs its code), and a hook put on it after the
+        # trace is a change of the model the Pipeline refuses.
+        if id(group) not in model:
+            group.register_forward_pre_hook(hook)
     return seen
 
 

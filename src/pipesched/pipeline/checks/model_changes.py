@@ -94,11 +94,21 @@ class ModelPrint:
 
 def _python(module: nn.Module) -> tuple[Any, ...]:
     """What a trace fixed of ``module``'s own Python: hooks, a ``forward`` of its own,
-    public scalar attributes (its mode apart: the pipeline follows ``train()``/``eval()``)."""
-    hooks = tuple(tuple(map(id, getattr(module, h).values())) for h in _HOOKS)
+    public scalar attributes (its mode apart: the pipeline follows ``train()``/``eval()``;
+    the hooks of torch.distributed apart: sharding data parallel registers them itself)."""
+    hooks = tuple(
+        tuple(id(f) for f in getattr(module, h).values() if not _sharding(f)) for h in _HOOKS
+    )
     scalars = {
         k: v
         for k, v in vars(module).items()
         if not k.startswith("_") and k != "training" and type(v) in _SCALARS
     }
     return hooks, vars(module).get("forward"), scalars
+
+
+def _sharding(hook: Any) -> bool:
+    """Whether ``hook`` is torch.distributed's (FSDP2's, which a mesh's sharding adds)."""
+    function = getattr(hook, "func", hook)  # a functools.partial's function
+    function = getattr(function, "__func__", function)  # a bound method's
+    return str(getattr(function, "__module__", "")).startswith("torch.distributed")
