@@ -617,7 +617,10 @@ class Pipeline(Shadowing, Pinned):
         warn_micro_batch_norm(self, batches.rows)
         warn_gradient_hooks(self, m)
         if m > 1 and stages.cut.traced is not None:
-            warn_coupled(self, coupled_paths(stages.cut.traced), m)
+            summed_call = isinstance(call := batches.inputs[0], Call) and (
+                call.kwargs.get("num_items_in_batch") is not None
+            )
+            warn_coupled(self, coupled_paths(stages.cut.traced, summed_call), m)
         step = StepInputs(
             inputs=batches.inputs,
             targets=batches.targets,

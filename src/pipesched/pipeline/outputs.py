@@ -32,6 +32,6 @@ def join_step_outputs(batch: Any, outputs: dict[int, Any], rows: list[int], last
         paths = leaf_paths(values[0])
         if len(paths) == len(flags := per_sample_flags(last.traced)):
             fixed = [path for path, flag in zip(paths, flags, strict=True) if not flag]
-        if len(paths) == len(mixed := coupled_flags(last.traced)):
+        if len(paths) == len(mixed := coupled_flags(last.traced, summed)):
             coupled = [path for path, flag in zip(paths, mixed, strict=True) if flag]
     return join_outputs(values, rows, "sum" if summed else "mean", fixed, coupled)

@@ -182,3 +182,61 @@ def test_per_sample_models_are_not_flagged(name):
     _, messages = _called(lambda: pipe(**arguments()))
     assert messages == []
     assert not any(coupled_flags(pipe.stages[-1].traced))
+
+
+class _Pooled(nn.Module):
+    """Per-sample losses pooled over the batch by ``pool``; ``num_items_in_batch`` divides."""
+
+    def __init__(self, pool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.pool = pool
+
+    def forward(self, x, labels, num_items_in_batch=None):
+        per = nn.functional.cross_entropy(self.b(self.a(x).tanh()), labels, reduction="none")
+        loss = self.pool(per, x)
+        return {"loss": loss if num_items_in_batch is None else loss / num_items_in_batch}
+
+
+POOLS = {  # name: (pool, summed call, adds up)
+    "max": (lambda per, x: per.max(), False, False),
+    "median": (lambda per, x: per.median(), False, False),
+    "variance": (lambda per, x: per.var(), False, False),
+    "logsumexp": (lambda per, x: per.logsumexp(0), False, False),
+    "square of the mean": (lambda per, x: per.mean() ** 2, False, False),
+    "sum": (lambda per, x: per.sum(), False, False),
+    "mean under num_items_in_batch": (lambda per, x: per.mean(), True, False),
+    "mean": (lambda per, x: per.mean(), False, True),
+    "sum over the rows' count": (lambda per, x: per.sum() / x.shape[0], False, True),
+    "affine in the mean": (lambda per, x: per.mean() * 2 + 1, False, True),
+    "a loss's mean (reduction=1)": (
+        lambda per, x: nn.functional.mse_loss(per, torch.zeros_like(per)),
+        False,
+        True,
+    ),
+    "sum under num_items_in_batch": (lambda per, x: per.sum(), True, True),
+}
+
+
+@pytest.mark.parametrize("name", list(POOLS))
+def test_a_loss_pooled_over_the_batch_other_than_micro_batches_add_up_is_told(name):
+    """Against the plain model: where micro-batches' values add up to its loss, nothing is
+    said; where they do not (a max, a variance, a sum the call does not say is one, a mean a
+    model returns though the call passes num_items_in_batch), the output is told."""
+    pool, summed, adds_up = POOLS[name]
+    x, labels = torch.randn(6, 4), torch.tensor([0, 1, 2, 0, 1, 2])
+    extra = {"num_items_in_batch": 1} if summed else {}
+    plain = _Pooled(pool)(x, labels, **extra)["loss"]
+    pipe = Pipeline(_Pooled(pool), chunks=3, devices=["cpu"] * 2)
+    out, messages = _called(lambda: pipe(x, labels, **extra))
+    assert coupled_flags(pipe.stages[-1].traced, summed)[0] is not adds_up
+    if adds_up:
+        assert messages == []
+        torch.testing.assert_close(out["loss"], plain, rtol=1e-12, atol=1e-14)
+    else:
+        assert len(messages) == 1 and "output['loss']" in messages[0]
+        joined = out["loss"]
+        parts = torch.stack(list(joined))
+        rebuilt = parts.sum() if summed else parts.mean()  # what joining would have returned
+        assert not torch.allclose(rebuilt, plain, rtol=1e-6)  # a silent wrong value, before

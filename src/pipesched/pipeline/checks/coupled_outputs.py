@@ -2,9 +2,13 @@
 
 An output is the plain model's only if sample i's value depends on sample i alone;
 CLIP's in-batch contrastive logits do not. The export's symbolic sizes tell,
-without running anything: each value is batch-free, per-sample, pooled (fine) or
+without running anything: each value is batch-free, per-sample, pooled or
 coupled (an outer product over samples, a scan along the batch, a per-sample value
-computed from a pooled one). A nonlinear function of pooled values goes unseen.
+computed from a pooled one). A pooled value is rebuilt from the micro-batches'
+only as a mean (their rows-weighted mean) or, where the call passes Hugging
+Face's ``num_items_in_batch``, a sum: so each pooled value's kind is followed
+(a mean, a sum, or other: a max, a median, a variance, a nonlinear function of
+a pooled value), and an output of the wrong kind is coupled too.
 """
 
 from __future__ import annotations
@@ -41,23 +45,29 @@ _PER_SAMPLE_HERE = frozenset(
 )  # fmt: skip
 """Batch statistics told by :mod:`pipesched.pipeline.checks.micro_batch_norm`, not here."""
 
-_cache: weakref.WeakKeyDictionary[TracedModel, tuple[bool, ...]] = weakref.WeakKeyDictionary()
+_cache: weakref.WeakKeyDictionary[TracedModel, tuple[tuple[bool, ...], tuple[str | None, ...]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
-def coupled_flags(traced: TracedModel) -> tuple[bool, ...]:
-    """Per flattened output (``pytree`` order): whether it mixes rows of different samples.
+def coupled_flags(traced: TracedModel, summed: bool = False) -> tuple[bool, ...]:
+    """Per flattened output (``pytree`` order): whether micro-batches cannot rebuild it.
 
-    See the module docstring. Computed once per trace.
+    It mixes rows of different samples (see the module docstring), or it is pooled
+    over the samples other than as joining rebuilds it: a mean (``summed``: the call
+    passes ``num_items_in_batch``, a sum). Computed once per trace.
     """
     found = _cache.get(traced)
     if found is None:
         found = _cache[traced] = _coupled_flags(traced)
-    return found
+    coupled, pooled = found
+    fits = "sum" if summed else "mean"
+    return tuple(c or (k is not None and k != fits) for c, k in zip(coupled, pooled, strict=True))
 
 
-def coupled_paths(traced: TracedModel) -> list[str]:
+def coupled_paths(traced: TracedModel, summed: bool = False) -> list[str]:
     """The coupled outputs' paths, written as :func:`~pipesched.partition.per_sample.leaf_paths`."""
-    flags = coupled_flags(traced)
+    flags = coupled_flags(traced, summed)
     if not any(flags):
         return []
     shaped = pytree.tree_unflatten(list(range(len(flags))), traced.out_spec)
@@ -65,7 +75,7 @@ def coupled_paths(traced: TracedModel) -> list[str]:
     return [p for p, flag in zip(paths, flags, strict=True) if flag]
 
 
-def _coupled_flags(traced: TracedModel) -> tuple[bool, ...]:
+def _coupled_flags(traced: TracedModel) -> tuple[tuple[bool, ...], tuple[str | None, ...]]:
     batch: set[Any] = set()
     known: set[Any] = set()
     for node in traced.inputs:
@@ -75,7 +85,7 @@ def _coupled_flags(traced: TracedModel) -> tuple[bool, ...]:
                 known |= size_symbols(dim)
                 batch |= size_symbols(dim) if k == 0 else set()
     if not batch:
-        return (False,) * len(traced.outputs)
+        return (False,) * len(traced.outputs), (None,) * len(traced.outputs)
 
     def batch_dims(value: Any) -> list[int]:
         """The dims of ``value`` (a tensor, or any tensor of a tuple) sized by the batch."""
@@ -91,6 +101,7 @@ def _coupled_flags(traced: TracedModel) -> tuple[bool, ...]:
 
     depends: dict[fx.Node, bool] = {}
     coupled: dict[fx.Node, bool] = {}
+    pooled: dict[fx.Node, str | None] = {}
     for node in traced.inputs:
         depends[node] = 0 in batch_dims(node.meta.get("val"))
         coupled[node] = False
@@ -101,7 +112,81 @@ def _coupled_flags(traced: TracedModel) -> tuple[bool, ...]:
         coupled[node] = depends[node] and (
             any(coupled[n] for n in sources) or _couples(node, value, sources, batch_dims)
         )
-    return tuple(isinstance(out, fx.Node) and coupled.get(out, False) for out in traced.outputs)
+        if depends[node] and not batch_dims(value):
+            pooled[node] = _pooling(node, sources, pooled, batch, batch_dims)
+    outputs = [out if isinstance(out, fx.Node) else None for out in traced.outputs]
+    return (
+        tuple(out is not None and coupled.get(out, False) for out in outputs),
+        tuple(None if out is None else pooled.get(out) for out in outputs),
+    )
+
+
+_MEAN, _SUM, _OTHER = "mean", "sum", "other"
+_KEEPS = frozenset(
+    {
+        "neg", "clone", "detach", "alias", "view", "reshape", "_unsafe_view", "squeeze",
+        "unsqueeze", "flatten", "_to_copy", "to", "type_as", "contiguous", "lift_fresh_copy",
+        "expand", "_assert_tensor_metadata",
+    }
+)  # fmt: skip
+"""Operations that keep how a value pools over samples (its kind): a copy, a reshape."""
+
+
+def _pooling(
+    node: fx.Node,
+    sources: list[fx.Node],
+    pooled: dict[fx.Node, str | None],
+    batch: set[Any],
+    batch_dims: Any,
+) -> str:
+    """How ``node``'s value, free of the batch, pools its samples: ``"mean"``, ``"sum"``
+    or ``"other"`` (a max, a median, a variance, a nonlinear function of a pooled value),
+    which micro-batches cannot rebuild by averaging (or summing) their values."""
+    op = node.target
+    name = op_schema(op).name.split("::")[-1] if isinstance(op, OpOverload) else None
+    if op is operator.getitem:
+        return pooled.get(sources[0]) or _OTHER
+    if any(batch_dims(n.meta.get("val")) for n in sources):  # the samples are pooled here
+        if name == "mean":
+            return _MEAN
+        if name == "sum":
+            return _SUM
+        if isinstance(op, OpOverload):
+            arguments = op_schema(op).arguments
+            given = {a.name: a.default_value for a in arguments if a.has_default_value()}
+            given |= dict(zip([a.name for a in arguments], node.args, strict=False))
+            given |= dict(node.kwargs)
+            reduction = given.get("reduction")  # a loss: 1 a mean, 2 a sum (ATen's enum)
+            if reduction in (1, 2):
+                return _MEAN if reduction == 1 else _SUM
+        return _OTHER
+    kinds = {pooled.get(n) or _OTHER for n in sources}
+    kind = next(iter(kinds)) if len(kinds) == 1 else _OTHER
+    others = [a for a in node.all_input_nodes if a not in sources]
+    if name in _KEEPS or (name in ("add", "sub") and kind == _MEAN):
+        return kind  # (a mean plus a constant: the rows' weights add up to one)
+    if name in ("add", "sub") and not others and not _scalars(node):
+        return kind  # sums of sums: a sum
+    if name in ("mul", "div") and len(sources) == 1:
+        first = node.args[0] if node.args else None
+        if name == "div" and first is not sources[0]:
+            return _OTHER  # a constant over a pooled value
+        divisor = node.args[1] if len(node.args) > 1 else None
+        if kind == _SUM and name == "div" and _counts_rows(divisor, batch):
+            return _MEAN  # a sum over the rows, divided by their number
+        return kind  # scaled by what does not depend on the batch
+    return _OTHER
+
+
+def _scalars(node: fx.Node) -> bool:
+    """Whether ``node`` takes a Python number beside its tensors (``x + 1``)."""
+    return any(isinstance(a, (int, float)) for a in node.args)
+
+
+def _counts_rows(divisor: Any, batch: set[Any]) -> bool:
+    """Whether ``divisor`` (a node or number) is sized by the batch (``x.shape[0]``)."""
+    value = divisor.meta.get("val") if isinstance(divisor, fx.Node) else divisor
+    return isinstance(value, torch.SymInt) and bool(size_symbols(value) & batch)
 
 
 def _is_data(value: Any) -> bool:
@@ -148,7 +233,11 @@ def warn_coupled(pipe: nn.Module, paths: list[str], m: int) -> None:
     warn_user(
         f"{shown} of the model mix{'es' if len(paths) == 1 else ''} rows of different samples "
         "(each sample's value depends on the other samples of the batch: an in-batch "
-        f"contrastive loss or a similarity matrix over the batch); this step runs {m} "
+        "contrastive loss or a similarity matrix over the batch), or pool"
+        f"{'s' if len(paths) == 1 else ''} them other than the micro-batches' values add up "
+        "(a max, median or variance over the batch; a sum where the call passes no "
+        "num_items_in_batch, or a mean where it passes one: a model that ignores it); "
+        f"this step runs {m} "
         "micro-batches, so loss_fn receives each micro-batch's value, not the plain model's "
         "on the batch, and a loss or gradient computed from it is another model's. Fix: have "
         "the model return per-sample outputs (embeddings) only, and compute the coupled loss "

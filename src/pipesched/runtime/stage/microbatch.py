@@ -205,7 +205,10 @@ def join_outputs(
             warn_user(
                 f"pipe(x): output{path or ''} mixes rows of different samples (each "
                 "sample's value depends on the other samples of the batch: an in-batch "
-                "contrastive loss or a similarity matrix over the batch), so the "
+                "contrastive loss or a similarity matrix over the batch), or pools them "
+                "other than the micro-batches' values add up (a max, median or variance over "
+                "the batch; a sum where the call passes no num_items_in_batch, or a mean "
+                "where it passes one), so the "
                 f"micro-batches of {list(rows)} rows cannot rebuild the plain model's value "
                 "on the batch; it is returned as the list of the micro-batches' values. "
                 "Fix: have the model return per-sample outputs (embeddings) and compute the "
