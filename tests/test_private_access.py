@@ -45,7 +45,10 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
         "drops the ATen checks torch.export inserts",
     ),
     "runtime/placement.py": ({"_apply"}, "moves a layer's tensors as Module.to does"),
-    "runtime/stage/recompute.py": ({"_buffers"}, "restores a recomputed layer's own buffers"),
+    "runtime/stage/recompute.py": (
+        {"_buffers", "_version"},
+        "restores a recomputed layer's own buffers; a buffer's version tells a forward wrote it",
+    ),
     "runtime/stage/seeding.py": ({"_modules"}, "walks children without Module's dedup"),
     "runtime/stage/draw_free.py": ({"_modules"}, "walks a stage's modules per step, without dedup"),
     "runtime/stage/draw_keys.py": (

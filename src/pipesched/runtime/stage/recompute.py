@@ -3,7 +3,8 @@
 Why torch's non-reentrant checkpoint and not torchgpipe's reentrant one: parameters
 get gradients whatever the inputs (token ids), and autocast and RNG are replayed.
 Why a buffer guard: recomputation repeats side effects (BatchNorm's running stats),
-so each buffer the module uses is swapped for a throwaway clone while it runs.
+so each buffer the module uses is swapped for a throwaway clone, of its value as
+the forward read it (:class:`_ForwardBuffers`), while it runs.
 Buffers a traced stage reads by name are swapped for its thread only
 (:func:`throwaway_buffers`; see :class:`_Recomputation`).
 Other modules with side effects can ask :func:`is_recomputing`.
@@ -100,8 +101,9 @@ class _Recomputation:
     which ends every recomputation as soon as the last saved tensor is rebuilt.
     """
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, seen: Mapping[tuple[int, str], Tensor]) -> None:
         self.module = module
+        self.seen = seen  # a buffer's value as the forward saw it, where the forward wrote it
         self._saved: list[
             tuple[bool, dict[tuple[int, str], Tensor], list[tuple[dict[str, Any], str, Tensor]]]
         ] = []
@@ -110,15 +112,15 @@ class _Recomputation:
         # Clone everything first: if a clone fails, nothing has changed yet. One clone
         # per tensor, so a buffer two modules share stays shared.
         by_name, owned = _slots(self.module)
-        outer = _state.throwaway
+        outer, seen = _state.throwaway, self.seen
         named = [
             (holder, key, outer.get((id(holder), key), holder[key])) for holder, key in by_name
         ]
         slots = [(holder, key, holder[key]) for holder, key in owned]
         clones: dict[int, Tensor] = {}
-        for _, _, buffer in (*named, *slots):
+        for holder, key, buffer in (*named, *slots):
             if id(buffer) not in clones:
-                clones[id(buffer)] = buffer.clone()
+                clones[id(buffer)] = seen.get((id(holder), key), buffer).clone()
         self._saved.append((_state.recomputing, outer, slots))
         _state.recomputing = True
         # This thread's copies only (see the module's docstring): the dicts stay as they are.
@@ -220,12 +222,14 @@ def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True)
             "wrap a plain function in an nn.Module so its buffers can be found"
         )
 
+    seen = _ForwardBuffers(module) if torch.is_grad_enabled() else None
+
     def context_fn() -> tuple[AbstractContextManager[None], AbstractContextManager[None]]:
-        return nullcontext(), _Recomputation(module)
+        return nullcontext(), _Recomputation(module, {} if seen is None else seen.values)
 
     call: Callable[..., Any] = torch.utils.checkpoint.checkpoint
     try:
-        return call(
+        output = call(
             module,
             *inputs,
             use_reentrant=False,
@@ -242,6 +246,51 @@ def checkpoint(module: nn.Module, *inputs: Any, preserve_rng_state: bool = True)
         if isinstance(error.__cause__, StopIteration) and "raised StopIteration" in str(error):
             raise error.__cause__ from None
         raise
+    if seen is not None:
+        seen.keep_written()
+    return output
+
+
+_written: set[tuple[int, str]] = set()  # slots some checkpointed forward wrote
+_known: set[tuple[int, str]] = set()  # slots a checkpointed forward has run with
+
+
+class _ForwardBuffers:
+    """The buffers a checkpointed forward writes, as they were before it: what its
+    recomputation reads (a spectral norm's power-iteration vector, a step counter).
+
+    Why: the recomputation runs in backward, after this forward (and later
+    micro-batches') updated them, and torch's checkpoint reads them as they are
+    then, so it recomputed another forward (gradients off by 3e-4 to 5e-3 with
+    ``spectral_norm``). A slot's first checkpointed forward keeps a copy of every
+    buffer; from then on only of those a forward was seen to write.
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        by_name, owned = _slots(module)
+        self.slots = [*by_name, *owned]
+        self.before: dict[tuple[int, str], tuple[Tensor, int]] = {}
+        self.values: dict[tuple[int, str], Tensor] = {}
+        outer = _state.throwaway
+        for holder, key in self.slots:
+            slot = (id(holder), key)
+            buffer = outer.get(slot, holder[key])
+            self.before[slot] = (buffer, buffer._version)
+            if slot in _written or slot not in _known:
+                self.values[slot] = buffer.detach().clone()
+
+    def keep_written(self) -> None:
+        """After the forward: keeps the copies of the buffers it wrote, drops the others."""
+        outer = _state.throwaway
+        for holder, key in self.slots:
+            slot = (id(holder), key)
+            was, version = self.before[slot]
+            now = outer.get(slot, holder[key])
+            if now is not was or now._version != version:
+                _written.add(slot)
+            elif slot not in _written:
+                self.values.pop(slot, None)
+            _known.add(slot)
 
 
 def checkpoint_stop(mode: str, num_microbatches: int) -> int:
