@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -305,3 +307,26 @@ def test_eval_and_train_switch_the_model_itself() -> None:
     assert not model.training and not any(m.training for m in model.modules())
     pipe.train()
     assert model.training and all(m.training for m in model.modules())
+
+
+@pytest.mark.parametrize(
+    ("balance", "schedule", "fix"),
+    [
+        ([1] * 6, "zb-v", "interleaved-1f1b', 6, chunks, virtual_stages=3"),
+        ([2, 1, 1, 1, 1], "interleaved-1f1b", "a balance of 4 stages"),
+        ([2, 2, 2], "zb-v", "not a multiple of 2"),
+        ([1] * 6, "1f1b", "6 devices for 6 stages"),
+    ],
+)
+def test_stages_that_do_not_fit_the_workers_name_fixes_that_work(balance, schedule, fix):
+    """Before: "5 stages need 2.5 devices", and 'interleaved-1f1b' offered for itself."""
+    from pipesched.schedule import get_schedule
+
+    with pytest.raises(ConfigError, match=re.escape(fix)) as raised:
+        Pipeline(_model(6), 2, balance=balance, devices=["cpu"] * 2, schedule=schedule)
+    message = str(raised.value)
+    assert ".5 devices" not in message
+    if "virtual_stages=3" in message:  # the interleaved fix it names runs
+        table = get_schedule("interleaved-1f1b", 6, 2, virtual_stages=3)
+        pipe = Pipeline(_model(6), 2, balance=[1] * 6, devices=["cpu"] * 2, schedule=table)
+        assert torch.isfinite(pipe.step(torch.randn(4, 6), loss_fn=lambda o: o.square().mean()))

@@ -52,14 +52,36 @@ def resolve_workers(
         workers, chosen = resolve_devices(devices, balance, num_stages, v, schedule)
     if num_stages is not None and num_stages != workers * v:
         per = f"{v} stages" if v > 1 else "1 stage"
+        need = (
+            f"need {num_stages // v} devices" if num_stages % v == 0
+            else f"do not fill its workers (not a multiple of {v})"
+        )  # fmt: skip
         raise ConfigError(
-            f"schedule {schedule!r} runs {per} per worker, so {num_stages} stages need "
-            f"{num_stages / v:g} devices, but devices has {workers} "
-            f"({[str(d) for d in chosen]}); give a balance of {workers * v} stages, "
-            f"{num_stages / v:g} devices, or a schedule with more stages per worker "
-            "('interleaved-1f1b')"
+            f"schedule {schedule!r} runs {per} per worker, so {num_stages} stages {need}, "
+            f"but devices has {workers} ({[str(d) for d in chosen]}); give "
+            + "; or ".join(_fixes(num_stages, workers, v))
         )
     return workers, chosen
+
+
+def _fixes(num_stages: int, workers: int, v: int) -> list[str]:
+    """What makes ``num_stages`` stages fit ``workers`` workers of a schedule of ``v`` each."""
+    fixes = [f"a balance of {workers * v} stages for these {workers} devices"]
+    if num_stages % v == 0:
+        fixes.append(f"{num_stages // v} devices for {num_stages} stages")
+    per_worker, rest = divmod(num_stages, workers)
+    if not rest and per_worker != v:
+        if per_worker == 1:
+            fixes.append("a schedule of one stage per worker ('1f1b', 'zb-h1', 'gpipe')")
+        elif per_worker == 2:
+            fixes.append("a schedule of two stages per worker ('interleaved-1f1b', 'zb-v')")
+        else:
+            fixes.append(
+                f"an interleaved schedule of {per_worker} stages per worker: schedule="
+                f"get_schedule('interleaved-1f1b', {num_stages}, chunks, "
+                f"virtual_stages={per_worker}) (with that chunks=)"
+            )
+    return fixes
 
 
 def resolve_devices(
