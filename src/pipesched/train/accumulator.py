@@ -21,9 +21,11 @@ from pipesched.errors import (
     CheckpointError,
     ConfigError,
     ConfigTypeError,
+    PipeschedWarning,
     RemoteError,
     check_number,
     check_positive_int,
+    warn_user,
 )
 from pipesched.runtime import batch_size, deferred_interrupts, replaced_parameters, replacement
 from pipesched.train import checkpointing
@@ -370,6 +372,16 @@ class GradientAccumulator:
                 samples=int(samples),
             )
             self._reset_window()
+        if not finite and self.loss_scale.scaler is None:
+            warn_user(
+                f"window {self.windows + 1} was skipped: its loss ({window_loss:g}) or a "
+                "gradient is not finite, so no optimizer stepped and the parameters are as "
+                "they were (result.skipped). Without a GradScaler this is no overflow to back "
+                "off from: look for a loss of nothing (a mean over zero items: all labels "
+                "ignored in a micro-batch; pass sums with num_items= instead), a log of 0, or "
+                "a learning rate that diverged",
+                PipeschedWarning,
+            )
         return result
 
     def _result(

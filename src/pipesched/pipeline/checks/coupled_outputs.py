@@ -8,7 +8,7 @@ computed from a pooled one). A pooled value is rebuilt from the micro-batches'
 only as a mean (their rows-weighted mean) or, where the call passes Hugging
 Face's ``num_items_in_batch``, a sum: so each pooled value's kind is followed
 (a mean, a sum, or other: a max, a median, a variance, a nonlinear function of
-a pooled value), and an output of the wrong kind is coupled too.
+a pooled value), and a 0-dim output of the wrong kind is coupled too.
 """
 
 from __future__ import annotations
@@ -117,8 +117,14 @@ def _coupled_flags(traced: TracedModel) -> tuple[tuple[bool, ...], tuple[str | N
     outputs = [out if isinstance(out, fx.Node) else None for out in traced.outputs]
     return (
         tuple(out is not None and coupled.get(out, False) for out in outputs),
-        tuple(None if out is None else pooled.get(out) for out in outputs),
+        tuple(None if out is None or not _scalar(out) else pooled.get(out) for out in outputs),
     )
+
+
+def _scalar(node: fx.Node) -> bool:
+    """Whether ``node`` is a 0-dim tensor: what joining rebuilds by averaging (or summing)."""
+    value = node.meta.get("val")
+    return isinstance(value, torch.Tensor) and value.ndim == 0
 
 
 _MEAN, _SUM, _OTHER = "mean", "sum", "other"

@@ -125,8 +125,14 @@ def scatter(inputs: Any, chunks: int) -> list[Any]:
         True
     """
     _check_count("chunks", chunks, "the number of micro-batches to cut each batch into")
-    sizes = microbatch_sizes(batch_size(inputs), chunks)
-    return _split(inputs, sizes)
+    rows = batch_size(inputs)
+    if rows == 0:
+        raise ConfigError(
+            "the batch is empty (0 rows in dim 0 of its tensors): a pipeline runs "
+            "micro-batches of one row or more, so there is nothing to run; skip empty "
+            "batches before the call (the plain model would return an empty output)"
+        )
+    return _split(inputs, microbatch_sizes(rows, chunks))
 
 
 def gather(outputs: Sequence[Any]) -> Any:
