@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pipesched.errors import ConfigError, PipeschedError
+from pipesched.errors import PipeschedError
 from pipesched.runtime.stage.draw_free import draws_nothing
 from pipesched.runtime.stage.draw_keys import DrawContext, StepSeed, generator_key
 from pipesched.runtime.stage.native_keys import native_table
@@ -214,7 +214,6 @@ class StageSeeding:
             return
         training = self.training
         mode = _thread.mode
-        initial = None if backward else torch.initial_seed()
         seeded = self.recomputes or self.probing if backward else self.full[training]
         # Not seeded throughout: routed, only the draws inside the modules seen drawing are
         # (the context made so at once: each call costs microseconds in a stage thread).
@@ -258,19 +257,6 @@ class StageSeeding:
                         self.spoiled = True
                         return
                     raise UnseededDraws(self._tripped(microbatch, backward))
-        except BaseException:
-            raise
-        else:  # the pass ran: did it reseed the default generator?
-            if initial is not None and torch.initial_seed() != initial:
-                raise ConfigError(
-                    f"{self.label}'s forward of micro-batch {microbatch} reseeded torch's "
-                    f"default generator (torch.manual_seed: its seed went from {initial} to "
-                    f"{torch.initial_seed()}). pipesched seeds every draw in a stage itself, "
-                    "so the draws after it would not be the ones your seed gives, silently. "
-                    "For numbers that repeat every call (a fixed noise), draw them once in "
-                    "__init__ and keep them as a buffer; for runs that repeat, seed once "
-                    "before the steps (torch.manual_seed), outside the model"
-                )
         finally:
             _thread.context = previous
             if mode is not None:
