@@ -308,8 +308,13 @@ def test_a_deferred_batch_norm_called_at_several_places_is_refused() -> None:
 def test_a_sequentials_batch_norm_in_two_stages_is_refused_and_in_one_runs() -> None:
     bn = nn.BatchNorm1d(WIDTH)
     layers = [nn.Linear(WIDTH, WIDTH), bn, nn.Linear(WIDTH, WIDTH), bn]
+    model = nn.Sequential(*layers).eval()  # in eval mode it only reads its statistics
+    split = Pipeline(model, 2, balance=[2, 2], devices=["cpu"] * 2)
+    torch.testing.assert_close(split(torch.ones(4, WIDTH)), model(torch.ones(4, WIDTH)))
+    model.train()
     with pytest.raises(ValueError, match=r"BatchNorm '1' is used by stages \[0, 1\]"):
-        Pipeline(nn.Sequential(*layers), 2, balance=[2, 2], devices=["cpu"] * 2)
+        split.step(torch.randn(8, WIDTH), torch.randn(8, WIDTH), loss_fn=nn.functional.mse_loss)
+    assert int(bn.num_batches_tracked) == 0  # refused before anything ran
     model = nn.Sequential(*layers, nn.Linear(WIDTH, WIDTH))
     pipe = Pipeline(model, 1, balance=[4, 1], devices=["cpu"] * 2)
     x = torch.randn(8, WIDTH)

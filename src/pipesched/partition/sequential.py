@@ -17,6 +17,7 @@ __all__ = [
     "SequentialStage",
     "balance_by_params",
     "check_balance",
+    "check_statistics_in_one_stage",
     "sequential_layers",
     "split_sequential",
 ]
@@ -72,31 +73,35 @@ def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.S
         else:
             stages.append(nn.Sequential(OrderedDict(part)))
         start += count
-    _check_statistics_in_one_stage(stages)
     return stages
 
 
-def _check_statistics_in_one_stage(stages: Sequence[nn.Module]) -> None:
-    """Raises PartitionError if a BatchNorm with running statistics is in two stages.
+def check_statistics_in_one_stage(stages: Sequence[nn.Module]) -> None:
+    """Raises PartitionError if a BatchNorm that moves its running statistics (in
+    training mode) is in two stages; one in eval mode, which only reads them, may be.
 
     Why: stages run in threads of their own (or processes on a mesh), so its
     statistics' updates would race, or be split between the ranks' copies.
+    Checked at every call, as a model may be built in eval mode and trained later.
     """
-    held: dict[int, list[int]] = {}
+    held: dict[int, set[int]] = {}
     for s, stage in enumerate(stages):
         for module in stage.modules():
-            if isinstance(module, _BatchNorm) and module.track_running_stats:
-                held.setdefault(id(module), []).append(s)
+            if isinstance(module, _BatchNorm) and module.track_running_stats and module.training:
+                held.setdefault(id(module), set()).add(s)
+    if not any(len(where) > 1 for where in held.values()):
+        return
     for stage in stages:
         for name, module in stage.named_modules():
-            where = held.get(id(module), [])
-            if len(set(where)) > 1:
+            where = held.get(id(module), set())
+            if len(where) > 1:
                 raise PartitionError(
-                    f"BatchNorm {name!r} is used by stages {sorted(set(where))}: the model "
-                    "holds one BatchNorm at more than one place, and stages run in threads "
-                    "or processes of their own, so the updates of its running statistics "
-                    "would race or be split between copies. Choose a balance that keeps its "
-                    "places in one stage, or give each place a BatchNorm of its own"
+                    f"BatchNorm {name!r} is used by stages {sorted(where)} in training mode: "
+                    "the model holds one BatchNorm at more than one place, and stages run in "
+                    "threads or processes of their own, so the updates of its running "
+                    "statistics would race or be split between copies. Choose a balance that "
+                    "keeps its places in one stage, or give each place a BatchNorm of its own "
+                    "(in eval mode, which only reads them, it may be in both)"
                 )
 
 

@@ -12,10 +12,11 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.errors import ConfigError, ConfigTypeError, PipeschedWarning, warn_user
 from pipesched.partition import Partition
 from pipesched.partition.call import Call, call_key, one_call, stage_input, with_cache_off
 from pipesched.partition.materialize import InitWeights, check_meta
+from pipesched.partition.sequential import check_statistics_in_one_stage
 from pipesched.partition.trace import TracedModel
 from pipesched.pipeline.arguments import (
     check_grad_backup,
@@ -264,7 +265,17 @@ class Pipeline(Shadowing, Pinned):
         if self._print is not None:
             now = ModelPrint.of(self._model[0], self._live)
             self._print.check(now, "the model changed since the Pipeline was built on it")
+            if (change := self._print.python_change(now)) is not None:
+                self._print = now  # told once per change
+                warn_user(
+                    f"{change} after the model was traced: the trace runs the model's code "
+                    "as it was then (torch.export fixed such values, and calls no hook "
+                    "added since), so if its forward reads this, build a new Pipeline over "
+                    "the model (its parameters are the model's)",
+                    PipeschedWarning,
+                )
         if call is None:  # an nn.Sequential: cut once, at construction
+            check_statistics_in_one_stage(self._cuts.current[0].modules)
             return self._cuts.current
         found = self._cuts.find(call, inputs)
         if found is None:
@@ -611,16 +622,25 @@ class Pipeline(Shadowing, Pinned):
                 "torch.no_grad()"
             )
         m = len(batches.inputs)
+        call = batches.inputs[0]
+        passed = isinstance(call, Call) and call.kwargs.get("num_items_in_batch") is not None
+        if passed and not summed and m > 1:
+            warn_user(
+                "the call passes num_items_in_batch, so a Hugging Face model returns each "
+                "micro-batch's summed loss divided by it, but the step was given no "
+                "num_items=: it takes loss_fn's values as means and averages them by rows "
+                f"over the {m} micro-batches, a loss {m} times too small or so. Pass "
+                "num_items_in_batch=1 in the call and num_items=<the batch's item count> to "
+                "the step (guide: 'A model that computes its own loss')",
+                PipeschedWarning,
+            )
         stages, engine = self._cut_for(one_call(batches.inputs), batches.inputs)
         if stages.unloaded is not None:
             stages.unloaded.check("the training step")
         warn_micro_batch_norm(self, batches.rows)
         warn_gradient_hooks(self, m)
         if m > 1 and stages.cut.traced is not None:
-            summed_call = isinstance(call := batches.inputs[0], Call) and (
-                call.kwargs.get("num_items_in_batch") is not None
-            )
-            warn_coupled(self, coupled_paths(stages.cut.traced, summed_call), m)
+            warn_coupled(self, coupled_paths(stages.cut.traced, passed), m)
         step = StepInputs(
             inputs=batches.inputs,
             targets=batches.targets,

@@ -53,7 +53,8 @@ class StepInputs:
         seed: this call's seed for random operations (see :mod:`pipesched.runtime.stage.draw_keys`);
             None: drawn from torch's default CPU generator when first needed.
         keep_outputs: a training step also keeps the last stage's outputs of
-            micro-batches ``i < keep_outputs``, detached, in :attr:`StepState.outputs`.
+            micro-batches ``i < keep_outputs``, as ``loss_fn`` took them, in
+            :attr:`StepState.outputs`.
     """
 
     inputs: list[Any]
@@ -210,8 +211,8 @@ class StagePasses:
         if step.loss_fn is None:
             state.outputs[i] = y
             return None
-        if i < step.keep_outputs:
-            state.outputs[i] = map_tensors(y, torch.Tensor.detach)
+        if i < step.keep_outputs:  # as loss_fn takes it (a ModelOutput stays one)
+            state.outputs[i] = y
         if step.targets is None:
             target: tuple[Any, ...] = ()
         elif isinstance(t := step.targets[i], torch.Tensor):

@@ -1,4 +1,4 @@
-"""A model changed after its Pipeline was built is refused with what changed, never run stale.
+"""A model changed after its Pipeline was built is refused (a module) or told (a trace's Python).
 
 The reference is the plain model after the change: before, the pipeline ran the
 modules and Python it was built on (a swapped-in head never ran and got no
@@ -7,13 +7,23 @@ gradient; a traced temperature stayed at its first value).
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
 from pipesched import ConfigError, Pipeline
+from pipesched.errors import PipeschedWarning
 
 pytestmark = pytest.mark.usefixtures("fp64")
+
+
+class _Config:
+    """Settings the forward reads, as a Hugging Face config holds them."""
+
+    def __init__(self) -> None:
+        self.scale = 1.0
 
 
 class _Tempered(nn.Module):
@@ -25,12 +35,13 @@ class _Tempered(nn.Module):
         self.a, self.b, self.c = nn.Linear(6, 6), nn.Linear(6, 6), nn.Linear(6, 4)
         self.temp = 1.0
         self.extra = False
+        self.config = _Config()
 
     def forward(self, x):
         x = self.b(self.a(x).tanh()).tanh()
         if self.extra:
             x = x * 2
-        return self.c(x) / self.temp
+        return self.c(x) / self.temp * self.config.scale
 
 
 def _traced() -> tuple[_Tempered, Pipeline]:
@@ -43,30 +54,60 @@ def _hook(module, args, output):
     return output * 3
 
 
-CHANGES = {
+REPLACED = {
     "head replaced": (lambda m: setattr(m, "c", nn.Linear(6, 4)), r"module 'c' was replaced"),
     "module added": (lambda m: m.c.add_module("lora", nn.Linear(6, 4)), r"'c.lora' was added"),
+}
+
+PYTHON = {
     "attribute": (lambda m: setattr(m, "temp", 3.0), r"'temp' of module .* from 1.0 to 3.0"),
     "flag": (lambda m: setattr(m, "extra", True), r"'extra' .* from False to True"),
+    "config": (lambda m: setattr(m.config, "scale", 2.0), r"'config.scale' .* 1.0 to 2.0"),
     "hook": (lambda m: m.b.register_forward_hook(_hook), r"module 'b''s hooks changed"),
     "forward": (lambda m: setattr(m.b, "forward", lambda x: x), r"'b''s forward was replaced"),
 }
 
 
-@pytest.mark.parametrize("change", list(CHANGES))
-def test_a_traced_model_changed_after_the_build_is_refused_naming_the_change(change: str) -> None:
-    apply, said = CHANGES[change]
+@pytest.mark.parametrize("change", list(REPLACED))
+def test_a_module_replaced_after_the_build_is_refused_naming_it(change: str) -> None:
+    """Before, the stages ran the old module: the new head never ran, nor got a gradient."""
+    apply, said = REPLACED[change]
+    model, pipe = _traced()
+    x, y = torch.randn(8, 6), torch.randn(8, 4)
+    pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    apply(model)
+    for call in (lambda: pipe.step(x, y, loss_fn=nn.functional.mse_loss), lambda: pipe(x)):
+        with pytest.raises(ConfigError, match=said) as raised:
+            call()
+        assert "build a new Pipeline" in str(raised.value)
+
+
+@pytest.mark.parametrize("change", list(PYTHON))
+def test_a_traced_models_python_changed_after_the_trace_is_told_once(change: str) -> None:
+    """Before, the trace ran the old values silently (a temperature stayed 1.0)."""
+    apply, said = PYTHON[change]
     model, pipe = _traced()
     x, y = torch.randn(8, 6), torch.randn(8, 4)
     pipe.step(x, y, loss_fn=nn.functional.mse_loss)
     before = nn.functional.mse_loss(model(x), y)
     apply(model)
-    after = nn.functional.mse_loss(model(x), y)
-    assert not torch.equal(before, after) or change == "module added"  # the model changed
-    for call in (lambda: pipe.step(x, y, loss_fn=nn.functional.mse_loss), lambda: pipe(x)):
-        with pytest.raises(ConfigError, match=said) as raised:
-            call()
-        assert "build a new Pipeline" in str(raised.value)
+    assert not torch.equal(before, nn.functional.mse_loss(model(x), y))  # the model changed
+    with pytest.warns(PipeschedWarning, match=said):
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PipeschedWarning)
+        pipe(x)  # once per change
+
+
+def test_an_attribute_the_forward_never_reads_is_only_told() -> None:
+    """An epoch counter on the model: told once, the steps run as the plain model's."""
+    model, pipe = _traced()
+    x, y = torch.randn(8, 6), torch.randn(8, 4)
+    pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    model.current_epoch = 3
+    with pytest.warns(PipeschedWarning, match="'current_epoch'"):
+        loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(model(x), y), rtol=1e-12, atol=0)
 
 
 def test_a_sequentials_replaced_layer_is_refused_and_its_live_changes_are_not() -> None:

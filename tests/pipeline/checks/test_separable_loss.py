@@ -99,3 +99,60 @@ def test_the_check_leaves_the_random_state_and_the_step_as_they_were() -> None:
     assert torch.equal(states[0][0], states[1][0])
     for a, b in zip(states[0][1], states[1][1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_loss_in_half_precision_is_judged_at_its_precision() -> None:
+    """A cross-entropy taken in bfloat16 rounds to 0.3%: that is no coupling."""
+    x, y = torch.randn(12, 6), torch.arange(12) % 4
+    pipe = Pipeline(_model(), 2, balance=[2, 1], devices=["cpu"] * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BatchCoupledWarning)
+        pipe.step(x, y, loss_fn=lambda o, t: nn.functional.cross_entropy(o.bfloat16(), t).float())
+
+
+def test_a_loss_fn_reading_a_model_outputs_attributes_is_checked() -> None:
+    """The check once gave loss_fn a plain dict, so `out.logits` raised and nothing was told."""
+    transformers = pytest.importorskip("transformers")
+    from dataclasses import dataclass
+
+    @dataclass
+    class Output(transformers.utils.ModelOutput):
+        logits: torch.Tensor | None = None
+
+    class Classifier(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 4)
+
+        def forward(self, x):
+            return Output(logits=self.b(self.a(x).tanh()))
+
+    torch.manual_seed(0)
+    pipe = Pipeline(Classifier(), 2, devices=["cpu"] * 2)
+    x = torch.randn(12, 6)
+    with pytest.warns(BatchCoupledWarning, match="does not add up"):
+        pipe.step(x, loss_fn=lambda out: _contrastive(out.logits))
+
+
+def test_num_items_in_batch_without_num_items_is_told() -> None:
+    """The model's loss is a sum over num_items_in_batch; averaged by rows it was m times small."""
+    from pipesched.errors import PipeschedWarning
+
+    class Summing(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 4)
+
+        def forward(self, x, num_items_in_batch=None):
+            per = self.b(self.a(x).tanh()).square().sum(-1)
+            return {"loss": per.sum() / num_items_in_batch}
+
+    torch.manual_seed(0)
+    pipe = Pipeline(Summing(), 3, devices=["cpu"] * 2)
+    x = torch.randn(12, 6)
+    with pytest.warns(PipeschedWarning, match="no num_items=.*num_items_in_batch=1"):
+        pipe.step({"x": x, "num_items_in_batch": 12}, loss_fn=lambda out: out["loss"])
+    fresh = Pipeline(Summing(), 3, devices=["cpu"] * 2)
+    with warnings.catch_warnings():  # the recipe it names: nothing to tell
+        warnings.simplefilter("error", PipeschedWarning)
+        fresh.step({"x": x, "num_items_in_batch": 1}, loss_fn=lambda o: o["loss"], num_items=12)

@@ -2,11 +2,12 @@
 
 The stages hold the model's modules (an ``nn.Sequential``'s layers, a traced
 stage's called layers), so a module put in another's place after the build
-(``model[4] = nn.Linear(...)``, a LoRA layer swapped in) would never run, and a
-traced stage runs the Python the export saw: a hook registered later, a
-``forward`` replaced, an attribute its code reads changed (``self.temperature``,
-a flag) would not either. Parameters and buffers are looked up by name at every
-call, so replacing those is fine; these changes are refused, not ignored.
+(``model[4] = nn.Linear(...)``, a LoRA layer swapped in) would never run: refused.
+A traced stage runs the Python the export saw: a hook registered later, a
+``forward`` replaced, an attribute or config setting its code reads changed
+(``self.temperature``, a flag) would not run either: told, once per change (an
+attribute the forward never reads changes nothing). Parameters and buffers are
+looked up by name at every call, so replacing those is fine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 
 from pipesched.errors import ConfigError
@@ -51,14 +53,9 @@ class ModelPrint:
         return cls(modules, traced)
 
     def check(self, now: ModelPrint, doing: str) -> None:
-        """Raises ConfigError naming the first change from this print to ``now``."""
-        if now == self:
+        """Raises ConfigError naming the first module put in, taken out or replaced."""
+        if now.modules == self.modules:
             return
-        fix = (
-            "the Pipeline holds the model as it was built: build a new Pipeline over the "
-            "model now (its parameters are the model's, so an optimizer over them still "
-            "works), or make the change before building it"
-        )
         before, after = dict(self.modules), dict(now.modules)
         for name in (*before, *after):
             if before.get(name) != after.get(name):
@@ -67,29 +64,38 @@ class ModelPrint:
                     else "was removed" if name not in after
                     else "was replaced by another module"
                 )  # fmt: skip
-                raise ConfigError(f"{doing}: module {name or '(the model)'!r} {what}; {fix}")
-        was, is_ = dict(self.traced), dict(now.traced)
-        for name, (hooks, forward, scalars) in was.items():
+                raise ConfigError(
+                    f"{doing}: module {name or '(the model)'!r} {what}; the Pipeline holds the "
+                    "modules it was built with: build a new Pipeline over the model now (its "
+                    "parameters are the model's, so an optimizer over them still works), or "
+                    "make the change before building it"
+                )
+
+    def python_change(self, now: ModelPrint) -> str | None:
+        """What of a trace's Python changed from this print to ``now``, or None.
+
+        Why a warning and not an error: an attribute the forward never reads (an
+        epoch counter, a name) changes nothing, and which ones it reads no trace says.
+        """
+        if now.traced == self.traced:
+            return None
+        is_ = dict(now.traced)
+        for name, (hooks, forward, scalars) in self.traced:
             new_hooks, new_forward, new_scalars = is_.get(name, (hooks, forward, scalars))
             where = repr(name or "(the model)")
             if new_hooks != hooks:
-                change = f"module {where}'s hooks changed"
-            elif new_forward is not forward:
-                change = f"module {where}'s forward was replaced"
-            elif new_scalars != scalars:
-                changed = next(
+                return f"module {where}'s hooks changed"
+            if new_forward is not forward:
+                return f"module {where}'s forward was replaced"
+            if new_scalars != scalars:
+                key = next(
                     k for k in {**scalars, **new_scalars} if scalars.get(k) != new_scalars.get(k)
                 )
-                change = (
-                    f"attribute {changed!r} of module {where} changed from "
-                    f"{scalars.get(changed)!r} to {new_scalars.get(changed)!r}"
+                return (
+                    f"attribute {key!r} of module {where} changed from {scalars.get(key)!r} "
+                    f"to {new_scalars.get(key)!r}"
                 )
-            else:
-                continue
-            raise ConfigError(
-                f"{doing}: {change} after the model was traced; the trace runs the code "
-                f"as it was then (torch.export fixes such values), so {fix}"
-            )
+        return None
 
 
 def _python(module: nn.Module) -> tuple[Any, ...]:
@@ -99,11 +105,19 @@ def _python(module: nn.Module) -> tuple[Any, ...]:
     hooks = tuple(
         tuple(id(f) for f in getattr(module, h).values() if not _sharding(f)) for h in _HOOKS
     )
-    scalars = {
-        k: v
-        for k, v in vars(module).items()
-        if not k.startswith("_") and k != "training" and type(v) in _SCALARS
-    }
+    scalars = {}
+    for k, v in vars(module).items():
+        if k.startswith("_") or k == "training":
+            continue
+        if type(v) in _SCALARS:
+            scalars[k] = v
+        elif not isinstance(v, nn.Module | torch.Tensor) and hasattr(v, "__dict__"):
+            # an object the code reads settings from (a Hugging Face config)
+            scalars.update(
+                (f"{k}.{a}", w)
+                for a, w in vars(v).items()
+                if not a.startswith("_") and type(w) in _SCALARS
+            )
     return hooks, vars(module).get("forward"), scalars
 
 

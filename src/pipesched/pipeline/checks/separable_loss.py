@@ -90,11 +90,21 @@ def check_separable(
             warnings.simplefilter("ignore")  # what joining says was said by the step
             joined = join_step_outputs(batch, {0: outputs[0], 1: outputs[1]}, rows[:2], last)
             target = () if targets is None else (join_outputs(targets[:2], rows[:2]),)
-        low = any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors(joined))
         devices = sorted({t.device.index for t in tensors(joined) if t.is_cuda})
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            again = float(loss_fn(outputs[0], *first))
-            together = float(loss_fn(joined, *target))
+            again_loss = loss_fn(outputs[0], *first)
+            together_loss = loss_fn(joined, *target)
+        # Rounded coarser where the outputs or the loss are half precision (autocast too).
+        low = (
+            torch.is_autocast_enabled("cpu")
+            or torch.is_autocast_enabled("cuda")
+            or any(
+                t.dtype in (torch.float16, torch.bfloat16)
+                for t in (*tensors(joined), again_loss, together_loss)
+            )
+        )
+        again, together = (float(v.detach()) for v in (again_loss, together_loss))
+        low = low or (_half_rounded(again) and _half_rounded(together))  # cast back up
     except Exception:  # any loss_fn, any output: what cannot be joined or taken is not judged
         return
     if not _close(again, apart[0], low):
@@ -122,3 +132,11 @@ def _close(a: float, b: float, low: bool) -> bool:
     if not (math.isfinite(a) and math.isfinite(b)):
         return not math.isfinite(a) and not math.isfinite(b)
     return abs(a - b) <= (3e-2 if low else 1e-4) * max(abs(a), abs(b), 1e-12)
+
+
+def _half_rounded(value: float) -> bool:
+    """Whether ``value`` is a bfloat16 or float16 number (a loss computed in half precision
+    and cast back up: an fp32 loss is one by chance once in 65536)."""
+    return math.isfinite(value) and any(
+        float(torch.tensor(value).to(dtype)) == value for dtype in (torch.bfloat16, torch.float16)
+    )
