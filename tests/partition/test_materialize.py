@@ -195,3 +195,40 @@ def test_skip_then_an_assigning_load_counts_as_loaded():
     pipe = Pipeline(models.build("seq", True), 2, devices=["cpu", "cpu"], init_weights="skip")
     pipe.load_state_dict({k: v.clone() for k, v in state.items()}, assign=True)
     pipe.step(*models.batch(0), loss_fn=nn.functional.mse_loss)
+
+
+class _NormFirst(nn.Module):
+    """A traced model whose BatchNorm the stage calls as a layer (its code is torch's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bn = nn.BatchNorm1d(8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.bn(x)
+        for block in self.blocks:
+            x = block(x).tanh()
+        return self.head(x)
+
+
+@pytest.mark.filterwarnings("ignore::pipesched.MicroBatchNormWarning")
+def test_a_traced_meta_model_with_a_layer_called_as_a_module_trains_like_the_normal_build():
+    """The BatchNorm's tensors stayed on meta: torch's 'Cannot copy out of meta tensor'."""
+    x, y = torch.randn(8, 8), torch.randn(8, 4)
+    runs = []
+    for meta in (True, False):
+        torch.manual_seed(3)
+        with torch.device("meta" if meta else "cpu"):
+            model = _NormFirst()
+        pipe = Pipeline(model, 2, devices=["cpu"] * 2, example_inputs=(x[:4],))
+        if not meta:  # the weights a meta build draws: initialize's, from the same seed
+            torch.manual_seed(3)
+            pipesched.initialize(model, seed=torch.initial_seed())
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        runs.append({n: t.detach().clone() for n, t in model.state_dict().items()})
+        runs[-1].update({f"{n}.grad": p.grad for n, p in model.named_parameters()})
+    meta_run, normal = runs
+    for name, value in meta_run.items():
+        torch.testing.assert_close(value, normal[name], rtol=1e-12, atol=1e-14, msg=name)

@@ -350,9 +350,11 @@ def materialize_stages(
     swaps = Swaps()
     for s in own:
         stage = stages[s]
-        # A traced stage holds the model's tensors through their owners (and its constants).
+        # A traced stage holds the model's tensors through their owners (and its constants)
+        # and through the layers it calls as modules (a BatchNorm).
         traced: Sequence[nn.Module] | None = getattr(stage, "owners", None)
-        owners = [*traced, stage] if traced is not None else list(stage.modules())
+        found = [*traced, *stage.modules()] if traced is not None else list(stage.modules())
+        owners = list({id(m): m for m in found}.values())
         for name, t in materialize(
             owners, model, devices[s], init_weights, seed, holders=stages, record=swaps
         ):
