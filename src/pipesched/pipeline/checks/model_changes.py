@@ -47,8 +47,9 @@ class ModelPrint:
         modules = tuple((name, id(m)) for name, m in model.named_modules(remove_duplicate=False))
         traced: tuple[tuple[str, Any], ...] = ()
         if live is not None:
+            read: dict[int, dict[str, Any]] = {}  # a config many modules hold: read once
             traced = tuple(
-                (name, _python(m)) for name, m in model.named_modules() if id(m) not in live
+                (name, _python(m, read)) for name, m in model.named_modules() if id(m) not in live
             )
         return cls(modules, traced)
 
@@ -88,17 +89,16 @@ class ModelPrint:
             if new_forward is not forward:
                 return f"module {where}'s forward was replaced"
             if new_scalars != scalars:
-                key = next(
-                    k for k in {**scalars, **new_scalars} if scalars.get(k) != new_scalars.get(k)
-                )
+                flat, new_flat = _flat(scalars), _flat(new_scalars)
+                key = next(k for k in {**flat, **new_flat} if flat.get(k) != new_flat.get(k))
                 return (
-                    f"attribute {key!r} of module {where} changed from {scalars.get(key)!r} "
-                    f"to {new_scalars.get(key)!r}"
+                    f"attribute {key!r} of module {where} changed from {flat.get(key)!r} "
+                    f"to {new_flat.get(key)!r}"
                 )
         return None
 
 
-def _python(module: nn.Module) -> tuple[Any, ...]:
+def _python(module: nn.Module, read: dict[int, dict[str, Any]]) -> tuple[Any, ...]:
     """What a trace fixed of ``module``'s own Python: hooks, a ``forward`` of its own,
     public scalar attributes (its mode apart: the pipeline follows ``train()``/``eval()``;
     the hooks of torch.distributed apart: sharding data parallel registers them itself)."""
@@ -113,11 +113,14 @@ def _python(module: nn.Module) -> tuple[Any, ...]:
             scalars[k] = v
         elif not isinstance(v, nn.Module | torch.Tensor) and hasattr(v, "__dict__"):
             # an object the code reads settings from (a Hugging Face config)
-            scalars.update(
-                (f"{k}.{a}", w)
-                for a, w in vars(v).items()
-                if not a.startswith("_") and type(w) in _SCALARS
-            )
+            settings = read.get(id(v))
+            if settings is None:
+                settings = read[id(v)] = {
+                    a: w
+                    for a, w in vars(v).items()
+                    if not a.startswith("_") and type(w) in _SCALARS
+                }
+            scalars[k] = settings
     return hooks, vars(module).get("forward"), scalars
 
 
@@ -126,3 +129,14 @@ def _sharding(hook: Any) -> bool:
     function = getattr(hook, "func", hook)  # a functools.partial's function
     function = getattr(function, "__func__", function)  # a bound method's
     return str(getattr(function, "__module__", "")).startswith("torch.distributed")
+
+
+def _flat(scalars: dict[str, Any]) -> dict[str, Any]:
+    """``scalars`` with a settings object's entries as ``"config.name"``."""
+    flat: dict[str, Any] = {}
+    for k, v in scalars.items():
+        if isinstance(v, dict):
+            flat.update((f"{k}.{a}", w) for a, w in v.items())
+        else:
+            flat[k] = v
+    return flat
