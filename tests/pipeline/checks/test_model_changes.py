@@ -50,6 +50,14 @@ def _traced() -> tuple[_Tempered, Pipeline]:
     return model, Pipeline(model, 2, devices=["cpu"] * 2, split_points=["b"], example_inputs=(x,))
 
 
+def _stepped() -> tuple[_Tempered, Pipeline, torch.Tensor, torch.Tensor]:
+    """A traced model's pipeline after one step, and the step's batch."""
+    model, pipe = _traced()
+    x, y = torch.randn(8, 6), torch.randn(8, 4)
+    pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    return model, pipe, x, y
+
+
 def _hook(module, args, output):
     return output * 3
 
@@ -72,9 +80,7 @@ PYTHON = {
 def test_a_module_replaced_after_the_build_is_refused_naming_it(change: str) -> None:
     """Before, the stages ran the old module: the new head never ran, nor got a gradient."""
     apply, said = REPLACED[change]
-    model, pipe = _traced()
-    x, y = torch.randn(8, 6), torch.randn(8, 4)
-    pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    model, pipe, x, y = _stepped()
     apply(model)
     for call in (lambda: pipe.step(x, y, loss_fn=nn.functional.mse_loss), lambda: pipe(x)):
         with pytest.raises(ConfigError, match=said) as raised:
@@ -86,9 +92,7 @@ def test_a_module_replaced_after_the_build_is_refused_naming_it(change: str) -> 
 def test_a_traced_models_python_changed_after_the_trace_is_told_once(change: str) -> None:
     """Before, the trace ran the old values silently (a temperature stayed 1.0)."""
     apply, said = PYTHON[change]
-    model, pipe = _traced()
-    x, y = torch.randn(8, 6), torch.randn(8, 4)
-    pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    model, pipe, x, y = _stepped()
     before = nn.functional.mse_loss(model(x), y)
     apply(model)
     assert not torch.equal(before, nn.functional.mse_loss(model(x), y))  # the model changed
@@ -101,9 +105,7 @@ def test_a_traced_models_python_changed_after_the_trace_is_told_once(change: str
 
 def test_an_attribute_the_forward_never_reads_is_only_told() -> None:
     """An epoch counter on the model: told once, the steps run as the plain model's."""
-    model, pipe = _traced()
-    x, y = torch.randn(8, 6), torch.randn(8, 4)
-    pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    model, pipe, x, y = _stepped()
     model.current_epoch = 3
     with pytest.warns(PipeschedWarning, match="'current_epoch'"):
         loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
