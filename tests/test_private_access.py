@@ -35,6 +35,10 @@ TORCH_PRIVATES: dict[str, tuple[set[str], str]] = {
         "a stage holds its owners' tensor dicts; BatchNorm layers are deferred",
     ),
     "pipeline/checks/micro_batch_norm.py": ({"_BatchNorm"}, "finds every BatchNorm layer"),
+    "pipeline/checks/buffer_updates.py": (
+        {"_BatchNorm", "_version"},
+        "leaves BatchNorms to their own warning; a buffer's version tells a forward wrote it",
+    ),
     "partition/traced_stage.py": ({"_buffers"}, "a stage writes its owners' buffers back"),
     "partition/sequential.py": (
         {"_modules", "_BatchNorm"},

@@ -25,6 +25,7 @@ from pipesched.pipeline.arguments import (
     warn_host_backup_on_cpu,
 )
 from pipesched.pipeline.batches import StepBatches, step_batches
+from pipesched.pipeline.checks.buffer_updates import warn_buffer_updates, watch_buffers
 from pipesched.pipeline.checks.coupled_outputs import coupled_paths, warn_coupled
 from pipesched.pipeline.checks.gradient_hooks import warn_gradient_hooks
 from pipesched.pipeline.checks.micro_batch_norm import warn_micro_batch_norm
@@ -649,9 +650,11 @@ class Pipeline(Shadowing, Pinned):
             checkpoint_stop=self._plan.stage_stops(m),
             keep_outputs=2 if wants_check(self, m) else 0,
         )
+        watch = watch_buffers(self, self._model[0], m)
         result = engine.run(self.schedule_for(m), step, detach=True, settle=False)
         self.last_timeline = result.timeline
         self.last_step_seconds = time.perf_counter() - begin
+        warn_buffer_updates(self, watch, self._model[0], m)
         if result.outputs:  # the last stage's rank, on the first step of two or more
             check_separable(
                 self,

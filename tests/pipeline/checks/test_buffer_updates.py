@@ -1,0 +1,57 @@
+"""A forward that updates buffers is told once: per micro-batch, not per batch as the plain model."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from pipesched import Pipeline
+from pipesched.errors import PipeschedWarning
+
+pytestmark = pytest.mark.usefixtures("fp64")
+
+
+class _Counting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x)
+
+
+def _told(model: nn.Module, chunks: int) -> list[str]:
+    pipe = Pipeline(model, chunks, balance=[1, len(model) - 1], devices=["cpu"] * 2)
+    x, y = torch.randn(8, 6), torch.randn(8, 6)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+        pipe.step(x, y, loss_fn=nn.functional.mse_loss)  # once per Pipeline
+    return [str(w.message) for w in seen if issubclass(w.category, PipeschedWarning)]
+
+
+def test_a_counter_and_a_spectral_norm_updated_per_micro_batch_are_told_once() -> None:
+    """Against the plain model: its counter counts 1 a step, the pipeline's 4: told."""
+    torch.manual_seed(0)
+    norm = torch.nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6))
+    model = nn.Sequential(nn.Linear(6, 6), _Counting(), norm)
+    (message,) = _told(model, 4)
+    assert int(model[1].calls) == 8  # 4 micro-batches, 2 steps; the plain model: 2
+    assert "'1.calls'" in message and "_u'" in message and "4 times this step" in message
+
+
+def test_a_forward_that_updates_nothing_but_batch_norms_is_not_told_here() -> None:
+    model = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6), nn.Linear(6, 6))
+    messages = _told(model, 4)
+    assert not [m for m in messages if "updated buffer" in m]  # BatchNorm's warning says it
+    assert [m for m in messages if "BatchNorm" in m]
+
+
+def test_one_micro_batch_is_the_plain_model_and_is_not_told() -> None:
+    model = nn.Sequential(nn.Linear(6, 6), _Counting(), nn.Linear(6, 6))
+    assert _told(model, 1) == []
