@@ -1,4 +1,4 @@
-"""A forward that updates buffers is told once: per micro-batch, not per batch as the plain model."""
+"""A forward updating buffers is told: it does per micro-batch what the plain model does once."""
 
 from __future__ import annotations
 
