@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -19,6 +19,7 @@ __all__ = [
     "check_balance",
     "check_statistics_in_one_stage",
     "sequential_layers",
+    "shared_norms",
     "split_sequential",
 ]
 
@@ -76,33 +77,44 @@ def split_sequential(module: nn.Sequential, balance: Sequence[int]) -> list[nn.S
     return stages
 
 
-def check_statistics_in_one_stage(stages: Sequence[nn.Module]) -> None:
-    """Raises PartitionError if a BatchNorm that moves its running statistics (in
-    training mode) is in two stages; one in eval mode, which only reads them, may be.
+SharedNorm = tuple[str, _BatchNorm, tuple[int, ...]]
+"""A BatchNorm with running statistics that two stages or more hold: name, layer, stages."""
+
+
+def shared_norms(stages: Sequence[nn.Module]) -> list[SharedNorm]:
+    """The BatchNorms with running statistics that more than one stage holds (once per cut)."""
+    held: dict[int, set[int]] = {}
+    for s, stage in enumerate(stages):
+        for module in stage.modules():
+            if isinstance(module, _BatchNorm) and module.track_running_stats:
+                held.setdefault(id(module), set()).add(s)
+    shared: dict[int, SharedNorm] = {}
+    for stage in stages:
+        for name, module in stage.named_modules():
+            where = held.get(id(module), set())
+            if len(where) > 1 and id(module) not in shared:
+                shared[id(module)] = (name, cast(_BatchNorm, module), tuple(sorted(where)))
+    return list(shared.values())
+
+
+def check_statistics_in_one_stage(shared: Sequence[SharedNorm]) -> None:
+    """Raises PartitionError if one of ``shared`` (:func:`shared_norms`) is in training mode,
+    moving its running statistics; in eval mode it only reads them, and may be shared.
 
     Why: stages run in threads of their own (or processes on a mesh), so its
     statistics' updates would race, or be split between the ranks' copies.
     Checked at every call, as a model may be built in eval mode and trained later.
     """
-    held: dict[int, set[int]] = {}
-    for s, stage in enumerate(stages):
-        for module in stage.modules():
-            if isinstance(module, _BatchNorm) and module.track_running_stats and module.training:
-                held.setdefault(id(module), set()).add(s)
-    if not any(len(where) > 1 for where in held.values()):
-        return
-    for stage in stages:
-        for name, module in stage.named_modules():
-            where = held.get(id(module), set())
-            if len(where) > 1:
-                raise PartitionError(
-                    f"BatchNorm {name!r} is used by stages {sorted(where)} in training mode: "
-                    "the model holds one BatchNorm at more than one place, and stages run in "
-                    "threads or processes of their own, so the updates of its running "
-                    "statistics would race or be split between copies. Choose a balance that "
-                    "keeps its places in one stage, or give each place a BatchNorm of its own "
-                    "(in eval mode, which only reads them, it may be in both)"
-                )
+    for name, module, where in shared:
+        if module.training:
+            raise PartitionError(
+                f"BatchNorm {name!r} is used by stages {list(where)} in training mode: "
+                "the model holds one BatchNorm at more than one place, and stages run in "
+                "threads or processes of their own, so the updates of its running "
+                "statistics would race or be split between copies. Choose a balance that "
+                "keeps its places in one stage, or give each place a BatchNorm of its own "
+                "(in eval mode, which only reads them, it may be in both)"
+            )
 
 
 class _Site(nn.Module):

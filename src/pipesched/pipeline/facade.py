@@ -16,7 +16,7 @@ from pipesched.errors import ConfigError, ConfigTypeError, PipeschedWarning, war
 from pipesched.partition import Partition
 from pipesched.partition.call import Call, call_key, one_call, stage_input, with_cache_off
 from pipesched.partition.materialize import InitWeights, check_meta
-from pipesched.partition.sequential import check_statistics_in_one_stage
+from pipesched.partition.sequential import check_statistics_in_one_stage, shared_norms
 from pipesched.partition.trace import TracedModel
 from pipesched.pipeline.arguments import (
     check_grad_backup,
@@ -256,6 +256,7 @@ class Pipeline(Shadowing, Pinned):
             grad_backup=self._grad_backup,
         )
         self._cuts.add(stages, engine)
+        self._shared_norms = shared_norms(stages.modules) if stages.cut.traced is None else []
         if self._live is not None:  # a traced stage's called layers run their own code
             self._live.update(id(m) for stage in stages.modules for m in stage.modules())
         self._print = ModelPrint.of(model, self._live)
@@ -276,7 +277,7 @@ class Pipeline(Shadowing, Pinned):
                     PipeschedWarning,
                 )
         if call is None:  # an nn.Sequential: cut once, at construction
-            check_statistics_in_one_stage(self._cuts.current[0].modules)
+            check_statistics_in_one_stage(self._shared_norms)
             return self._cuts.current
         found = self._cuts.find(call, inputs)
         if found is None:
@@ -654,22 +655,27 @@ class Pipeline(Shadowing, Pinned):
         result = engine.run(self.schedule_for(m), step, detach=True, settle=False)
         self.last_timeline = result.timeline
         self.last_step_seconds = time.perf_counter() - begin
-        warn_buffer_updates(self, watch, self._model[0], m)
-        if result.outputs:  # the last stage's rank, on the first step of two or more
-            check_separable(
-                self,
-                batches.inputs[0],
-                result.outputs,
-                batches.targets,
-                result.losses,
-                step.loss_weights,
-                batches.rows,
-                loss_fn,
-                stages.modules[-1],
-                summed=summed,
-            )
         # A training step's loss is never None, and its pending step is there.
-        return cast(torch.Tensor, result.loss), cast(PendingStep, result.pending)
+        pending = cast(PendingStep, result.pending)
+        try:  # a warning made an error (-W error) must not leave the step half kept
+            warn_buffer_updates(self, watch, self._model[0], m)
+            if result.outputs:  # the last stage's rank, on the first step of two or more
+                check_separable(
+                    self,
+                    batches.inputs[0],
+                    result.outputs,
+                    batches.targets,
+                    result.losses,
+                    step.loss_weights,
+                    batches.rows,
+                    loss_fn,
+                    stages.modules[-1],
+                    summed=summed,
+                )
+        except BaseException as error:
+            pending.abandon(error)
+            raise
+        return cast(torch.Tensor, result.loss), pending
 
     def gather_timeline(self, *, everywhere: bool = False) -> Timeline | None:
         """The last step's timeline with every rank's actions, on pipeline rank 0.

@@ -55,3 +55,24 @@ def test_a_forward_that_updates_nothing_but_batch_norms_is_not_told_here() -> No
 def test_one_micro_batch_is_the_plain_model_and_is_not_told() -> None:
     model = nn.Sequential(nn.Linear(6, 6), _Counting(), nn.Linear(6, 6))
     assert _told(model, 1) == []
+
+
+def test_a_warning_made_an_error_after_the_step_ran_leaves_nothing_half_done() -> None:
+    """Under -W error the warning raised after the commit: gradients stayed in .grad, the
+    accumulator uncounted, and Ctrl-C held for good (the step was never kept nor undone)."""
+    import signal
+
+    from pipesched import GradientAccumulator
+
+    model = nn.Sequential(nn.Linear(6, 6), _Counting(), nn.Linear(6, 6))
+    pipe = Pipeline(model, 4, balance=[1, 2], devices=["cpu"] * 2)
+    acc = GradientAccumulator(
+        pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), accumulation_steps=2
+    )
+    handler = signal.getsignal(signal.SIGINT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PipeschedWarning)
+        with pytest.raises(PipeschedWarning, match="updated buffer"):
+            acc.step(torch.randn(8, 6), torch.randn(8, 6), loss_fn=nn.functional.mse_loss)
+    assert all(p.grad is None for p in model.parameters()) and acc.steps == 0
+    assert signal.getsignal(signal.SIGINT) is handler
