@@ -26,7 +26,11 @@ from pipesched.pipeline.arguments import (
 )
 from pipesched.pipeline.batches import StepBatches, step_batches
 from pipesched.pipeline.checks.buffer_updates import warn_buffer_updates, watch_buffers
-from pipesched.pipeline.checks.coupled_outputs import coupled_paths, warn_coupled
+from pipesched.pipeline.checks.coupled_outputs import (
+    coupled_paths,
+    warn_coupled,
+    warn_uneven_targets,
+)
 from pipesched.pipeline.checks.gradient_hooks import warn_gradient_hooks
 from pipesched.pipeline.checks.micro_batch_norm import warn_micro_batch_norm
 from pipesched.pipeline.checks.model_changes import ModelPrint
@@ -458,7 +462,7 @@ class Pipeline(Shadowing, Pinned):
         self.last_timeline = result.timeline
         if mesh is not None and self.placement[-1] != mesh.pp_rank:
             return None
-        return join_step_outputs(batch, result.outputs, rows, stages.modules[-1])
+        return join_step_outputs(batch, result.outputs, rows, stages.modules[-1], micro)
 
     def step(
         self,
@@ -643,6 +647,8 @@ class Pipeline(Shadowing, Pinned):
         warn_gradient_hooks(self, m)
         if m > 1 and stages.cut.traced is not None:
             warn_coupled(self, coupled_paths(stages.cut.traced, passed), m)
+            if not (passed or summed):  # (with num_items, loss_fn returns sums)
+                warn_uneven_targets(self, stages.cut.traced, batches.inputs, batches.rows)
         step = StepInputs(
             inputs=batches.inputs,
             targets=batches.targets,

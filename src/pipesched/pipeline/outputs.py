@@ -9,29 +9,40 @@ from torch import nn
 from pipesched.partition import TracedStage
 from pipesched.partition.call import Call
 from pipesched.partition.per_sample import leaf_paths, per_sample_flags
-from pipesched.pipeline.checks.coupled_outputs import coupled_flags
+from pipesched.pipeline.checks.coupled_outputs import coupled_flags, masked_counts
 from pipesched.runtime.stage.microbatch import join_outputs
 
 __all__ = ["join_step_outputs"]
 
 
-def join_step_outputs(batch: Any, outputs: dict[int, Any], rows: list[int], last: nn.Module) -> Any:
+def join_step_outputs(
+    batch: Any,
+    outputs: dict[int, Any],
+    rows: list[int],
+    last: nn.Module,
+    micro: list[Any] | None = None,
+) -> Any:
     """The micro-batches' ``outputs`` joined into one output of the batch ``batch``.
 
     Tensors are concatenated along dim 0; a 0-dim floating-point tensor (a loss
     the model computes) is the rows-weighted mean of the micro-batches', or
     their sum under Hugging Face's ``num_items_in_batch`` contract (each is its
     micro-batch's share of the batch's). ``last``: the last stage, whose export
-    says which outputs follow the batch.
+    says which outputs follow the batch; given the ``micro``-batches' inputs, a
+    loss's mean over the targets it keeps weighs them by their counts of those.
     """
     summed = isinstance(batch, Call) and batch.kwargs.get("num_items_in_batch") is not None
     values = [outputs[i] for i in range(len(rows))]
     fixed: list[str] = []
     coupled: list[str] = []
+    counts: dict[str, list[float]] = {}
     if isinstance(last, TracedStage):  # the export says which outputs follow the batch
         paths = leaf_paths(values[0])
         if len(paths) == len(flags := per_sample_flags(last.traced)):
             fixed = [path for path, flag in zip(paths, flags, strict=True) if not flag]
         if len(paths) == len(mixed := coupled_flags(last.traced, summed)):
             coupled = [path for path, flag in zip(paths, mixed, strict=True) if flag]
-    return join_outputs(values, rows, "sum" if summed else "mean", fixed, coupled)
+            if micro is not None and not summed:
+                counted = masked_counts(last.traced, micro).items()
+                counts = {paths[i]: kept for i, kept in counted}
+    return join_outputs(values, rows, "sum" if summed else "mean", fixed, coupled, counts)

@@ -8,7 +8,10 @@ computed from a pooled one). A pooled value is rebuilt from the micro-batches'
 only as a mean (their rows-weighted mean) or, where the call passes Hugging
 Face's ``num_items_in_batch``, a sum: so each pooled value's kind is followed
 (a mean, a sum, or other: a max, a median, a variance, a nonlinear function of
-a pooled value), and a 0-dim output of the wrong kind is coupled too.
+a pooled value), and a 0-dim output of the wrong kind is coupled too. A loss's
+mean over the targets it keeps (padding skipped) is a mean whose weights are its
+micro-batches' target counts, not rows: :mod:`~pipesched.pipeline.checks.masked_means`
+counts them.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import operator
 import threading
 import weakref
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -24,9 +28,19 @@ from torch import fx, nn
 from pipesched.errors import BatchCoupledWarning, warn_user
 from pipesched.partition.per_sample import leaf_paths
 from pipesched.partition.trace import TracedModel
+from pipesched.pipeline.checks.masked_means import (
+    ItemCounter,
+    item_counter,
+    masks_targets,
+    warn_masked_means,
+    warned,
+)
 from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree, size_symbols
 
-__all__ = ["coupled_flags", "coupled_paths", "warn_coupled"]
+__all__ = [
+    "coupled_flags", "coupled_paths", "masked_counts", "output_paths", "warn_coupled",
+    "warn_uneven_targets",
+]  # fmt: skip
 
 _SCANS = frozenset(
     {
@@ -45,9 +59,15 @@ _PER_SAMPLE_HERE = frozenset(
 )  # fmt: skip
 """Batch statistics told by :mod:`pipesched.pipeline.checks.micro_batch_norm`, not here."""
 
-_cache: weakref.WeakKeyDictionary[TracedModel, tuple[tuple[bool, ...], tuple[str | None, ...]]] = (
-    weakref.WeakKeyDictionary()
-)
+_Found = tuple[tuple[bool, ...], tuple[str | None, ...], dict[int, ItemCounter]]
+_cache: weakref.WeakKeyDictionary[TracedModel, _Found] = weakref.WeakKeyDictionary()
+
+
+def _found(traced: TracedModel) -> _Found:
+    found = _cache.get(traced)
+    if found is None:
+        found = _cache[traced] = _coupled_flags(traced)
+    return found
 
 
 def coupled_flags(traced: TracedModel, summed: bool = False) -> tuple[bool, ...]:
@@ -55,14 +75,44 @@ def coupled_flags(traced: TracedModel, summed: bool = False) -> tuple[bool, ...]
 
     It mixes rows of different samples (see the module docstring), or it is pooled
     over the samples other than as joining rebuilds it: a mean (``summed``: the call
-    passes ``num_items_in_batch``, a sum). Computed once per trace.
+    passes ``num_items_in_batch``, a sum; a mean over the targets a loss keeps is
+    a mean, weighed by :func:`masked_counts`). Computed once per trace.
     """
-    found = _cache.get(traced)
-    if found is None:
-        found = _cache[traced] = _coupled_flags(traced)
-    coupled, pooled = found
-    fits = "sum" if summed else "mean"
-    return tuple(c or (k is not None and k != fits) for c, k in zip(coupled, pooled, strict=True))
+    coupled, pooled, _ = _found(traced)
+    fits = {_SUM} if summed else {_MEAN, _MASKED}
+    return tuple(
+        c or (k is not None and k not in fits) for c, k in zip(coupled, pooled, strict=True)
+    )
+
+
+def masked_counts(traced: TracedModel, micro: Sequence[Any]) -> dict[int, list[float]]:
+    """Per 0-dim output that is a loss's mean over the targets it keeps (its index in
+    ``traced.outputs``): the count of kept targets of each micro-batch's stage-0 input
+    in ``micro``. Empty (and nothing run) for a model with none."""
+    counters = _found(traced)[2]
+    if not counters:
+        return {}
+    leaves = [traced.input_leaves(inputs) for inputs in micro]
+    return {i: [c.count(traced, one) for one in leaves] for i, c in counters.items()}
+
+
+def warn_uneven_targets(
+    pipe: nn.Module, traced: TracedModel, micro: list[Any], rows: list[int]
+) -> None:
+    """Warns (once per ``pipe``) where a loss's mean over the targets it keeps has them
+    shared otherwise than rows among this step's ``micro``-batches: the step weighs
+    ``loss_fn``'s values by rows (see :mod:`~pipesched.pipeline.checks.masked_means`)."""
+    if warned(pipe):
+        return
+    if counts := masked_counts(traced, micro):
+        paths = output_paths(traced)
+        warn_masked_means(pipe, {paths[i]: kept for i, kept in counts.items()}, rows)
+
+
+def output_paths(traced: TracedModel) -> list[str]:
+    """Each flattened output's path (``".loss"``, ``"[0]"``), for messages."""
+    shaped = pytree.tree_unflatten(list(range(len(traced.outputs))), traced.out_spec)
+    return leaf_paths(shaped)
 
 
 def coupled_paths(traced: TracedModel, summed: bool = False) -> list[str]:
@@ -70,12 +120,11 @@ def coupled_paths(traced: TracedModel, summed: bool = False) -> list[str]:
     flags = coupled_flags(traced, summed)
     if not any(flags):
         return []
-    shaped = pytree.tree_unflatten(list(range(len(flags))), traced.out_spec)
-    paths = leaf_paths(shaped)
+    paths = output_paths(traced)
     return [p for p, flag in zip(paths, flags, strict=True) if flag]
 
 
-def _coupled_flags(traced: TracedModel) -> tuple[tuple[bool, ...], tuple[str | None, ...]]:
+def _coupled_flags(traced: TracedModel) -> _Found:
     batch: set[Any] = set()
     known: set[Any] = set()
     for node in traced.inputs:
@@ -85,7 +134,7 @@ def _coupled_flags(traced: TracedModel) -> tuple[tuple[bool, ...], tuple[str | N
                 known |= size_symbols(dim)
                 batch |= size_symbols(dim) if k == 0 else set()
     if not batch:
-        return (False,) * len(traced.outputs), (None,) * len(traced.outputs)
+        return (False,) * len(traced.outputs), (None,) * len(traced.outputs), {}
 
     def batch_dims(value: Any) -> list[int]:
         """The dims of ``value`` (a tensor, or any tensor of a tuple) sized by the batch."""
@@ -102,6 +151,7 @@ def _coupled_flags(traced: TracedModel) -> tuple[tuple[bool, ...], tuple[str | N
     depends: dict[fx.Node, bool] = {}
     coupled: dict[fx.Node, bool] = {}
     pooled: dict[fx.Node, str | None] = {}
+    counters: dict[fx.Node, ItemCounter] = {}  # a masked mean's count, by value
     for node in traced.inputs:
         depends[node] = 0 in batch_dims(node.meta.get("val"))
         coupled[node] = False
@@ -113,11 +163,25 @@ def _coupled_flags(traced: TracedModel) -> tuple[tuple[bool, ...], tuple[str | N
             any(coupled[n] for n in sources) or _couples(node, value, sources, batch_dims)
         )
         if depends[node] and not batch_dims(value):
-            pooled[node] = _pooling(node, sources, pooled, batch, batch_dims)
+            kind = pooled[node] = _pooling(
+                traced, node, sources, pooled, counters, batch, batch_dims
+            )
+            if kind == _MASKED and node not in counters:  # inherited: from one loss only
+                found = {counters[n] for n in sources if n in counters}
+                if len(found) == 1:
+                    counters[node] = found.pop()
+                else:
+                    pooled[node] = _OTHER
     outputs = [out if isinstance(out, fx.Node) else None for out in traced.outputs]
+    kinds = tuple(None if out is None or not _scalar(out) else pooled.get(out) for out in outputs)
     return (
         tuple(out is not None and coupled.get(out, False) for out in outputs),
-        tuple(None if out is None or not _scalar(out) else pooled.get(out) for out in outputs),
+        kinds,
+        {
+            i: counters[out]
+            for i, (out, kind) in enumerate(zip(outputs, kinds, strict=True))
+            if kind == _MASKED and out is not None
+        },
     )
 
 
@@ -127,7 +191,7 @@ def _scalar(node: fx.Node) -> bool:
     return isinstance(value, torch.Tensor) and value.ndim == 0
 
 
-_MEAN, _SUM, _OTHER = "mean", "sum", "other"
+_MEAN, _SUM, _MASKED, _OTHER = "mean", "sum", "masked", "other"
 _KEEPS = frozenset(
     {
         "neg", "clone", "detach", "alias", "view", "reshape", "_unsafe_view", "squeeze",
@@ -139,15 +203,19 @@ _KEEPS = frozenset(
 
 
 def _pooling(
+    traced: TracedModel,
     node: fx.Node,
     sources: list[fx.Node],
     pooled: dict[fx.Node, str | None],
+    counters: dict[fx.Node, ItemCounter],
     batch: set[Any],
     batch_dims: Any,
 ) -> str:
-    """How ``node``'s value, free of the batch, pools its samples: ``"mean"``, ``"sum"``
-    or ``"other"`` (a max, a median, a variance, a nonlinear function of a pooled value),
-    which micro-batches cannot rebuild by averaging (or summing) their values."""
+    """How ``node``'s value, free of the batch, pools its samples: ``"mean"``, ``"sum"``,
+    ``"masked"`` (a loss's mean over the targets it keeps: its counter goes in
+    ``counters``) or ``"other"`` (a max, a median, a variance, a nonlinear function of
+    a pooled value), which micro-batches cannot rebuild by averaging (or summing)
+    their values."""
     op = node.target
     name = op_schema(op).name.split("::")[-1] if isinstance(op, OpOverload) else None
     if op is operator.getitem:
@@ -163,13 +231,19 @@ def _pooling(
             given |= dict(zip([a.name for a in arguments], node.args, strict=False))
             given |= dict(node.kwargs)
             reduction = given.get("reduction")  # a loss: 1 a mean, 2 a sum (ATen's enum)
+            if masks_targets(node, given):  # a mean over the targets it keeps
+                counter = item_counter(traced, node, given)
+                if counter is None:  # targets the model computes: taken to skip none
+                    return _MEAN
+                counters[node] = counter
+                return _MASKED
             if reduction in (1, 2):
                 return _MEAN if reduction == 1 else _SUM
         return _OTHER
     kinds = {pooled.get(n) or _OTHER for n in sources}
     kind = next(iter(kinds)) if len(kinds) == 1 else _OTHER
     others = [a for a in node.all_input_nodes if a not in sources]
-    if name in _KEEPS or (name in ("add", "sub") and kind == _MEAN):
+    if name in _KEEPS or (name in ("add", "sub") and kind in (_MEAN, _MASKED)):
         return kind  # (a mean plus a constant: the rows' weights add up to one)
     if name in ("add", "sub") and not others and not _scalars(node):
         return kind  # sums of sums: a sum

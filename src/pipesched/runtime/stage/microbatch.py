@@ -176,6 +176,7 @@ def join_outputs(
     scalars: str = "mean",
     not_per_sample: Collection[str] = (),
     coupled: Collection[str] = (),
+    counts: Mapping[str, Sequence[float]] | None = None,
 ) -> Any:
     """The batch's output from its micro-batches', as the plain model would return it.
 
@@ -202,9 +203,20 @@ def join_outputs(
             micro-batch, returned as the list of the micro-batches' values,
             with a :class:`~pipesched.errors.BatchCoupledWarning` naming them
             and the fix.
+        counts: per path of a 0-dim mean over the items each micro-batch holds
+            (the targets a loss keeps, padding skipped), those items' counts:
+            its micro-batches weigh by them, not by rows. One that holds none
+            (its mean a NaN, 0/0) weighs nothing, as in the plain model's.
     """
     total = sum(rows)
     weights = [r / total for r in rows] if scalars == "mean" else [1.0] * len(rows)
+
+    def weighed(values: list[Tensor], path: str) -> Any:
+        items = (counts or {}).get(path)
+        if items is None or not sum(items):  # (no item at all: the plain model's 0/0 too)
+            return sum(w * v for w, v in zip(weights, values, strict=True))
+        every = sum(items)
+        return sum((c / every) * v for c, v in zip(items, values, strict=True) if c)
 
     def special(values: list[Any], path: str) -> Any:
         if path in coupled and len(values) > 1:
@@ -224,7 +236,7 @@ def join_outputs(
             )
             return list(values)
         if all(isinstance(v, Tensor) and v.ndim == 0 and v.is_floating_point() for v in values):
-            return sum(w * v for w, v in zip(weights, values, strict=True))
+            return weighed(values, path)
         if not all(isinstance(v, Tensor) and v.ndim >= 1 for v in values):
             return None
         first = values[0].shape[0]

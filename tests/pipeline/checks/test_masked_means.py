@@ -1,0 +1,166 @@
+"""A loss's mean over the targets it keeps (padding skipped) weighs micro-batches by their counts."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pipesched import BatchCoupledWarning, Pipeline
+
+pytestmark = pytest.mark.usefixtures("fp64")
+
+VOCAB = 11
+
+
+class TokenLM(nn.Module):
+    """Predicts token t + 1 from t and computes its loss inside, as a causal LM does."""
+
+    def __init__(self, loss: str = "cross_entropy") -> None:
+        super().__init__()
+        self.loss = loss
+        self.embed = nn.Embedding(VOCAB, 8)
+        self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+        self.head = nn.Linear(8, VOCAB)
+        self.register_buffer("class_weight", torch.linspace(0.5, 2.0, VOCAB))
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.body(self.embed(ids)))
+        scores, targets = logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten()
+        if self.loss == "weighted":
+            loss = F.cross_entropy(scores, targets, weight=self.class_weight)
+        elif self.loss == "smoothed":
+            loss = F.cross_entropy(scores, targets, label_smoothing=0.1, ignore_index=0)
+        elif self.loss == "nll":
+            loss = F.nll_loss(F.log_softmax(scores, -1), targets) * 2.0 + 1.0
+        else:
+            loss = F.cross_entropy(scores, targets)
+        return {"loss": loss, "logits": logits}
+
+
+def _batch(padded: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(1, VOCAB, (8, 6), generator=generator)
+    labels = ids.clone()
+    if padded:  # micro-batches of 2 rows keep 4, 10, 0 and 7 of their 10 targets
+        labels[0, 2:] = labels[1, 4:] = -100
+        labels[4:6, 1:] = -100
+        labels[6, 3:] = -100
+    labels[labels == 0] = -100 if padded else 1  # (ignore_index=0 of the smoothed loss)
+    return ids, labels
+
+
+def _told(call):
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        result = call()
+    return result, [str(w.message) for w in seen if issubclass(w.category, BatchCoupledWarning)]
+
+
+def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "weighted", "smoothed", "nll"])
+def test_pipe_x_returns_the_plain_models_mean_over_the_targets_padding_leaves(loss):
+    torch.manual_seed(0)
+    model = TokenLM(loss)
+    plain = copy.deepcopy(model)
+    ids, labels = _batch()
+    if loss == "smoothed":
+        labels[labels == -100] = 0
+    expected = plain(ids, labels)["loss"]
+    expected.backward()
+    pipe = Pipeline(model, chunks=4, devices=["cpu"] * 2)
+    out, told = _told(lambda: pipe(ids, labels))
+    assert told == []
+    # The micro-batch of fully padded rows has a 0/0 mean: it weighs nothing, as in the plain model.
+    torch.testing.assert_close(out["loss"], expected, rtol=1e-12, atol=0)
+    out["loss"].backward()
+    for name, grad in _grads(plain).items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-10, atol=1e-14)
+
+
+def test_a_step_whose_micro_batches_keep_unequal_shares_of_targets_is_told_once():
+    torch.manual_seed(0)
+    model = TokenLM()
+    ids, labels = _batch()
+    even_ids, even_labels = _batch(padded=False)
+    pipe = Pipeline(model, chunks=4, devices=["cpu"] * 2)
+    plain = copy.deepcopy(model)
+
+    loss, told = _told(lambda: pipe.step((even_ids, even_labels), loss_fn=lambda o: o["loss"]))
+    assert told == []  # no padding: rows weigh the targets right
+    torch.testing.assert_close(loss, plain(even_ids, even_labels)["loss"], rtol=1e-12, atol=0)
+
+    rows = [0, 1, 2, 3, 6, 7]  # (none fully padded: a 0/0 loss is a skipped window)
+    _, (message,) = _told(lambda: pipe.step((ids[rows], labels[rows]), loss_fn=lambda o: o["loss"]))
+    assert "output['loss']" in message and "keep [4, 10, 2, 5]" in message
+    assert "for [2, 2, 1, 1] rows" in message and "num_items" in message
+    _, again = _told(lambda: pipe.step((ids, labels), loss_fn=lambda o: o["loss"]))
+    assert again == []  # once per Pipeline
+
+
+def test_the_fix_the_warning_names_trains_the_plain_model_and_is_not_told():
+    torch.manual_seed(0)
+    model = TokenLM()
+    plain = copy.deepcopy(model)
+    ids, labels = _batch()
+    plain(ids, labels)["loss"].backward()
+
+    def token_sum(out: dict[str, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+        scores = out["logits"][:, :-1].flatten(0, 1)
+        return F.cross_entropy(scores, target[:, 1:].flatten(), reduction="sum")
+
+    pipe = Pipeline(model, chunks=4, devices=["cpu"] * 2)
+    kept = int((labels[:, 1:] != -100).sum())
+    _, told = _told(lambda: pipe.step((ids, labels), labels, loss_fn=token_sum, num_items=kept))
+    assert told == []
+    for name, grad in _grads(plain).items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-10, atol=1e-14)
+
+
+class TwoLosses(TokenLM):
+    """Two means over different kept targets, added: no one count weighs both."""
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.head(self.body(self.embed(ids)))
+        scores = logits[:, :-1].flatten(0, 1)
+        ahead = F.cross_entropy(scores, labels[:, 1:].flatten())
+        here = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return {"loss": ahead + here}
+
+
+def test_means_over_different_kept_targets_added_are_told_as_not_rebuilt():
+    torch.manual_seed(0)
+    pipe = Pipeline(TwoLosses(), chunks=4, devices=["cpu"] * 2)
+    out, (message,) = _told(lambda: pipe(*_batch()))
+    assert isinstance(out["loss"], list) and "output['loss']" in message
+
+
+def test_a_gpt2_loss_over_padded_labels_is_the_plain_models():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50,
+                                     n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config)
+    plain = copy.deepcopy(model)
+    ids = torch.randint(1, 50, (6, 8), generator=torch.Generator().manual_seed(0))
+    labels = ids.clone()
+    labels[0, 3:] = labels[1, 2:] = labels[4, 6:] = -100
+    call = {"input_ids": ids, "labels": labels, "use_cache": False}
+    expected = plain(**call).loss
+    expected.backward()
+    pipe = Pipeline(model, chunks=3, devices=["cpu"] * 2)
+    out, told = _told(lambda: pipe(**call))
+    assert told == []
+    # GPT-2 computes its loss in float32 whatever the model's dtype.
+    torch.testing.assert_close(out.loss, expected, rtol=1e-6, atol=0)
+    out.loss.backward()
+    for name, grad in _grads(plain).items():
+        torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-5, atol=1e-8)
