@@ -1,4 +1,4 @@
-"""A loss's mean over the targets it keeps (padding skipped) weighs micro-batches by their counts."""
+"""A loss's mean over the targets it keeps (padding skipped) weighs micro-batches by them."""
 
 from __future__ import annotations
 
@@ -164,3 +164,21 @@ def test_a_gpt2_loss_over_padded_labels_is_the_plain_models():
     out.loss.backward()
     for name, grad in _grads(plain).items():
         torch.testing.assert_close(model.get_parameter(name).grad, grad, rtol=1e-5, atol=1e-8)
+
+
+def test_a_rank_without_the_losss_class_weights_counts_nothing_and_tells_nothing():
+    from pipesched.pipeline.checks.coupled_outputs import masked_counts, warn_uneven_targets
+
+    torch.manual_seed(0)
+    model = TokenLM("weighted")
+    pipe = Pipeline(model, chunks=2, devices=["cpu"] * 2)
+    ids, labels = _batch()
+    pipe(ids, labels)
+    traced = pipe.stages[-1].traced
+    assert masked_counts(traced, [(ids[:4], labels[:4])])[0][0] > 0
+    model.class_weight = model.class_weight.to("meta")  # as a meta build on another rank holds it
+    (counts,) = masked_counts(traced, [(ids[:4], labels[:4]), (ids[4:], labels[4:])]).values()
+    assert all(c != c for c in counts)  # NaN: not known here
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_uneven_targets(pipe, traced, [(ids[:4], labels[:4]), (ids[4:], labels[4:])], [4, 4])

@@ -58,7 +58,11 @@ class ItemCounter:
     ignore_index: int
 
     def count(self, traced: TracedModel, leaves: Sequence[Any]) -> float:
-        """The loss's divisor on the call whose user inputs are ``leaves``."""
+        """The loss's divisor on the call whose user inputs are ``leaves``.
+
+        NaN where a buffer it reads is not on this process (a meta build on a mesh
+        materializes only the rank's own stages): a rank without the loss's stage.
+        """
         env: dict[fx.Node, Any] = dict(zip(traced.inputs, leaves, strict=False))
         with torch.no_grad():
             for node in self.nodes:
@@ -71,6 +75,8 @@ class ItemCounter:
                         if ref.kind == "buffer"
                         else traced.constant(ref.name)
                     )
+                    if env[node].is_meta:
+                        return math.nan
                     continue
                 args = fx.node.map_arg(node.args, env.__getitem__)
                 kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
@@ -146,7 +152,8 @@ def warn_masked_means(pipe: nn.Module, counts: dict[str, list[float]], rows: lis
 
     ``counts``: per output path, each micro-batch's count of targets its loss keeps.
     """
-    uneven = {p: c for p, c in counts.items() if not proportional(c, rows)}
+    uneven = {p: c for p, c in counts.items() if not any(map(math.isnan, c))}
+    uneven = {p: c for p, c in uneven.items() if not proportional(c, rows)}
     if not uneven:
         return
     with _lock:

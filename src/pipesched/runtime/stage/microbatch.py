@@ -206,14 +206,15 @@ def join_outputs(
         counts: per path of a 0-dim mean over the items each micro-batch holds
             (the targets a loss keeps, padding skipped), those items' counts:
             its micro-batches weigh by them, not by rows. One that holds none
-            (its mean a NaN, 0/0) weighs nothing, as in the plain model's.
+            (its mean a NaN, 0/0) weighs nothing, as in the plain model's; NaN
+            counts (not known here) weigh by rows.
     """
     total = sum(rows)
     weights = [r / total for r in rows] if scalars == "mean" else [1.0] * len(rows)
 
     def weighed(values: list[Tensor], path: str) -> Any:
         items = (counts or {}).get(path)
-        if items is None or not sum(items):  # (no item at all: the plain model's 0/0 too)
+        if items is None or not sum(items) > 0:  # (none at all: the plain model's 0/0 too)
             return sum(w * v for w, v in zip(weights, values, strict=True))
         every = sum(items)
         return sum((c / every) * v for c, v in zip(items, values, strict=True) if c)
