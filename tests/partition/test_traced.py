@@ -222,3 +222,41 @@ def test_a_string_the_model_returns_comes_back_as_itself(tag):
         out = pipe(x, mask)
     assert out["kind"] == tag and isinstance(out["kind"], str)
     torch.testing.assert_close(out["out"], model(x, mask)["out"], rtol=0, atol=1e-15)
+
+
+class _SpectralNet(nn.Module):
+    """Spectral norm's power iteration runs under no_grad and writes its buffers with out=."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.utils.parametrizations.spectral_norm(nn.Linear(6, 6))
+        self.b = nn.Linear(6, 6)
+        self.c = nn.Linear(6, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+@pytest.mark.parametrize("checkpoint", ["never", "except_last", "always"])
+def test_a_traced_no_grad_region_writing_buffers_out_trains_as_the_plain_model(checkpoint):
+    import copy
+    import warnings
+
+    torch.manual_seed(0)
+    model = _SpectralNet()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(8, 6), torch.randn(8, 3)
+    pipe = Pipeline(model, chunks=2, devices=["cpu"] * 2, checkpoint=checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (told: its buffers update once per micro-batch)
+        loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    expected = 0.0  # the plain model micro-batch by micro-batch, each a half of the batch
+    for xs, ys in zip(x.chunk(2), y.chunk(2), strict=True):
+        part = nn.functional.mse_loss(plain(xs), ys) / 2
+        part.backward()
+        expected += part.detach()
+    torch.testing.assert_close(loss, expected, rtol=RTOL, atol=ATOL)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=RTOL, atol=ATOL)
+    for name, b in plain.named_buffers():
+        torch.testing.assert_close(model.get_buffer(name), b, rtol=RTOL, atol=ATOL)

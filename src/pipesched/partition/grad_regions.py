@@ -21,8 +21,10 @@ def inline_grad_regions(program: ExportedProgram) -> None:
 
     Why: export keeps such a region as a sub-graph behind one higher-order
     operation, which a cut could not split nor the profiler time. Inlined, its
-    operations are ordinary ones and its outputs are detached, so no gradient
-    crosses it, as under ``no_grad``; the values are the same.
+    operations are ordinary ones reading detached inputs (so none records a
+    graph, and an ``out=`` operation, spectral norm's power iteration, runs as
+    under ``no_grad``) and its outputs are detached: no gradient crosses it;
+    the values are the same.
     """
     if _SET_GRAD is None:
         return
@@ -33,9 +35,12 @@ def inline_grad_regions(program: ExportedProgram) -> None:
         sub = getattr(gm, holder.target)
         env: dict[fx.Node, Any] = {}
         placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-        env.update(zip(placeholders, operands, strict=True))
         results: list[Any] = []
         with graph.inserting_before(node):
+            for placeholder, operand in zip(placeholders, operands, strict=True):
+                if not enabled and isinstance(operand, fx.Node) and _tensor(operand):
+                    operand = _detached(graph, operand)  # (an out= operation refuses grad)
+                env[placeholder] = operand
             for n in sub.graph.nodes:
                 if n.op == "placeholder":
                     continue
@@ -51,9 +56,7 @@ def inline_grad_regions(program: ExportedProgram) -> None:
             for i, out in enumerate(results):
                 value = env[out] if isinstance(out, fx.Node) else out
                 if not enabled and isinstance(value, fx.Node):
-                    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
-                    detached.meta = dict(value.meta)
-                    value = detached
+                    value = _detached(graph, value)
                 results[i] = value
         for user in list(node.users):  # operator.getitem(node, i)
             user.replace_all_uses_with(results[user.args[1]])
@@ -62,3 +65,13 @@ def inline_grad_regions(program: ExportedProgram) -> None:
         if not holder.users:
             graph.erase_node(holder)
     gm.recompile()
+
+
+def _tensor(node: fx.Node) -> bool:
+    return isinstance(node.meta.get("val"), torch.Tensor)
+
+
+def _detached(graph: fx.Graph, value: fx.Node) -> fx.Node:
+    detached = graph.call_function(torch.ops.aten.detach.default, (value,))
+    detached.meta = dict(value.meta)
+    return detached
