@@ -26,6 +26,12 @@ def test_per_stage_costs():
         {"weight": "x"},
         {"send": [1, 2]},
         {"send": -0.5},
+        {"forward": "12"},  # was read as the per-stage list (1.0, 2.0)
+        {"backward": "3"},  # was read as (3.0,)
+        {"forward": [1, "2"]},
+        {"forward": True},
+        {"weight": None},
+        {"forward": 1e308, "backward": 1e308},  # a makespan of inf
     ],
 )
 def test_bad_costs(bad):

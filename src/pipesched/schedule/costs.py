@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields
 
 from pipesched.errors import ConfigError, ConfigTypeError
@@ -11,6 +12,14 @@ from pipesched.errors import ConfigError, ConfigTypeError
 __all__ = ["Costs"]
 
 Cost = float | Sequence[float]
+
+_LONGEST = 1e100
+"""The longest duration taken: sums over any schedule's actions stay finite floats."""
+
+
+def _number(value: object) -> bool:
+    """Whether ``value`` is one real number (an int, a float, numpy's; not a bool)."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -38,23 +47,31 @@ class Costs:
     def __post_init__(self) -> None:
         for field in fields(self):
             value = getattr(self, field.name)
-            values = [value] if isinstance(value, int | float) else value
-            if field.name == "send" and not isinstance(value, int | float):
+            one = _number(value)
+            if field.name == "send" and not one:
                 raise ConfigTypeError(f"Costs.send must be one number, got {value!r}")
-            try:
-                floats = tuple(float(v) for v in values)
-            except (TypeError, ValueError):
+            values = [value] if one else value
+            listed = not isinstance(value, str | bytes | bool) and isinstance(value, Iterable)
+            if not (one or listed) or not all(map(_number, values)):
                 raise ConfigTypeError(
                     f"Costs.{field.name} must be a number or a list of numbers, got {value!r}"
-                ) from None
+                    + (" (a string is not read as one)" if isinstance(value, str) else "")
+                )
+            floats = tuple(float(v) for v in values)
             bad = [v for v in floats if not math.isfinite(v) or v < 0]
             if bad:
                 raise ConfigError(
                     f"Costs.{field.name} must be finite and >= 0, got {value!r}; "
                     "costs are durations"
                 )
-            if not isinstance(value, int | float):
+            if not one:
                 object.__setattr__(self, field.name, floats)  # a list becomes a tuple
+            if any(v > _LONGEST for v in floats):
+                raise ConfigError(
+                    f"Costs.{field.name} must be at most {_LONGEST:g}, got {value!r}: a "
+                    "step's sum of such durations overflows a float; give them in a larger "
+                    "unit (ms rather than ns)"
+                )
 
     def per_stage(self, num_stages: int, *, split_backward: bool) -> dict[str, tuple[float, ...]]:
         """The duration of F, B and W on each stage.
