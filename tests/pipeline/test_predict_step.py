@@ -85,3 +85,14 @@ def test_bad_num_microbatches():
         pipe.predict(2.0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="at least 1"):
         pipe.predict(0)
+
+
+def test_a_schedule_given_as_a_table_predicts_its_own_count_and_says_why_not_another():
+    from pipesched.schedule import get_schedule
+
+    table = get_schedule("1f1b", 2, 3)
+    pipe = Pipeline(_model(), 3, devices=["cpu", "cpu"], balance=[3, 2], schedule=table)
+    _step(pipe)
+    assert len(pipe.predict(3).events) == sum(map(len, table.actions))
+    with pytest.raises(ConfigError, match=r"predict\(num_microbatches=6\).* table of 3.* name"):
+        pipe.predict(6)

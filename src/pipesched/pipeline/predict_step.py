@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from pipesched.analysis.prediction import StepModel, predict
 from pipesched.errors import ConfigError, ConfigTypeError
 from pipesched.runtime.stage.recompute import stage_stops
-from pipesched.schedule import BACKWARD, Timeline
+from pipesched.schedule import BACKWARD, Schedule, Timeline
 
 if TYPE_CHECKING:
     from pipesched.pipeline.facade import Pipeline
@@ -50,6 +50,14 @@ def predict_step(pipe: Pipeline, num_microbatches: int | None) -> Timeline:
     else:
         m, model = pipe.chunks, _from_partition(pipe)
     k = m if num_microbatches is None else num_microbatches
+    fixed = pipe.schedule
+    if isinstance(fixed, Schedule) and fixed.num_microbatches != k:
+        raise ConfigError(
+            f"predict(num_microbatches={k}): this pipeline runs the schedule {fixed.name!r} "
+            f"given as a table of {fixed.num_microbatches} micro-batches, which predicts no "
+            f"other count; call predict() for {fixed.num_microbatches}, or build the "
+            "pipeline with a schedule name (schedule='1f1b'), which is made for any count"
+        )
     return predict(pipe.schedule_for(k), model, stage_stops(pipe.checkpoint, pipe.num_stages, k))
 
 
