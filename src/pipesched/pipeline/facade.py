@@ -25,16 +25,9 @@ from pipesched.pipeline.arguments import (
     warn_host_backup_on_cpu,
 )
 from pipesched.pipeline.batches import StepBatches, step_batches
-from pipesched.pipeline.checks.buffer_updates import warn_buffer_updates, watch_buffers
-from pipesched.pipeline.checks.coupled_outputs import (
-    coupled_paths,
-    warn_coupled,
-    warn_uneven_targets,
-)
-from pipesched.pipeline.checks.gradient_hooks import warn_gradient_hooks
 from pipesched.pipeline.checks.micro_batch_norm import warn_micro_batch_norm
 from pipesched.pipeline.checks.model_changes import ModelPrint
-from pipesched.pipeline.checks.separable_loss import check_separable, wants_check
+from pipesched.pipeline.checks.step_checks import StepChecks
 from pipesched.pipeline.outputs import join_step_outputs
 from pipesched.pipeline.pinned import Pinned
 from pipesched.pipeline.predict_step import predict_step
@@ -618,69 +611,26 @@ class Pipeline(Shadowing, Pinned):
         and the step, for the caller to settle.
         """
         begin = time.perf_counter()
-        # The model's own parameters: on a mesh it holds other ranks' too (on meta, frozen or not).
-        if not any(p.requires_grad for p in self._model[0].parameters()):
-            raise ConfigError(
-                "the training step has nothing to train: no parameter of the model requires "
-                "grad (it has none, or all were frozen with requires_grad_(False)), so "
-                "backward would compute nothing (the plain model's loss.backward() raises "
-                "here too). Unfreeze the parameters to train, or evaluate with pipe(x) under "
-                "torch.no_grad()"
-            )
+        checks = StepChecks(self, self._model[0], batches, summed=summed)
         m = len(batches.inputs)
-        call = batches.inputs[0]
-        passed = isinstance(call, Call) and call.kwargs.get("num_items_in_batch") is not None
-        if passed and not summed and m > 1:
-            warn_user(
-                "the call passes num_items_in_batch, so a Hugging Face model returns each "
-                "micro-batch's summed loss divided by it, but the step was given no "
-                "num_items=: it takes loss_fn's values as means and averages them by rows "
-                f"over the {m} micro-batches, a loss {m} times too small or so. Pass "
-                "num_items_in_batch=1 in the call and num_items=<the batch's item count> to "
-                "the step (guide: 'A model that computes its own loss')",
-                PipeschedWarning,
-            )
         stages, engine = self._cut_for(one_call(batches.inputs), batches.inputs)
         if stages.unloaded is not None:
             stages.unloaded.check("the training step")
-        warn_micro_batch_norm(self, batches.rows)
-        warn_gradient_hooks(self, m)
-        if m > 1 and stages.cut.traced is not None:
-            warn_coupled(self, coupled_paths(stages.cut.traced, passed), m)
-            if not (passed or summed):  # (with num_items, loss_fn returns sums)
-                warn_uneven_targets(self, stages.cut.traced, batches.inputs, batches.rows)
+        keep = checks.before_run(stages)
         step = StepInputs(
             inputs=batches.inputs,
             targets=batches.targets,
             loss_fn=loss_fn,
             loss_weights=[scale if summed else scale * rows for rows in batches.rows],
             checkpoint_stop=self._plan.stage_stops(m),
-            keep_outputs=2 if wants_check(self, m) else 0,
+            keep_outputs=keep,
         )
-        watch = watch_buffers(self, self._model[0], m)
         result = engine.run(self.schedule_for(m), step, detach=True, settle=False)
         self.last_timeline = result.timeline
         self.last_step_seconds = time.perf_counter() - begin
         # A training step's loss is never None, and its pending step is there.
         pending = cast(PendingStep, result.pending)
-        try:  # a warning made an error (-W error) must not leave the step half kept
-            warn_buffer_updates(self, watch, self._model[0], m)
-            if result.outputs:  # the last stage's rank, on the first step of two or more
-                check_separable(
-                    self,
-                    batches.inputs[0],
-                    result.outputs,
-                    batches.targets,
-                    result.losses,
-                    step.loss_weights,
-                    batches.rows,
-                    loss_fn,
-                    stages.modules[-1],
-                    summed=summed,
-                )
-        except BaseException as error:
-            pending.abandon(error)
-            raise
+        checks.after_run(result, step, loss_fn, stages.modules[-1], pending)
         return cast(torch.Tensor, result.loss), pending
 
     def gather_timeline(self, *, everywhere: bool = False) -> Timeline | None:
