@@ -112,6 +112,19 @@ def test_an_attribute_the_forward_never_reads_is_only_told() -> None:
     torch.testing.assert_close(loss, nn.functional.mse_loss(model(x), y), rtol=1e-12, atol=0)
 
 
+@pytest.mark.parametrize("value", [None, 0])
+def test_an_attribute_added_or_removed_is_told_whatever_its_value(value) -> None:
+    """Before, an attribute added as None raised a bare StopIteration at every later call."""
+    model, pipe, x, y = _stepped()
+    model.note = value
+    with pytest.warns(PipeschedWarning, match=f"'note' = {value!r} was added"):
+        pipe(x)
+    del model.note
+    with pytest.warns(PipeschedWarning, match="'note' was removed"):
+        loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    torch.testing.assert_close(loss, nn.functional.mse_loss(model(x), y), rtol=1e-12, atol=0)
+
+
 def test_a_sequentials_replaced_layer_is_refused_and_its_live_changes_are_not() -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 6), nn.Dropout(0.0), nn.Tanh(), nn.Linear(6, 4))

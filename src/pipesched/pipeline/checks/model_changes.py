@@ -90,10 +90,17 @@ class ModelPrint:
                 return f"module {where}'s forward was replaced"
             if new_scalars != scalars:
                 flat, new_flat = _flat(scalars), _flat(new_scalars)
-                key = next(k for k in {**flat, **new_flat} if flat.get(k) != new_flat.get(k))
+                gone = object()  # (an attribute added as None differs from none at all)
+                key = next(
+                    k for k in {**flat, **new_flat} if flat.get(k, gone) != new_flat.get(k, gone)
+                )
+                if key not in flat:
+                    return f"attribute {key!r} = {new_flat[key]!r} was added to module {where}"
+                if key not in new_flat:
+                    return f"attribute {key!r} was removed from module {where}"
                 return (
-                    f"attribute {key!r} of module {where} changed from {flat.get(key)!r} "
-                    f"to {new_flat.get(key)!r}"
+                    f"attribute {key!r} of module {where} changed from {flat[key]!r} "
+                    f"to {new_flat[key]!r}"
                 )
         return None
 
