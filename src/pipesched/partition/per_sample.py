@@ -14,7 +14,7 @@ import torch
 from torch import fx
 
 from pipesched.partition.trace import TracedModel
-from pipesched.runtime.compat.internals import pytree
+from pipesched.runtime.compat.internals import grows_with, pytree
 
 __all__ = ["leaf_paths", "per_sample_flags"]
 
@@ -42,7 +42,7 @@ def per_sample_flags(traced: TracedModel) -> tuple[bool, ...]:
             flags.append(True)
         elif isinstance(size, torch.SymInt):  # the batch's, or data-dependent (unknown)
             free = size.node.expr.free_symbols
-            flags.append(bool(free & batch) or bool(free - known))
+            flags.append(bool(free & batch and grows_with(size, batch)) or bool(free - known))
         else:
             flags.append(False)
     return tuple(flags)

@@ -240,3 +240,30 @@ def test_a_loss_pooled_over_the_batch_other_than_micro_batches_add_up_is_told(na
         parts = torch.stack(list(joined))
         rebuilt = parts.sum() if summed else parts.mean()  # what joining would have returned
         assert not torch.allclose(rebuilt, plain, rtol=1e-6)  # a silent wrong value, before
+
+
+class WindowMerge(nn.Module):
+    """Swin's window partition and merge: ``B * windows`` rows viewed back as ``(B, ...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(3, 3), nn.Linear(3, 3), nn.Linear(3, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, h, w, c = x.shape
+        windows = x.view(b, h // 2, 2, w // 2, 2, c).permute(0, 1, 3, 2, 4, 5).reshape(-1, 2, 2, c)
+        windows = self.b(torch.tanh(self.a(windows)))
+        # The -1 is B * (H/2 * W/2) / (H/2 * W/2): the export's size holds B over B.
+        merged = windows.view(-1, h // 2, w // 2, 2, 2, c).permute(0, 1, 3, 2, 4, 5)
+        return self.head(merged.reshape(-1, h, w, c).mean((1, 2)))
+
+
+def test_a_size_that_names_the_batch_but_does_not_grow_with_it_is_not_coupled():
+    """Before, Swin's logits and loss were told as coupled and came back as lists."""
+    torch.manual_seed(0)
+    model = WindowMerge()
+    x = torch.randn(7, 8, 8, 3)
+    pipe = Pipeline(model, chunks=4, devices=["cpu"] * 2)
+    out, messages = _called(lambda: pipe(x))
+    assert messages == []
+    torch.testing.assert_close(out, model(x), rtol=1e-12, atol=1e-14)

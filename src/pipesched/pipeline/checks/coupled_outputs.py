@@ -35,7 +35,13 @@ from pipesched.pipeline.checks.masked_means import (
     warn_masked_means,
     warned,
 )
-from pipesched.runtime.compat.internals import OpOverload, op_schema, pytree, size_symbols
+from pipesched.runtime.compat.internals import (
+    OpOverload,
+    grows_with,
+    op_schema,
+    pytree,
+    size_symbols,
+)
 
 __all__ = [
     "coupled_flags", "coupled_paths", "masked_counts", "output_paths", "warn_coupled",
@@ -144,7 +150,8 @@ def _coupled_flags(traced: TracedModel) -> _Found:
                 for k, size in enumerate(tensor.shape):
                     if isinstance(size, torch.SymInt):
                         free = size_symbols(size)
-                        if free & batch or free - known:  # unknown: data-dependent, maybe rows
+                        if (free & batch and grows_with(size, batch)) or free - known:
+                            # (unknown symbols: data-dependent, maybe rows)
                             dims.append(k)
         return dims
 
