@@ -425,3 +425,30 @@ def test_a_scheduler_stepped_with_a_metric_is_refused_with_the_way_to_step_it() 
     if result.stepped:
         plateau.step(result.window_loss)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+@pytest.mark.parametrize("fails", ["loss_fn", "forward"])
+def test_a_failed_first_step_of_a_window_leaves_the_callers_gradients_and_scale(fails):
+    """Before, the window's start set .grad to None and read the scaler's scale before the
+    step ran: a first step that failed lost the caller's own gradients and showed the scale."""
+    model = _model()
+    pipe = _pipe(model, chunks=2)
+    optimizer = torch.optim.SGD(pipe.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=512.0)
+    acc = GradientAccumulator(pipe, optimizer, accumulation_steps=2, scaler=scaler)
+    ((x, y),) = _batches([8])
+    pipe(x).sum().backward()  # the caller's own gradients, for a diagnostic
+    before = {n: p.grad.clone() for n, p in pipe.named_parameters()}
+    sums = acc.window_sums
+
+    def raising(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("injected")
+
+    bad = x[:, :3] if fails == "forward" else x  # a wrong width: the first layer raises
+    with pytest.raises(RuntimeError):
+        acc.step(bad, y, loss_fn=raising if fails == "loss_fn" else nn.functional.mse_loss)
+    assert acc.window_sums == sums and acc.position == 0
+    for name, p in pipe.named_parameters():
+        assert torch.equal(p.grad, before[name]), name
+    acc.step(x, y, loss_fn=nn.functional.mse_loss)  # the window starts afresh
+    assert acc.window_sums.scale == 512.0 and acc.position == 1

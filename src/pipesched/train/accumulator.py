@@ -190,7 +190,9 @@ class GradientAccumulator:
                 "call acc.flush() to retry it first (do not step that window's last batch "
                 "again: it is already in)"
             )
+        before = None  # a window's start, put back if its first step fails
         if self.position == 0:
+            before = self._scale, [(p, p.grad) for p in self.pipe.parameters()]
             self.pipe.zero_grad(set_to_none=True)
             self._scale = self.loss_scale.value()  # constant through the window
         last = self.position + 1 == self.accumulation_steps
@@ -209,6 +211,7 @@ class GradientAccumulator:
         except BaseException:
             if last:
                 self.pipe.sync.window_ends(False)
+            _put_back(self, before)
             raise
         # Ctrl-C is held from the step's commit until its counts are in (PendingStep).
         try:
@@ -221,6 +224,8 @@ class GradientAccumulator:
             if last and not pending.kept:
                 self.pipe.sync.window_ends(False)
             pending.abandon(error)
+            if not pending.kept:
+                _put_back(self, before)
             raise
         self._loss_sum += loss
         self._items += items
@@ -602,3 +607,13 @@ def _note(err: BaseException, what: str) -> None:
         "scale, .grad, counters and generators are as before it; call acc.flush() to "
         "retry it (acc.window_end_pending tells whether the full window's end is pending)"
     )
+
+
+def _put_back(acc: GradientAccumulator, before: tuple[float, list[Any]] | None) -> None:
+    """A failed first step of a window leaves what it found: the loss scale, and the
+    gradients the caller had in ``.grad`` (the window's start set them to None)."""
+    if before is None:
+        return
+    acc._scale, held = before
+    for parameter, grad in held:
+        parameter.grad = grad
