@@ -170,14 +170,15 @@ def fail_window_end(acc: GradientAccumulator, i: int, replica: int, dp: int) -> 
             raise RuntimeError("rank 1's optimizer failed")  # ...then it fails
 
         optimizer.step = fail  # type: ignore[method-assign]
-    seen = None
+    seen, named = None, None
     try:
         w.train(acc, range(i, i + 1), replica, dp)
     except (RuntimeError, RemoteError) as err:
-        seen = type(err).__name__
+        seen, named = type(err).__name__, getattr(err, "rank", None)
     after = {n: p.detach() for n, p in acc.pipe.named_parameters() if not p.is_meta}
     put_back = all(torch.equal(_whole(before[n]), _whole(p)) for n, p in after.items())
-    result = {"error": seen, "pending": acc.window_end_pending, "put_back": put_back}
+    result = {"error": seen, "rank": named, "pending": acc.window_end_pending}
+    result["put_back"] = put_back
     acc.flush()
     return result
 

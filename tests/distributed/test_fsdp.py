@@ -226,9 +226,11 @@ def test_a_window_end_failing_inside_optimizer_step_is_put_back_on_every_rank(ra
     # Rank 1's shards moved before its optimizer raised: every rank puts its window end back
     # (the shards and their gradients), flush() runs it again, and training ends equal to the
     # plain model (test_sharded_training_equals_the_plain_model[failstep:...]).
-    for results in ranks:
+    for rank, results in enumerate(ranks):
         got = results["failstep:zb-v:never"]["failures"]
-        assert got["error"] in ("RuntimeError", "RemoteError")
+        assert got["error"] == ("RuntimeError" if rank == 1 else "RemoteError")
+        if rank != 1:  # the others are told which rank failed
+            assert got["rank"] == 1, got
         assert got["pending"] and got["put_back"]
 
 

@@ -169,7 +169,12 @@ class DistributedRuntime:
         Raises:
             RemoteError: another rank failed, died or did not answer.
         """
-        t = torch.tensor([int(flag)], device=self.info.device)
+        return self.highest(int(flag), replicas=replicas, doing=doing) > 0
+
+    def highest(self, value: int, *, replicas: bool, doing: str) -> int:
+        """The largest ``value`` over this pipeline's ranks (``replicas``: every replica's):
+        :meth:`any_rank`'s collective, for a value that names a rank."""
+        t = torch.tensor([value], device=self.info.device)
 
         def reduce() -> None:
             work = dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
@@ -198,7 +203,7 @@ class DistributedRuntime:
                     if is_timeout(error, time.monotonic() - start, self.info.timeout)
                     else "died",
                 ) from error
-        return bool(t.item())
+        return int(t.item())
 
     def _exchange(self, shape: StepShape) -> list[StepShape]:
         """Every pp rank's shape of this step: one all-gather over the pipeline's group."""

@@ -249,7 +249,7 @@ class Engine:
                 on_stage_done=self._stage_done,
                 around_action=self.sync.around_action if self.sync.per_action else None,
             )
-            self.sync.any_rank = self.runtime.any_rank
+            self.sync.highest = self.runtime.highest
         self.reruns = 0
         self.grad_backup = grad_backup
         self._snapshot: StepSnapshot | None = None

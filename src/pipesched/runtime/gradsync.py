@@ -37,6 +37,10 @@ class Sync(Protocol):
     def all_true(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank."""
 
+    def failed_rank(self, ok: bool) -> int | None:
+        """A global rank where ``ok`` is False (the highest), or None where it holds on every
+        rank: :meth:`all_true` that names a rank."""
+
     def gradients(self) -> None:
         """Sums gradients over replicas (and over ranks that share a parameter)."""
 
@@ -86,6 +90,9 @@ class LocalSync:
 
     def all_true(self, flag: bool) -> bool:
         return flag
+
+    def failed_rank(self, ok: bool) -> int | None:
+        return None if ok else 0
 
     def gradients(self) -> None:
         return None
@@ -184,9 +191,9 @@ class GradientSync:
         self._reduce_after_step = False
         self._in_flight: list[tuple[list[nn.Parameter], torch.Tensor, Any]] = []
         self._dropped: deque[Any] = deque(maxlen=64)  # freed by Python, not gloo's thread
-        self.any_rank: Callable[..., bool] | None = None
-        """The pipeline runtime's agreement (``DistributedRuntime.any_rank``), given once it
-        is built: :meth:`all_true` then runs over the pipeline's own group, a lost or hung
+        self.highest: Callable[..., int] | None = None
+        """The pipeline runtime's agreement (``DistributedRuntime.highest``), given once it
+        is built: :meth:`failed_rank` then runs over the pipeline's own group, a lost or hung
         rank raised as a ``RemoteError``, the default group left usable."""
         # One group per set of pp ranks sharing parameters, for each replica. Every rank
         # creates every group in the same order, as new_group requires; but only the ranks
@@ -208,13 +215,19 @@ class GradientSync:
         return [float(v) for v in t.tolist()]
 
     def all_true(self, flag: bool) -> bool:
-        if self.any_rank is not None:  # over the pipeline's own groups, failures explained
-            return not self.any_rank(
-                not flag, replicas=True, doing="waiting for the other ranks to end the window"
+        return self.failed_rank(flag) is None
+
+    def failed_rank(self, ok: bool) -> int | None:
+        mine = 0 if ok else dist.get_rank() + 1
+        if self.highest is not None:  # over the pipeline's own groups, failures explained
+            found = self.highest(
+                mine, replicas=True, doing="waiting for the other ranks to end the window"
             )
-        t = torch.tensor([0 if flag else 1], dtype=torch.int32, device=self.info.device)
-        wait_kept(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
-        return int(t.item()) == 0
+        else:
+            t = torch.tensor([mine], dtype=torch.int64, device=self.info.device)
+            wait_kept(dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
+            found = int(t.item())
+        return None if found == 0 else found - 1
 
     def gradients(self) -> None:
         """All-reduces this rank's gradients over "dp", in buckets; tied ones over their pp ranks.

@@ -343,8 +343,10 @@ class GradientAccumulator:
             self.loss_scale.update(found_inf=not finite)
         except BaseException as err:
             failure = err
+        failed: int | None = None  # the rank whose window end raised
         try:
-            everywhere = sync.all_true(failure is None)  # one flag more on a mesh
+            failed = sync.failed_rank(failure is None)  # one integer more on a mesh
+            everywhere = failed is None
         except BaseException as err:  # another rank failed or is gone: put back, raise why
             everywhere = False
             if isinstance(err, RemoteError) and failure is not None:  # ours followed from it
@@ -356,9 +358,11 @@ class GradientAccumulator:
                 aside.restore()
             if failure is None:  # this rank's part succeeded
                 failure = RemoteError(
-                    "the window end failed on another rank of the mesh (its own error says "
-                    "why); this rank's window end was put back as well: call acc.flush() on "
-                    "every rank to retry it"
+                    f"the window end failed on rank {failed} of the mesh (its optimizer, a "
+                    "scheduler or its loss scale raised there: that rank's error says what); "
+                    "this rank's window end was put back as well: call acc.flush() on every "
+                    "rank to retry it",
+                    rank=failed,
                 )
             _note(failure, "the window end failed")
             raise failure
