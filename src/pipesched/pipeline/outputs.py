@@ -9,7 +9,7 @@ from torch import nn
 from pipesched.partition import TracedStage
 from pipesched.partition.call import Call
 from pipesched.partition.per_sample import leaf_paths, per_sample_flags
-from pipesched.pipeline.checks.coupled_outputs import coupled_flags, masked_counts
+from pipesched.pipeline.checks.coupled_outputs import coupled_flags, masked_weights
 from pipesched.runtime.stage.microbatch import join_outputs
 
 __all__ = ["join_step_outputs"]
@@ -42,7 +42,10 @@ def join_step_outputs(
             fixed = [path for path, flag in zip(paths, flags, strict=True) if not flag]
         if len(paths) == len(mixed := coupled_flags(last.traced, summed)):
             coupled = [path for path, flag in zip(paths, mixed, strict=True) if flag]
-            if micro is not None and not summed:
-                counted = masked_counts(last.traced, micro).items()
-                counts = {paths[i]: kept for i, kept in counted}
+            if micro is not None and not summed:  # a loss's mean over the targets it keeps
+                for i, (weights, _) in masked_weights(last.traced, micro, rows).items():
+                    if weights is None:  # terms kept in other shares: nothing rebuilds it
+                        coupled.append(paths[i])
+                    else:
+                        counts[paths[i]] = weights
     return join_outputs(values, rows, "sum" if summed else "mean", fixed, coupled, counts)

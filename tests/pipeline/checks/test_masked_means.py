@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pipesched import BatchCoupledWarning, Pipeline
+from pipesched.pipeline.checks.masked_means import proportional
 
 pytestmark = pytest.mark.usefixtures("fp64")
 
@@ -27,6 +28,7 @@ class TokenLM(nn.Module):
         self.body = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
         self.head = nn.Linear(8, VOCAB)
         self.register_buffer("class_weight", torch.linspace(0.5, 2.0, VOCAB))
+        self.weight_parameter = nn.Parameter(torch.linspace(2.0, 0.5, VOCAB), requires_grad=False)
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
         logits = self.head(self.body(self.embed(ids)))
@@ -35,6 +37,14 @@ class TokenLM(nn.Module):
             loss = F.cross_entropy(scores, targets, weight=self.class_weight)
         elif self.loss == "smoothed":
             loss = F.cross_entropy(scores, targets, label_smoothing=0.1, ignore_index=0)
+        elif self.loss == "two heads":  # the same kept targets twice: their counts agree
+            loss = F.cross_entropy(scores, targets) + F.cross_entropy(scores * 0.5, targets)
+        elif self.loss == "plus a mean":  # a term over the rows beside one over kept targets
+            loss = F.cross_entropy(scores, targets) + 0.01 * logits.pow(2).mean()
+        elif self.loss == "parameter weights":
+            loss = F.cross_entropy(scores, targets, weight=self.weight_parameter)
+        elif self.loss == "moved":  # as Hugging Face's loss moves its labels to the logits'
+            loss = F.cross_entropy(scores, targets.to(scores.device))
         elif self.loss == "nll":
             loss = F.nll_loss(F.log_softmax(scores, -1), targets) * 2.0 + 1.0
         else:
@@ -62,10 +72,13 @@ def _told(call):
 
 
 def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-@pytest.mark.parametrize("loss", ["cross_entropy", "weighted", "smoothed", "nll"])
+@pytest.mark.parametrize(
+    "loss",
+    ["cross_entropy", "weighted", "smoothed", "nll", "two heads", "parameter weights", "moved"],
+)
 def test_pipe_x_returns_the_plain_models_mean_over_the_targets_padding_leaves(loss):
     torch.manual_seed(0)
     model = TokenLM(loss)
@@ -167,7 +180,7 @@ def test_a_gpt2_loss_over_padded_labels_is_the_plain_models():
 
 
 def test_a_rank_without_the_losss_class_weights_counts_nothing_and_tells_nothing():
-    from pipesched.pipeline.checks.coupled_outputs import masked_counts, warn_uneven_targets
+    from pipesched.pipeline.checks.coupled_outputs import masked_weights, warn_uneven_targets
 
     torch.manual_seed(0)
     model = TokenLM("weighted")
@@ -175,10 +188,42 @@ def test_a_rank_without_the_losss_class_weights_counts_nothing_and_tells_nothing
     ids, labels = _batch()
     pipe(ids, labels)
     traced = pipe.stages[-1].traced
-    assert masked_counts(traced, [(ids[:4], labels[:4])])[0][0] > 0
+    micro = [(ids[:4], labels[:4]), (ids[4:], labels[4:])]
+    ((weights, kept),) = masked_weights(traced, micro, [4, 4]).values()
+    assert weights == kept and not proportional(kept, [4, 4])
     model.class_weight = model.class_weight.to("meta")  # as a meta build on another rank holds it
-    (counts,) = masked_counts(traced, [(ids[:4], labels[:4]), (ids[4:], labels[4:])]).values()
-    assert all(c != c for c in counts)  # NaN: not known here
+    ((weights, kept),) = masked_weights(traced, micro, [4, 4]).values()
+    assert weights == [4.0, 4.0] and all(c != c for c in kept)  # NaN: not known here: rows
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        warn_uneven_targets(pipe, traced, [(ids[:4], labels[:4]), (ids[4:], labels[4:])], [4, 4])
+        warn_uneven_targets(pipe, traced, micro, [4, 4])
+
+
+def test_a_mean_over_kept_targets_plus_one_over_rows_is_rebuilt_only_where_they_agree():
+    torch.manual_seed(0)
+    model = TokenLM("plus a mean")
+    pipe = Pipeline(model, chunks=4, devices=["cpu"] * 2)
+    ids, labels = _batch(padded=False)
+    out, told = _told(lambda: pipe(ids, labels))  # no padding: both weigh by rows
+    assert told == []
+    torch.testing.assert_close(out["loss"], model(ids, labels)["loss"], rtol=1e-12, atol=0)
+    ids, labels = _batch()  # padding: no weighing of the micro-batches' sums rebuilds it
+    out, (message,) = _told(lambda: pipe(ids, labels))
+    assert isinstance(out["loss"], list) and "output['loss']" in message
+    _, (message,) = _told(lambda: pipe.step((ids, labels), loss_fn=lambda o: o["loss"]))
+    assert "other shares" in message
+
+
+def test_a_model_built_on_meta_counts_its_targets_where_its_inputs_are():
+    """Before, its loss's `.to(logits.device)` (traced on meta) made the count a meta tensor."""
+    torch.manual_seed(0)
+    ids, labels = _batch()
+    with torch.device("meta"):
+        model = TokenLM("moved")
+    pipe = Pipeline(model, chunks=4, devices=["cpu"] * 2, example_inputs=(ids[:2], labels[:2]))
+    out, told = _told(lambda: pipe(ids, labels))
+    assert told == []
+    torch.testing.assert_close(out["loss"], model(ids, labels)["loss"], rtol=1e-12, atol=0)
+    rows = [0, 1, 2, 3, 6, 7]
+    _, (message,) = _told(lambda: pipe.step((ids[rows], labels[rows]), loss_fn=lambda o: o["loss"]))
+    assert "keep [4, 10, 2, 5]" in message

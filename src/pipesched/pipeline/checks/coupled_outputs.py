@@ -29,11 +29,12 @@ from pipesched.errors import BatchCoupledWarning, warn_user
 from pipesched.partition.per_sample import leaf_paths
 from pipesched.partition.trace import TracedModel
 from pipesched.pipeline.checks.masked_means import (
-    ItemCounter,
+    ROWS,
     item_counter,
     masks_targets,
     warn_masked_means,
     warned,
+    weights_of,
 )
 from pipesched.runtime.compat.internals import (
     OpOverload,
@@ -44,7 +45,7 @@ from pipesched.runtime.compat.internals import (
 )
 
 __all__ = [
-    "coupled_flags", "coupled_paths", "masked_counts", "output_paths", "warn_coupled",
+    "coupled_flags", "coupled_paths", "masked_weights", "output_paths", "warn_coupled",
     "warn_uneven_targets",
 ]  # fmt: skip
 
@@ -65,7 +66,8 @@ _PER_SAMPLE_HERE = frozenset(
 )  # fmt: skip
 """Batch statistics told by :mod:`pipesched.pipeline.checks.micro_batch_norm`, not here."""
 
-_Found = tuple[tuple[bool, ...], tuple[str | None, ...], dict[int, ItemCounter]]
+_Weighers = frozenset[Any]  # ItemCounters, and ROWS for a term that is a mean over samples
+_Found = tuple[tuple[bool, ...], tuple[str | None, ...], dict[int, _Weighers]]
 _cache: weakref.WeakKeyDictionary[TracedModel, _Found] = weakref.WeakKeyDictionary()
 
 
@@ -82,7 +84,7 @@ def coupled_flags(traced: TracedModel, summed: bool = False) -> tuple[bool, ...]
     It mixes rows of different samples (see the module docstring), or it is pooled
     over the samples other than as joining rebuilds it: a mean (``summed``: the call
     passes ``num_items_in_batch``, a sum; a mean over the targets a loss keeps is
-    a mean, weighed by :func:`masked_counts`). Computed once per trace.
+    a mean, weighed by :func:`masked_weights`). Computed once per trace.
     """
     coupled, pooled, _ = _found(traced)
     fits = {_SUM} if summed else {_MEAN, _MASKED}
@@ -91,15 +93,28 @@ def coupled_flags(traced: TracedModel, summed: bool = False) -> tuple[bool, ...]
     )
 
 
-def masked_counts(traced: TracedModel, micro: Sequence[Any]) -> dict[int, list[float]]:
+def masked_weights(
+    traced: TracedModel, micro: Sequence[Any], rows: Sequence[int]
+) -> dict[int, tuple[list[float] | None, list[float]]]:
     """Per 0-dim output that is a loss's mean over the targets it keeps (its index in
-    ``traced.outputs``): the count of kept targets of each micro-batch's stage-0 input
-    in ``micro``. Empty (and nothing run) for a model with none."""
-    counters = _found(traced)[2]
-    if not counters:
+    ``traced.outputs``): what its micro-batches (``micro``: their stage-0 inputs, of
+    ``rows`` rows) weigh by, None where nothing rebuilds it (see
+    :func:`~pipesched.pipeline.checks.masked_means.weights_of`), and the counts of
+    kept targets. Empty (and nothing run) for a model with none."""
+    masked = _found(traced)[2]
+    if not masked:
         return {}
+    counters = list(dict.fromkeys(w for ws in masked.values() for w in ws if w is not ROWS))
     leaves = [traced.input_leaves(inputs) for inputs in micro]
-    return {i: [c.count(traced, one) for one in leaves] for i, c in counters.items()}
+    counted = [c.count(traced, one) for c in counters for one in leaves]
+    read = torch.stack([t.to(counted[0].device, torch.float64) for t in counted]).tolist()
+    m = len(leaves)
+    counts = {c: read[k * m : (k + 1) * m] for k, c in enumerate(counters)}
+    found = {}
+    for i, weighers in masked.items():
+        shown = next((counts[w] for w in weighers if w is not ROWS), [float(r) for r in rows])
+        found[i] = (weights_of(weighers, counts, rows), shown)
+    return found
 
 
 def warn_uneven_targets(
@@ -110,9 +125,9 @@ def warn_uneven_targets(
     ``loss_fn``'s values by rows (see :mod:`~pipesched.pipeline.checks.masked_means`)."""
     if warned(pipe):
         return
-    if counts := masked_counts(traced, micro):
+    if found := masked_weights(traced, micro, rows):
         paths = output_paths(traced)
-        warn_masked_means(pipe, {paths[i]: kept for i, kept in counts.items()}, rows)
+        warn_masked_means(pipe, {paths[i]: f for i, f in found.items()}, rows)
 
 
 def output_paths(traced: TracedModel) -> list[str]:
@@ -158,7 +173,7 @@ def _coupled_flags(traced: TracedModel) -> _Found:
     depends: dict[fx.Node, bool] = {}
     coupled: dict[fx.Node, bool] = {}
     pooled: dict[fx.Node, str | None] = {}
-    counters: dict[fx.Node, ItemCounter] = {}  # a masked mean's count, by value
+    counters: dict[fx.Node, _Weighers] = {}  # what a masked mean's terms weigh by
     for node in traced.inputs:
         depends[node] = 0 in batch_dims(node.meta.get("val"))
         coupled[node] = False
@@ -173,12 +188,10 @@ def _coupled_flags(traced: TracedModel) -> _Found:
             kind = pooled[node] = _pooling(
                 traced, node, sources, pooled, counters, batch, batch_dims
             )
-            if kind == _MASKED and node not in counters:  # inherited: from one loss only
-                found = {counters[n] for n in sources if n in counters}
-                if len(found) == 1:
-                    counters[node] = found.pop()
-                else:
-                    pooled[node] = _OTHER
+            if kind == _MASKED and node not in counters:  # its terms' weighers
+                counters[node] = frozenset().union(
+                    *(counters.get(n, {ROWS}) for n in sources if pooled.get(n) in _MEANS)
+                )
     outputs = [out if isinstance(out, fx.Node) else None for out in traced.outputs]
     kinds = tuple(None if out is None or not _scalar(out) else pooled.get(out) for out in outputs)
     return (
@@ -199,6 +212,7 @@ def _scalar(node: fx.Node) -> bool:
 
 
 _MEAN, _SUM, _MASKED, _OTHER = "mean", "sum", "masked", "other"
+_MEANS = (_MEAN, _MASKED)
 _KEEPS = frozenset(
     {
         "neg", "clone", "detach", "alias", "view", "reshape", "_unsafe_view", "squeeze",
@@ -214,7 +228,7 @@ def _pooling(
     node: fx.Node,
     sources: list[fx.Node],
     pooled: dict[fx.Node, str | None],
-    counters: dict[fx.Node, ItemCounter],
+    counters: dict[fx.Node, _Weighers],
     batch: set[Any],
     batch_dims: Any,
 ) -> str:
@@ -242,13 +256,15 @@ def _pooling(
                 counter = item_counter(traced, node, given)
                 if counter is None:  # targets the model computes: taken to skip none
                     return _MEAN
-                counters[node] = counter
+                counters[node] = frozenset({counter})
                 return _MASKED
             if reduction in (1, 2):
                 return _MEAN if reduction == 1 else _SUM
         return _OTHER
     kinds = {pooled.get(n) or _OTHER for n in sources}
     kind = next(iter(kinds)) if len(kinds) == 1 else _OTHER
+    if kinds == {_MEAN, _MASKED}:
+        kind = _MASKED  # terms weighed by rows and by counts: each call says if they agree
     others = [a for a in node.all_input_nodes if a not in sources]
     if name in _KEEPS or (name in ("add", "sub") and kind in (_MEAN, _MASKED)):
         return kind  # (a mean plus a constant: the rows' weights add up to one)

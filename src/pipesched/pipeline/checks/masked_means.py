@@ -28,7 +28,8 @@ from pipesched.partition.trace import TracedModel
 from pipesched.runtime.compat.internals import OpOverload, op_schema
 
 __all__ = [
-    "ItemCounter", "item_counter", "masks_targets", "proportional", "warn_masked_means", "warned",
+    "ROWS", "ItemCounter", "item_counter", "masks_targets", "proportional", "warn_masked_means",
+    "warned", "weights_of",
 ]  # fmt: skip
 
 _LOSSES = frozenset(
@@ -39,6 +40,9 @@ _LOSSES = frozenset(
 )  # fmt: skip
 """Losses whose mean divides by the count (or weight) of the targets they keep."""
 
+ROWS = "rows"
+"""What a mean over the samples is weighed by: their rows (a counter's mean, by its counts)."""
+
 
 @dataclass(frozen=True, eq=False)
 class ItemCounter:
@@ -46,7 +50,8 @@ class ItemCounter:
 
     Args:
         nodes: the operations from the inputs to the target (and class weights),
-            in the graph's order, with the buffers and constants they read.
+            in the graph's order, with the buffers, constants and (for the class
+            weights) parameters they read.
         target: the loss's target.
         weight: its class weights, or None.
         ignore_index: the target value the loss skips.
@@ -57,36 +62,48 @@ class ItemCounter:
     weight: fx.Node | None
     ignore_index: int
 
-    def count(self, traced: TracedModel, leaves: Sequence[Any]) -> float:
-        """The loss's divisor on the call whose user inputs are ``leaves``.
+    def count(self, traced: TracedModel, leaves: Sequence[Any]) -> torch.Tensor:
+        """The loss's divisor on the call whose user inputs are ``leaves``: a 0-dim tensor
+        on the inputs' device (read them all at once: one sync).
 
-        NaN where a buffer it reads is not on this process (a meta build on a mesh
-        materializes only the rank's own stages): a rank without the loss's stage.
+        Computed where the inputs are (a ``.to(device)`` the trace recorded is not
+        followed: a meta build traced on meta). NaN where a tensor it reads is not on
+        this process (a meta build on a mesh materializes only the rank's own stages).
         """
         env: dict[fx.Node, Any] = dict(zip(traced.inputs, leaves, strict=False))
+        here = next((v.device for v in leaves if isinstance(v, torch.Tensor)), None)
+        unknown = torch.tensor(math.nan, device=here)
         with torch.no_grad():
             for node in self.nodes:
                 if node in env:
                     continue
                 ref = traced.state.get(node)
                 if ref is not None:
-                    env[node] = (
-                        traced.model.get_buffer(ref.name)
-                        if ref.kind == "buffer"
-                        else traced.constant(ref.name)
-                    )
-                    if env[node].is_meta:
-                        return math.nan
+                    value = _state(traced, ref.kind, ref.name)
+                    if value.is_meta:
+                        return unknown
+                    env[node] = value if here is None else value.to(here)
                     continue
                 args = fx.node.map_arg(node.args, env.__getitem__)
                 kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+                kwargs = {k: v for k, v in kwargs.items() if k != "device"}
                 env[node] = node.target(*args, **kwargs)  # type: ignore[operator]
-            target = env[self.target]
+            target: torch.Tensor = env[self.target]
+            if target.is_meta:
+                return unknown
             kept = target != self.ignore_index
             if self.weight is None:
-                return float(kept.sum())
-            weight = env[self.weight].to(target.device)
-            return float((weight[target.masked_fill(~kept, 0)] * kept).sum())
+                return kept.sum()
+            weight: torch.Tensor = env[self.weight].to(target.device)
+            return (weight[target.masked_fill(~kept, 0)] * kept).sum()
+
+
+def _state(traced: TracedModel, kind: str, name: str) -> torch.Tensor:
+    if kind == "buffer":
+        return traced.model.get_buffer(name)
+    if kind == "parameter":
+        return traced.model.get_parameter(name).detach()
+    return traced.constant(name)
 
 
 def masks_targets(node: fx.Node, given: dict[str, Any]) -> bool:
@@ -104,36 +121,70 @@ def masks_targets(node: fx.Node, given: dict[str, Any]) -> bool:
 
 def item_counter(traced: TracedModel, node: fx.Node, given: dict[str, Any]) -> ItemCounter | None:
     """The counter of loss ``node``'s mean (one :func:`masks_targets` holds for), or None
-    where its target cannot be computed from the inputs alone (it reads a parameter,
-    or draws random numbers)."""
+    where its target cannot be computed from the inputs alone (it reads a parameter:
+    pseudo-labels; or draws random numbers). Class weights may be parameters."""
     target, weight = given.get("target"), given.get("weight")
     if not isinstance(target, fx.Node) or not (weight is None or isinstance(weight, fx.Node)):
         return None
+    needed = _path(traced, target, parameters=False)
+    weights = set() if weight is None else _path(traced, weight, parameters=True)
+    if needed is None or weights is None:
+        return None
+    needed |= weights
+    order = [n for n in traced.state if n in needed] + [n for n in traced.ops if n in needed]
+    return ItemCounter(tuple(order), target, weight, int(given.get("ignore_index", -100)))
+
+
+def _path(traced: TracedModel, start: fx.Node, *, parameters: bool) -> set[fx.Node] | None:
+    """The nodes ``start`` is computed from, back to the inputs and the state it reads;
+    None where that reads a parameter (unless ``parameters``) or draws."""
     needed: set[fx.Node] = set()
-    todo = [target] if weight is None else [target, weight]
+    todo = [start]
     while todo:
         n = todo.pop()
         if n in needed:
             continue
         needed.add(n)
         ref = traced.state.get(n)
-        if n in traced.inputs or (ref is not None and ref.kind != "parameter"):
+        if n in traced.inputs or (ref is not None and (parameters or ref.kind != "parameter")):
             continue
         if ref is not None or n.op != "call_function":
             return None
         if isinstance(n.target, OpOverload) and torch.Tag.nondeterministic_seeded in n.target.tags:
             return None
         todo.extend(n.all_input_nodes)
-    order = [n for n in traced.state if n in needed] + [n for n in traced.ops if n in needed]
-    ignore = given.get("ignore_index", -100)
-    return ItemCounter(tuple(order), target, weight, int(ignore))
+    return needed
 
 
-def proportional(counts: Sequence[float], rows: Sequence[int]) -> bool:
-    """Whether each micro-batch's count is its rows' share of the batch's: rows weigh right."""
+def weights_of(
+    weighers: frozenset[Any], counts: dict[Any, list[float]], rows: Sequence[int]
+) -> list[float] | None:
+    """What a pooled output's micro-batches weigh by: their counts (or rows) where every
+    term of it (``weighers``: counters, and :data:`ROWS` for a mean over the samples)
+    shares them; None where its terms' shares differ, which no weighing rebuilds.
+
+    A count not known here (NaN) weighs as rows.
+    """
+    by_rows = [float(r) for r in rows]
+    vectors = [
+        by_rows if w is ROWS or any(map(math.isnan, counts[w])) else counts[w] for w in weighers
+    ]
+    vectors = [v for v in vectors if sum(v) > 0]  # a term over no target: the plain 0/0 too
+    if not vectors:
+        return by_rows
+    if all(proportional(v, vectors[0]) for v in vectors[1:]):
+        return vectors[0]
+    return None
+
+
+def proportional(counts: Sequence[float], rows: Sequence[float]) -> bool:
+    """Whether each micro-batch's count is its share of the batch's as by ``rows``.
+
+    Within 1e-6: class weights summed in float32 round.
+    """
     total, everyone = sum(counts), sum(rows)
     return all(
-        math.isclose(c * everyone, total * r, rel_tol=1e-9)
+        math.isclose(c * everyone, total * r, rel_tol=1e-6, abs_tol=1e-9)
         for c, r in zip(counts, rows, strict=True)
     )
 
@@ -147,33 +198,41 @@ def warned(pipe: nn.Module) -> bool:
     return pipe in _warned
 
 
-def warn_masked_means(pipe: nn.Module, counts: dict[str, list[float]], rows: list[int]) -> None:
-    """Warns once per ``pipe`` where an output's targets are not shared as its micro-batches' rows.
+def warn_masked_means(
+    pipe: nn.Module, found: dict[str, tuple[list[float] | None, list[float]]], rows: list[int]
+) -> None:
+    """Warns once per ``pipe`` where an output's micro-batches do not weigh as their rows.
 
-    ``counts``: per output path, each micro-batch's count of targets its loss keeps.
+    ``found``: per output path, what its micro-batches weigh by (:func:`weights_of`;
+    None: nothing rebuilds it) and the counts of kept targets to show.
     """
-    uneven = {p: c for p, c in counts.items() if not any(map(math.isnan, c))}
-    uneven = {p: c for p, c in uneven.items() if not proportional(c, rows)}
+    uneven = {p: f for p, f in found.items() if f[0] is None or not proportional(f[0], rows)}
     if not uneven:
         return
     with _lock:
         if pipe in _warned:
             return
         _warned.add(pipe)
-    path, kept = next(iter(uneven.items()))
+    path, (weights, kept) = next(iter(uneven.items()))
     shown = [int(c) if float(c).is_integer() else round(c, 4) for c in kept]
+    mixed = (
+        ""
+        if weights is not None
+        else " It adds terms over targets kept in other shares (two losses on different "
+        "labels, or one over the rows), so no weighing of the micro-batches' values is the "
+        "plain model's, pipe(x)'s included."
+    )
     warn_user(
         f"output{path} of the model is a mean over the targets its loss keeps (a "
         "cross-entropy's reduction='mean' skips ignore_index, -100 by default: padding; "
         "with weight=, it divides by the kept targets' class weights), and this step's "
-        f"micro-batches keep {shown} of them for {rows} rows. A loss_fn returning it is "
-        "taken as a mean over samples and weighed by rows, so the step's loss and gradients "
-        f"are not the plain model's on the batch (a mean over all {sum(shown)}): the "
-        "targets of a micro-batch that keeps fewer weigh more. Fix: pass "
-        "num_items_in_batch=1 in the call and num_items=<the batch's target count> to the "
-        "step, for a model that honours it (guide: 'A model that computes its own loss'), "
-        "or compute the summed cross-entropy from the logits in loss_fn "
-        "(reduction='sum') and pass num_items=. pipe(x) under autograd returns the plain "
-        "model's mean. Shown once per Pipeline",
+        f"micro-batches keep {shown} of them for {rows} rows.{mixed} A loss_fn returning it "
+        "is taken as a mean over samples and weighed by rows, so the step's loss and "
+        "gradients are not the plain model's on the batch (a mean over all its kept "
+        "targets): the targets of a micro-batch that keeps fewer weigh more. Fix: pass "
+        "num_items_in_batch=1 in the call and num_items=<the batch's kept targets (with "
+        "weight=, their summed class weights)> to the step, for a model that honours it "
+        "(guide: 'A model that computes its own loss'), or compute the summed loss from the "
+        "logits in loss_fn (reduction='sum') and pass num_items=. Shown once per Pipeline",
         BatchCoupledWarning,
     )
