@@ -39,6 +39,16 @@ def test_bad_costs(bad):
         Costs(**bad)
 
 
+def test_costs_take_numbers_of_any_kind_once():
+    numpy = pytest.importorskip("numpy")
+    torch = pytest.importorskip("torch")
+    costs = Costs(forward=torch.tensor(3.0), backward=numpy.array(2.0), weight=iter([1.0, 2.0]))
+    assert costs == Costs(3.0, 2.0, (1.0, 2.0))  # a generator is read once, not emptied
+    assert Costs(torch.tensor([1.0, 2.0])).forward == (1.0, 2.0)
+    with pytest.raises(ConfigError, match="Costs.forward"):
+        Costs(forward=torch.tensor(True))
+
+
 def test_scaled():
     assert Costs(2, [2, 4], 1, send=3).scaled(0.5) == Costs(1, [1, 2], 0.5, send=3)
 

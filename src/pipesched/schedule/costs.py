@@ -18,8 +18,13 @@ _LONGEST = 1e100
 
 
 def _number(value: object) -> bool:
-    """Whether ``value`` is one real number (an int, a float, numpy's; not a bool)."""
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """Whether ``value`` is one real number: an int, a float, numpy's, a 0-dim array or
+    tensor; not a bool."""
+    if isinstance(value, bool) or "bool" in str(getattr(value, "dtype", "")):
+        return False
+    if isinstance(value, numbers.Real):
+        return True
+    return getattr(value, "ndim", None) == 0 and hasattr(value, "__float__")
 
 
 @dataclass(frozen=True)
@@ -50,8 +55,12 @@ class Costs:
             one = _number(value)
             if field.name == "send" and not one:
                 raise ConfigTypeError(f"Costs.send must be one number, got {value!r}")
-            values = [value] if one else value
-            listed = not isinstance(value, str | bytes | bool) and isinstance(value, Iterable)
+            listed = (
+                not isinstance(value, str | bytes | bool)
+                and isinstance(value, Iterable)
+                and getattr(value, "ndim", 1) != 0
+            )
+            values = [value] if one else list(value) if listed else []  # (a generator: once)
             if not (one or listed) or not all(map(_number, values)):
                 raise ConfigTypeError(
                     f"Costs.{field.name} must be a number or a list of numbers, got {value!r}"
@@ -66,6 +75,8 @@ class Costs:
                 )
             if not one:
                 object.__setattr__(self, field.name, floats)  # a list becomes a tuple
+            elif not isinstance(value, int | float):
+                object.__setattr__(self, field.name, floats[0])  # a 0-dim array: a float
             if any(v > _LONGEST for v in floats):
                 raise ConfigError(
                     f"Costs.{field.name} must be at most {_LONGEST:g}, got {value!r}: a "
