@@ -192,13 +192,14 @@ class GradientAccumulator:
             )
         before = None  # a window's start, put back if its first step fails
         if self.position == 0:
+            scale = self.loss_scale.value()  # constant through the window
             before = self._scale, [(p, p.grad) for p in self.pipe.parameters()]
             self.pipe.zero_grad(set_to_none=True)
-            self._scale = self.loss_scale.value()  # constant through the window
+            self._scale = scale
         last = self.position + 1 == self.accumulation_steps
-        if last:
-            self.pipe.sync.window_ends()  # replicas may start summing as stages finish
         try:
+            if last:
+                self.pipe.sync.window_ends()  # replicas may start summing as stages finish
             loss_sum, items, pending = self.pipe.accumulate_pending(
                 inputs,
                 target,
