@@ -508,3 +508,50 @@ def test_ctrl_c_during_a_save_is_a_keyboard_interrupt_and_leaves_the_old_file(
     assert _temp_files(tmp_path) == []
     acc.save(path)  # and the next save goes through
     _acc().load(path)
+
+
+class _TiedLM(nn.Module):
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(12, 6)
+        self.body = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 12, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(self.emb(ids)))
+
+
+def _lm_acc(tied: bool) -> GradientAccumulator:
+    pipe = Pipeline(_TiedLM(tied), chunks=2, devices=["cpu", "cpu"])
+    optimizer = torch.optim.AdamW(pipe.parameters(), lr=0.01)
+    return GradientAccumulator(pipe, optimizer, accumulation_steps=2)
+
+
+def _lm_steps(acc: GradientAccumulator, steps: int) -> None:
+    ids = torch.randint(0, 12, (4, 5), generator=torch.Generator().manual_seed(3))
+    for _ in range(steps):
+        acc.step(
+            ids, ids, loss_fn=lambda o, y: nn.functional.cross_entropy(o.flatten(0, 1), y.flatten())
+        )
+
+
+@pytest.mark.parametrize("saved_tied", [False, True])
+def test_a_sharded_checkpoint_tied_otherwise_than_the_model_changes_nothing(tmp_path, saved_tied):
+    """Before, it loaded: the tied model took one of the two saved weights (and its Adam
+    state); the untied one gave both names the tied gradient, counted twice."""
+    saved = _lm_acc(saved_tied)
+    _lm_steps(saved, 3)  # a window and a step: the untied weights differ, a gradient is in
+    path = str(tmp_path / "ckpt")
+    saved.save(path, sharded=True)
+    acc = _lm_acc(not saved_tied)
+    _lm_steps(acc, 1)
+    before = _everything(acc)
+    with pytest.raises(CheckpointError, match="ties its weights otherwise than this model"):
+        acc.load(path)
+    _assert_same(before, _everything(acc))
+    same = _lm_acc(saved_tied)  # tied alike: it loads
+    same.load(path)
+    _assert_same(_everything(saved)["model"], _everything(same)["model"])

@@ -186,6 +186,7 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
     keys += sorted({f"grad/{n}" for n in grad_names.values() if n is not None})
     data.update(store.read(directory, keys, metadata))
     _verify(data, directory, path)
+    _check_ties(own, names, data, moved, path)
     primary = _primary(acc)
     grads = {}
     for n, p in pipe.named_parameters():
@@ -222,6 +223,42 @@ def _saved_name(aliases: list[str], saved: Container[str], moved: Mapping[str, s
         if moved.get(name) in saved:
             return moved[name]
     return None
+
+
+def _check_ties(
+    own: list[nn.Parameter],
+    names: dict[int, list[str]],
+    data: Mapping[str, Any],
+    moved: Mapping[str, str],
+    path: str,
+) -> None:
+    """Refuses a checkpoint whose weights are tied otherwise than here.
+
+    Why: entries are found by name, so a model that ties two names the run that
+    saved it kept apart would silently take one of the two saved weights (and
+    their optimizer state); one that keeps apart what was saved tied would give
+    both the tied gradient, counted twice.
+    """
+    here = {n: id(p) for p in own for n in names[id(p)]}
+    problems = []
+    for p in own:
+        tied = names[id(p)]
+        apart = [n for n in tied if any(k.startswith((f"optim/{n}/", f"grad/{n}")) for k in data)]
+        values = [data[f"model/{n}"] for n in tied if f"model/{n}" in data]
+        if len(apart) > 1 or any(not torch.equal(values[0], v) for v in values[1:]):
+            problems.append(f"{' and '.join(map(repr, tied))} are one parameter here, two in it")
+        for name in tied:
+            other = moved.get(name)
+            if other is not None and here.get(other, id(p)) != id(p):
+                problems.append(f"{name!r} and {other!r} are two parameters here, one in it")
+    if problems:
+        raise CheckpointError(
+            f"checkpoint {path!r} ties its weights otherwise than this model: "
+            f"{'; '.join(sorted(set(problems))[:4])}. Loading it would take one of two saved "
+            "weights (or give both the tied gradient). Nothing was loaded or changed. Fix: "
+            "tie the model's weights as the run that saved it did (tie_weights() or not) "
+            "before loading"
+        )
 
 
 def _check_optimized(
