@@ -48,6 +48,7 @@ def _acc(
     window: int = WINDOW,
     groups: int = 1,
     covered: int = 4,
+    scheduler: type = torch.optim.lr_scheduler.StepLR,
 ) -> GradientAccumulator:
     """An Adam accumulator; ``covered``: how many of the 4 parameters its one group holds."""
     pipe = Pipeline(_model(width), 2, balance=[2, 1], devices=["cpu", "cpu"], schedule="1f1b")
@@ -64,7 +65,12 @@ def _acc(
         accumulation_steps=window,
         max_grad_norm=1.0,
         scaler=torch.amp.GradScaler("cpu", init_scale=64.0, growth_interval=1) if scaler else None,
-        lr_scheduler=[torch.optim.lr_scheduler.StepLR(opts[0], 1, 0.9) for _ in range(schedulers)],
+        lr_scheduler=[
+            scheduler(opts[0], 1, 0.9)
+            if scheduler is torch.optim.lr_scheduler.StepLR
+            else scheduler(opts[0], 0.9)
+            for _ in range(schedulers)
+        ],
     )
 
 
@@ -177,6 +183,18 @@ def test_a_scheduler_more_or_less_changes_nothing(tmp_path, saved):
     path = _saved(tmp_path, schedulers=saved)
     message = f"lr schedulers: {saved} in the checkpoint, 1 here"
     _resumes_exactly(_refused_and_unchanged(path, message), tmp_path)
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_scheduler_of_another_class_changes_nothing(tmp_path, sharded):
+    """Before, an ExponentialLR took a StepLR's state, its step_size mixed into its own."""
+    path = str(tmp_path / "steplr")
+    saved = _acc()
+    _train(saved, range(SAVED_AT))
+    saved.save(path, sharded=sharded)
+    target = _acc(scheduler=torch.optim.lr_scheduler.ExponentialLR)
+    message = "lr scheduler 1 of 1: the checkpoint was saved from a torch.optim.lr_scheduler.StepLR"
+    _refused_and_unchanged(path, message, "ExponentialLR", target=target)
 
 
 def test_a_checkpoint_without_scaler_changes_nothing(tmp_path):

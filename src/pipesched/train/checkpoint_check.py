@@ -96,7 +96,7 @@ def check_fits(acc: GradientAccumulator, state: Any, source: str | None = None) 
     _check_model(acc, state["model"], problems)
     _check_optimizers(acc.optimizers, state["optimizers"], names, problems)
     _check_optimizer_kinds(acc.optimizers, state, problems)
-    _check_schedulers(len(acc.schedulers), state["schedulers"], problems)
+    _check_schedulers(acc.schedulers, state["schedulers"], state.get("scheduler_types"), problems)
     _check_loss_scale(acc.loss_scale.scaler is not None, state["loss_scale"], problems)
     _check_rest(acc, state, problems)
     if problems:
@@ -188,8 +188,9 @@ def _check_optimizers(
             _check_optimizer_state(where, theirs["state"], ids, optimizer, names, problems)
 
 
-def optimizer_type(optimizer: torch.optim.Optimizer) -> str:
-    """The optimizer's class as a checkpoint records it: ``torch.optim.adam.Adam``."""
+def optimizer_type(optimizer: Any) -> str:
+    """An optimizer's (or scheduler's) class as a checkpoint records it:
+    ``torch.optim.adam.Adam``."""
     kind = type(optimizer)
     return f"{kind.__module__}.{kind.__qualname__}"
 
@@ -280,7 +281,20 @@ def _check_optimizer_state(
                 )
 
 
-def _check_schedulers(count: int, saved: Any, problems: list[str]) -> None:
+def _check_schedulers(
+    schedulers: Sequence[Any], saved: Any, types: Any, problems: list[str]
+) -> None:
+    """Another count of schedulers, or (where the checkpoint records them) another class:
+    a scheduler loads any state dict, mixing the other class's fields into its own."""
+    count = len(schedulers)
+    if isinstance(types, Sequence) and len(types) == count:
+        for i, (scheduler, theirs) in enumerate(zip(schedulers, types, strict=True)):
+            if theirs != (mine := optimizer_type(scheduler)):
+                problems.append(
+                    f"lr scheduler {i + 1} of {count}: the checkpoint was saved from a "
+                    f"{theirs}, this one is a {mine} (build the scheduler the run that saved "
+                    "it used)"
+                )
     if not isinstance(saved, Sequence) or len(saved) != count:
         theirs = len(saved) if isinstance(saved, Sequence) else type(saved).__name__
         problems.append(

@@ -39,6 +39,7 @@ def accumulator_state(acc: GradientAccumulator) -> dict[str, Any]:
         "optimizers": [o.state_dict() for o in acc.optimizers],
         "optimizer_types": [optimizer_type(o) for o in acc.optimizers],
         "schedulers": [s.state_dict() for s in acc.schedulers],
+        "scheduler_types": [optimizer_type(s) for s in acc.schedulers],
         "loss_scale": acc.loss_scale.state_dict(),
         "rng": rng_state(),
         "counters": {"steps": acc.steps, "windows": acc.windows},

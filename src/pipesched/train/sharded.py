@@ -84,6 +84,7 @@ def save_sharded(acc: GradientAccumulator, path: str) -> None:
         },
         "accumulation_steps": acc.accumulation_steps,
         "schedulers": [s.state_dict() for s in acc.schedulers],
+        "scheduler_types": [optimizer_type(s) for s in acc.schedulers],
         "optimizer_types": [optimizer_type(o) for o in acc.optimizers],
         "loss_scale": acc.loss_scale.state_dict(),
         "layout": _layout(acc),
@@ -202,6 +203,7 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
         "optimizers": [_optimizer_state(o, saved, data, path) for o in acc.optimizers],
         "optimizer_types": extra.get("optimizer_types"),  # (None: saved before they were)
         "schedulers": extra["schedulers"],
+        "scheduler_types": extra.get("scheduler_types"),  # (None: saved before they were)
         "loss_scale": extra["loss_scale"],
         "rng": data[rng_key],
         "counters": extra["counters"],
