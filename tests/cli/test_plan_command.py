@@ -113,3 +113,13 @@ def test_memory_sizes_read_with_units_and_refuse_nonsense():
     for bad in ("-1", "0", "2 parsecs", "lots"):
         with pytest.raises(Exception, match="positive size"):
             memory_size(bad)
+
+
+@pytest.mark.parametrize(
+    ("device", "message"), [("banana", "not a device torch knows"), ("cuda:99", "cuda:99")]
+)
+def test_plan_names_a_device_it_cannot_use(model_file, capsys, device, message):
+    """Before, torch's RuntimeError (or AssertionError without CUDA) came back as a traceback."""
+    assert main(["plan", f"{model_file}:make", "--device", device, "--no-synthesize"]) == 2
+    err = capsys.readouterr().err
+    assert "--device is" in err and message in err

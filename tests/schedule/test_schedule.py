@@ -39,6 +39,27 @@ def test_from_csv_skips_comments_and_blanks():
     assert (s.num_stages, s.num_workers, s.num_microbatches, s.name) == (2, 2, 1, "custom")
 
 
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: Action(-1, "F", 0),  # was accepted, then "placement is empty"
+        lambda: Action(0, "F", -2),
+        lambda: Action(1.0, "F", 0),
+        lambda: Schedule.from_lists([[Action(-1, "F", 0), Action(-1, "B", 0)]]),
+    ],
+)
+def test_an_action_of_a_negative_or_non_int_index_is_refused_naming_it(make):
+    with pytest.raises(ScheduleError, match="a stage and a micro-batch are ints >= 0"):
+        make()
+
+
+def test_a_schedule_takes_actions_in_the_short_form():
+    """Before, Schedule((("0F0", "0B0"),), ...) failed in validate() with a bare TypeError."""
+    assert Schedule((("0F0", "0B0"),), (0,), 1).validate().actions == (
+        (Action(0, "F", 0), Action(0, "B", 0)),
+    )
+
+
 def test_from_lists_infers_placement():
     s = Schedule.from_lists([["0F0", "3F0", "3B0", "0B0"], ["1F0", "2F0", "2B0", "1B0"]])
     assert s.placement == (0, 1, 1, 0)

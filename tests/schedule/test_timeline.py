@@ -136,3 +136,6 @@ def test_json_refuses_non_finite_times(tmp_path):
     (tmp_path / "bad.json").write_text("[]")
     with pytest.raises(ConfigError, match=r"bad\.json: .*format"):
         Timeline.load(tmp_path / "bad.json")
+    (tmp_path / "picture.png").write_bytes(b"\x89PNG\r\n\x1a\n")  # was a UnicodeDecodeError
+    with pytest.raises(ConfigError, match=r"picture\.png is not a pipesched timeline"):
+        Timeline.load(tmp_path / "picture.png")

@@ -316,3 +316,12 @@ def test_a_traced_model_loads_before_its_first_call_and_resumes_at_another_cut(t
     _train(resumed, data[3:])
     expected = _params(whole)
     assert all(torch.equal(v, expected[n]) for n, v in _params(resumed).items())
+
+
+def test_importing_a_gradient_accumulator_file_says_where_its_model_is(tmp_path, capsys):
+    """Before, torch's weights_only message of some 900 characters came back."""
+    acc = _acc([3, 3])
+    _train(acc, _data(1))
+    acc.save(str(tmp_path / "acc.pt"))
+    assert main(["checkpoint", "import", str(tmp_path / "acc.pt"), str(tmp_path / "w")]) == 2
+    assert "GradientAccumulator.save file (its model is under 'model'" in capsys.readouterr().err

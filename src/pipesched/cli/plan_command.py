@@ -68,17 +68,16 @@ def run_plan(args: argparse.Namespace) -> None:
         ConfigError: the function cannot be found, returns something else than
             ``(model, batch)``, or the batch has fewer rows than a chunk count.
     """
-    import torch
 
     from pipesched.partition.call import Call
     from pipesched.planning import Planning, plan_model
-    from pipesched.planning.devices import threads_per_worker
+    from pipesched.planning.devices import check_device, threads_per_worker
     from pipesched.runtime.stage.microbatch import scatter
     from pipesched.runtime.stage.recompute import CHECKPOINT_MODES
 
     model, batch = _load(args.model)
     call = batch if isinstance(batch, Call) else _call(batch)
-    device = torch.device(args.device)
+    device = check_device(args.device, "--device", args.workers)
     threads = threads_per_worker(args.workers) if device.type == "cpu" else None
     plannings = []
     for chunks in args.chunks:

@@ -76,6 +76,12 @@ class Action(_Fields):
                 f"{', '.join(map(repr, _KIND_OF))}: F forward, B backward (input gradient "
                 "where W appears), W weight gradient"
             )
+        if type(stage) is not int or type(microbatch) is not int or stage < 0 or microbatch < 0:
+            raise ScheduleError(
+                f"action {stage!r}{closed}{microbatch!r}: a stage and a micro-batch are ints "
+                f">= 0, got stage {stage!r} and micro-batch {microbatch!r}; write "
+                "Action(stage, kind, microbatch) or the short form '2F0'"
+            )
         return tuple.__new__(cls, (stage, closed, microbatch))
 
     def __str__(self) -> str:

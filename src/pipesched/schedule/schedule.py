@@ -209,8 +209,8 @@ class Schedule:
         return self.to_text()
 
 
-def _as_actions(row: Iterable[Action | tuple[int, str, int]]) -> tuple[Action, ...]:
+def _as_actions(row: Iterable[Action | tuple[int, str, int] | str]) -> tuple[Action, ...]:
     row = tuple(row)
     if all(type(a) is Action for a in row):
         return row  # type: ignore[return-value]
-    return tuple(Action(*a) for a in row)
+    return tuple(Action.parse(a) if isinstance(a, str) else Action(*a) for a in row)

@@ -297,6 +297,11 @@ class Timeline:
             return cls.from_json(Path(path).read_text(encoding="utf-8"))
         except ConfigError as error:
             raise ConfigError(f"{path}: {error}") from None
+        except UnicodeDecodeError:
+            raise ConfigError(
+                f"{path} is not a pipesched timeline: it is not text (a picture, a "
+                "checkpoint?); give the JSON file Timeline.save or `pipesched trace` wrote"
+            ) from None
 
 
 def _shown(value: object) -> str:

@@ -10,6 +10,7 @@ tensors' pages are never read) or from a sharded checkpoint.
 from __future__ import annotations
 
 import os
+import pickle
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -177,6 +178,14 @@ def _read_file(path: str) -> dict[str, Any]:
             state = torch.load(checked, map_location="cpu", mmap=True, weights_only=True)
     except (FileNotFoundError, CheckpointError):
         raise
+    except pickle.UnpicklingError as err:  # objects beyond tensors: not read unchecked
+        raise CheckpointError(
+            f"{path!r} holds Python objects beyond tensors, which a model's weights are "
+            "read without: a GradientAccumulator.save file (its model is under 'model': "
+            "resume it with GradientAccumulator.load, or save "
+            "torch.load(path, weights_only=False)['model'] on its own and give that), or "
+            "another pickle; give a file written by torch.save(model.state_dict(), path)"
+        ) from err
     except Exception as err:
         raise CheckpointError(
             f"{path!r} cannot be read as a state dict ({type(err).__name__}: {err}); give "
