@@ -38,10 +38,18 @@ def _model(width: int = 8, dropout: float = 0.2) -> nn.Sequential:
     )  # fmt: skip
 
 
-def _acc(balance: list[int], *, width: int = 8, groups: bool = False) -> GradientAccumulator:
+def _acc(
+    balance: list[int], *, width: int = 8, groups: bool = False, per_stage: bool = False
+) -> GradientAccumulator:
     pipe = Pipeline(
         _model(width), 2, balance=balance, devices=["cpu"] * len(balance), schedule="1f1b"
     )
+    if per_stage:  # one optimizer and one scheduler per stage
+        optimizers = [torch.optim.AdamW(s.parameters(), lr=0.01) for s in pipe.stages]
+        schedulers = [torch.optim.lr_scheduler.StepLR(o, 1, 0.7) for o in optimizers]
+        return GradientAccumulator(
+            pipe, optimizers, accumulation_steps=STEPS, lr_scheduler=schedulers
+        )
     params = list(pipe.parameters())
     if groups:  # no weight decay on biases, as transformer recipes do
         decay = [p for p in params if p.ndim > 1]
@@ -91,6 +99,28 @@ def test_resumes_mid_window_at_another_balance_bit_identically(tmp_path, balance
     for name, value in _params(resumed).items():
         assert torch.equal(value, expected[name]), name
     assert resumed.schedulers[0].last_epoch == whole.schedulers[0].last_epoch
+
+
+@pytest.mark.parametrize("balance", [[6], [2, 2, 2]])
+def test_per_stage_optimizers_and_schedulers_resume_at_another_stage_count(tmp_path, balance):
+    """Before, their schedulers were refused: "lr schedulers: 2 in the checkpoint, 3 here"."""
+    data = _data(7)
+    torch.manual_seed(1)
+    whole = _acc([3, 3], per_stage=True)
+    _train(whole, data)
+    torch.manual_seed(1)
+    saver = _acc([3, 3], per_stage=True)
+    _train(saver, data[:3])
+    saver.save(str(tmp_path / "ckpt"), sharded=True)
+    resumed = _acc(balance, per_stage=True)
+    resumed.load(str(tmp_path / "ckpt"))
+    _train(resumed, data[3:])
+    expected = _params(whole)
+    for name, value in _params(resumed).items():
+        assert torch.equal(value, expected[name]), name
+    assert [s.get_last_lr() for s in resumed.schedulers] == [
+        whole.schedulers[0].get_last_lr()
+    ] * len(balance)
 
 
 def test_the_comparison_bites_without_the_window_gradient(tmp_path):

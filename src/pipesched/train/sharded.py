@@ -202,13 +202,25 @@ def _local_state(acc: GradientAccumulator, directory: str, path: str) -> dict[st
         "model": {k: data.get(f"model/{k}", v) for k, v in live.items()},
         "optimizers": [_optimizer_state(o, saved, data, path) for o in acc.optimizers],
         "optimizer_types": extra.get("optimizer_types"),  # (None: saved before they were)
-        "schedulers": extra["schedulers"],
-        "scheduler_types": extra.get("scheduler_types"),  # (None: saved before they were)
+        **_schedulers_for(len(acc.schedulers), extra),
         "loss_scale": extra["loss_scale"],
         "rng": data[rng_key],
         "counters": extra["counters"],
         "window": window,
     }
+
+
+def _schedulers_for(count: int, extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The saved schedulers, for ``count`` here: one per optimizer (per stage) at another
+    stage count, where every saved one is alike (as per-stage schedulers of one kind,
+    stepped together, are), each takes that state; otherwise as saved (the count is
+    checked)."""
+    saved, types = extra["schedulers"], extra.get("scheduler_types")  # (None: older saves)
+    alike = bool(saved) and all(s == saved[0] for s in saved)
+    if len(saved) == count or not count or not alike:
+        return {"schedulers": saved, "scheduler_types": types}
+    kind = [types[0]] * count if types and all(t == types[0] for t in types) else None
+    return {"schedulers": [saved[0]] * count, "scheduler_types": kind}
 
 
 def _saved_name(aliases: list[str], saved: Container[str], moved: Mapping[str, str]) -> str | None:
