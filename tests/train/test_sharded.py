@@ -79,48 +79,42 @@ def _params(acc: GradientAccumulator) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in acc.pipe.named_parameters()}
 
 
-@pytest.mark.parametrize("groups", [False, True])
-@pytest.mark.parametrize("balance", [[6], [1, 5], [2, 2, 2]])
-def test_resumes_mid_window_at_another_balance_bit_identically(tmp_path, balance, groups):
+def _resumed(
+    tmp_path, balance: list[int], **kwargs: bool
+) -> tuple[GradientAccumulator, GradientAccumulator]:
+    """A run of 7 steps at [3, 3], and one saved after 3 and resumed at ``balance``."""
     data = _data(7)
     torch.manual_seed(1)
-    whole = _acc([3, 3], groups=groups)
+    whole = _acc([3, 3], **kwargs)
     _train(whole, data)
     torch.manual_seed(1)
-    saver = _acc([3, 3], groups=groups)
+    saver = _acc([3, 3], **kwargs)
     _train(saver, data[:3])  # one window and one step: the window's gradient is saved
     saver.save(str(tmp_path / "ckpt"), sharded=True)
     torch.manual_seed(123)  # the checkpoint's generator state replaces this
-    resumed = _acc(balance, groups=groups)
+    resumed = _acc(balance, **kwargs)
     resumed.load(str(tmp_path / "ckpt"))
     assert (resumed.steps, resumed.windows, resumed.position) == (3, 1, 1)
     _train(resumed, data[3:])
     expected = _params(whole)
     for name, value in _params(resumed).items():
         assert torch.equal(value, expected[name]), name
+    return whole, resumed
+
+
+@pytest.mark.parametrize("groups", [False, True])
+@pytest.mark.parametrize("balance", [[6], [1, 5], [2, 2, 2]])
+def test_resumes_mid_window_at_another_balance_bit_identically(tmp_path, balance, groups):
+    whole, resumed = _resumed(tmp_path, balance, groups=groups)
     assert resumed.schedulers[0].last_epoch == whole.schedulers[0].last_epoch
 
 
 @pytest.mark.parametrize("balance", [[6], [2, 2, 2]])
 def test_per_stage_optimizers_and_schedulers_resume_at_another_stage_count(tmp_path, balance):
     """Before, their schedulers were refused: "lr schedulers: 2 in the checkpoint, 3 here"."""
-    data = _data(7)
-    torch.manual_seed(1)
-    whole = _acc([3, 3], per_stage=True)
-    _train(whole, data)
-    torch.manual_seed(1)
-    saver = _acc([3, 3], per_stage=True)
-    _train(saver, data[:3])
-    saver.save(str(tmp_path / "ckpt"), sharded=True)
-    resumed = _acc(balance, per_stage=True)
-    resumed.load(str(tmp_path / "ckpt"))
-    _train(resumed, data[3:])
-    expected = _params(whole)
-    for name, value in _params(resumed).items():
-        assert torch.equal(value, expected[name]), name
-    assert [s.get_last_lr() for s in resumed.schedulers] == [
-        whole.schedulers[0].get_last_lr()
-    ] * len(balance)
+    whole, resumed = _resumed(tmp_path, balance, per_stage=True)
+    last = whole.schedulers[0].get_last_lr()
+    assert [s.get_last_lr() for s in resumed.schedulers] == [last] * len(balance)
 
 
 def test_the_comparison_bites_without_the_window_gradient(tmp_path):
