@@ -1,18 +1,14 @@
 """Which outputs of a traced model mix rows of different samples: a micro-batch cannot compute them.
 
-An output is the plain model's only if sample i's value depends on sample i alone;
-CLIP's in-batch contrastive logits do not. The export's symbolic sizes tell,
-without running anything: each value is batch-free, per-sample, pooled or
-coupled (an outer product over samples, a scan along the batch, a per-sample value
-computed from a pooled one). A pooled value is rebuilt from the micro-batches'
-only as a mean (their rows-weighted mean) or, where the call passes Hugging
-Face's ``num_items_in_batch``, a sum: so each pooled value's kind is followed
-(a mean, a sum, or other: a max, a median, a variance, a nonlinear function of
-a pooled value), and a 0-dim output of the wrong kind is coupled too. A loss's
-mean over the targets it keeps (padding skipped) is a mean whose weights are its
-micro-batches' target counts, not rows: :mod:`~pipesched.pipeline.checks.masked_means`
-counts them.
-"""
+An output is the plain model's only if sample i's value depends on sample i alone
+(CLIP's in-batch logits do not). The export's symbolic sizes tell, running nothing:
+each value is batch-free, per-sample, pooled or coupled (an outer product over
+samples, a scan along the batch, a per-sample value computed from a pooled one).
+A pooled value is rebuilt from the micro-batches' as a mean (rows-weighted; a
+loss's mean over the targets it keeps, weighed by their counts: see
+:mod:`~pipesched.pipeline.checks.masked_means`) or, where the call passes
+``num_items_in_batch``, a sum; each pooled value's kind is followed (a mean, a
+sum, or other: a max, a variance), and a 0-dim output of another kind is coupled."""
 
 from __future__ import annotations
 
