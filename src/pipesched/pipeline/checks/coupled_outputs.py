@@ -26,8 +26,10 @@ from pipesched.partition.per_sample import leaf_paths
 from pipesched.partition.trace import TracedModel
 from pipesched.pipeline.checks.masked_means import (
     ROWS,
+    divisor_counter,
     item_counter,
     masks_targets,
+    proportional,
     warn_masked_means,
     warned,
     weights_of,
@@ -108,7 +110,9 @@ def masked_weights(
     counts = {c: read[k * m : (k + 1) * m] for k, c in enumerate(counters)}
     found = {}
     for i, weighers in masked.items():
-        shown = next((counts[w] for w in weighers if w is not ROWS), [float(r) for r in rows])
+        counted = [counts[w] for w in weighers if w is not ROWS]  # shown: an uneven one first
+        counted.sort(key=lambda c: proportional(c, rows))
+        shown = counted[0] if counted else [float(r) for r in rows]
         found[i] = (weights_of(weighers, counts, rows), shown)
     return found
 
@@ -266,6 +270,11 @@ def _pooling(
         return kind  # (a mean plus a constant: the rows' weights add up to one)
     if name in ("add", "sub") and not others and not _scalars(node):
         return kind  # sums of sums: a sum
+    if name == "div" and len(sources) == 2 and tuple(node.args[:2]) == tuple(sources):
+        counted = pooled.get(sources[1]) == _SUM and divisor_counter(traced, sources[1])
+        if pooled.get(sources[0]) == _SUM and counted:  # a sum over the count inputs give
+            counters[node] = frozenset({counted})
+            return _MASKED
     if name in ("mul", "div") and len(sources) == 1:
         first = node.args[0] if node.args else None
         if name == "div" and first is not sources[0]:

@@ -28,8 +28,8 @@ from pipesched.partition.trace import TracedModel
 from pipesched.runtime.compat.internals import OpOverload, op_schema
 
 __all__ = [
-    "ROWS", "ItemCounter", "item_counter", "masks_targets", "proportional", "warn_masked_means",
-    "warned", "weights_of",
+    "ROWS", "ItemCounter", "divisor_counter", "item_counter", "masks_targets", "proportional",
+    "warn_masked_means", "warned", "weights_of",
 ]  # fmt: skip
 
 _LOSSES = frozenset(
@@ -52,7 +52,8 @@ class ItemCounter:
         nodes: the operations from the inputs to the target (and class weights),
             in the graph's order, with the buffers, constants and (for the class
             weights) parameters they read.
-        target: the loss's target.
+        target: the loss's target; or (``ignore_index`` None) the count itself,
+            the divisor of a mean written by hand (``(loss * mask).sum() / mask.sum()``).
         weight: its class weights, or None.
         ignore_index: the target value the loss skips.
     """
@@ -60,7 +61,7 @@ class ItemCounter:
     nodes: tuple[fx.Node, ...]
     target: fx.Node
     weight: fx.Node | None
-    ignore_index: int
+    ignore_index: int | None
 
     def count(self, traced: TracedModel, leaves: Sequence[Any]) -> torch.Tensor:
         """The loss's divisor on the call whose user inputs are ``leaves``: a 0-dim tensor
@@ -91,6 +92,8 @@ class ItemCounter:
             target: torch.Tensor = env[self.target]
             if target.is_meta:
                 return unknown
+            if self.ignore_index is None:  # the divisor itself
+                return target.detach().to(torch.float64)
             kept = target != self.ignore_index
             if self.weight is None:
                 return kept.sum()
@@ -133,6 +136,16 @@ def item_counter(traced: TracedModel, node: fx.Node, given: dict[str, Any]) -> I
     needed |= weights
     order = [n for n in traced.state if n in needed] + [n for n in traced.ops if n in needed]
     return ItemCounter(tuple(order), target, weight, int(given.get("ignore_index", -100)))
+
+
+def divisor_counter(traced: TracedModel, divisor: fx.Node) -> ItemCounter | None:
+    """The counter of a mean written by hand, a sum over the batch divided by ``divisor``
+    (a sum of what the inputs alone give, ``mask.sum()``); None where it reads more."""
+    needed = _path(traced, divisor, parameters=False)
+    if needed is None:
+        return None
+    order = [n for n in traced.state if n in needed] + [n for n in traced.ops if n in needed]
+    return ItemCounter(tuple(order), divisor, None, None)
 
 
 def _path(traced: TracedModel, start: fx.Node, *, parameters: bool) -> set[fx.Node] | None:
@@ -225,7 +238,8 @@ def warn_masked_means(
     warn_user(
         f"output{path} of the model is a mean over the targets its loss keeps (a "
         "cross-entropy's reduction='mean' skips ignore_index, -100 by default: padding; "
-        "with weight=, it divides by the kept targets' class weights), and this step's "
+        "with weight=, it divides by the kept targets' class weights; or a sum divided by "
+        "a count of what the inputs keep, mask.sum()), and this step's "
         f"micro-batches keep {shown} of them for {rows} rows.{mixed} A loss_fn returning it "
         "is taken as a mean over samples and weighed by rows, so the step's loss and "
         "gradients are not the plain model's on the batch (a mean over all its kept "
