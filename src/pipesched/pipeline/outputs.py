@@ -36,6 +36,7 @@ def join_step_outputs(
     fixed: list[str] = []
     coupled: list[str] = []
     counts: dict[str, list[float]] = {}
+    unweighed: list[str] = []
     if isinstance(last, TracedStage):  # the export says which outputs follow the batch
         paths = leaf_paths(values[0])
         if len(paths) == len(flags := per_sample_flags(last.traced)):
@@ -45,7 +46,8 @@ def join_step_outputs(
             if micro is not None and not summed:  # a loss's mean over the targets it keeps
                 for i, (weights, _) in masked_weights(last.traced, micro, rows).items():
                     if weights is None:  # terms kept in other shares: nothing rebuilds it
-                        coupled.append(paths[i])
+                        unweighed.append(paths[i])
                     else:
                         counts[paths[i]] = weights
-    return join_outputs(values, rows, "sum" if summed else "mean", fixed, coupled, counts)
+    scalars = "sum" if summed else "mean"
+    return join_outputs(values, rows, scalars, fixed, coupled, counts, unweighed)

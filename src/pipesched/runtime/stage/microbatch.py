@@ -177,6 +177,7 @@ def join_outputs(
     not_per_sample: Collection[str] = (),
     coupled: Collection[str] = (),
     counts: Mapping[str, Sequence[float]] | None = None,
+    unweighed: Collection[str] = (),
 ) -> Any:
     """The batch's output from its micro-batches', as the plain model would return it.
 
@@ -208,6 +209,9 @@ def join_outputs(
             its micro-batches weigh by them, not by rows. One that holds none
             (its mean a NaN, 0/0) weighs nothing, as in the plain model's; NaN
             counts (not known here) weigh by rows.
+        unweighed: paths of 0-dim outputs that add means over items kept in
+            other shares (a masked-LM loss plus one over the rows): returned as
+            the list of the micro-batches' values, told as such.
     """
     total = sum(rows)
     weights = [r / total for r in rows] if scalars == "mean" else [1.0] * len(rows)
@@ -220,6 +224,18 @@ def join_outputs(
         return sum((c / every) * v for c, v in zip(items, values, strict=True) if c)
 
     def special(values: list[Any], path: str) -> Any:
+        if path in unweighed and len(values) > 1:
+            warn_user(
+                f"pipe(x): output{path or ''} adds means over targets its micro-batches keep "
+                "in different shares (a loss over the tokens its labels keep plus one over "
+                "the rows or over other labels, as BertForPreTraining's masked-LM and "
+                "next-sentence losses), so no weighing of the micro-batches' values (of "
+                f"{list(rows)} rows) is the plain model's on the batch; it is returned as the "
+                "list of the micro-batches' values. Fix: compute each term from the outputs "
+                "(their logits) on the whole batch, or call with chunks=1",
+                BatchCoupledWarning,
+            )
+            return list(values)
         if path in coupled and len(values) > 1:
             warn_user(
                 f"pipe(x): output{path or ''} mixes rows of different samples (each "
