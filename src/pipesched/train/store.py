@@ -240,8 +240,12 @@ def _unwrapped(err: CheckpointException, path: str, rank: int) -> BaseException:
     half-written one is removed by the next save.
     """
     own = err.failures.get(rank)
-    if own is not None and isinstance(own[0], KeyboardInterrupt | SystemExit):
-        return type(own[0])()
+    seen, cause = set(), own[0] if own is not None else None
+    while cause is not None and id(cause) not in seen:  # torch's zip writer, closing on a
+        if isinstance(cause, KeyboardInterrupt | SystemExit):  # Ctrl-C, raises over it
+            return type(cause)()
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
     return CheckpointError(
         f"cannot save the checkpoint to {path!r} ({err}); nothing was committed: its "
         "previous version is still the one that loads"
