@@ -13,8 +13,9 @@ from typing import Any
 import torch
 from torch import fx
 
+from pipesched.partition.sizes import grows_with
 from pipesched.partition.trace import TracedModel
-from pipesched.runtime.compat.internals import grows_with, pytree
+from pipesched.runtime.compat.internals import pytree
 
 __all__ = ["leaf_paths", "per_sample_flags"]
 

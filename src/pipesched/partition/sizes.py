@@ -8,13 +8,16 @@ export fixed or the bounds its guards derived (``range_constraints``).
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import fx
 from torch.export import ExportedProgram
 
-__all__ = ["Dims", "input_dims", "refusal"]
+from pipesched.runtime.compat.internals import size_expressions, size_hints
+
+__all__ = ["Dims", "grows_with", "input_dims", "refusal"]
 
 Dims = tuple[int | tuple[int, int | None], ...]
 """Per dimension: the size export fixed, or the ``(lowest, highest)`` it allows (None: no bound)."""
@@ -71,3 +74,48 @@ def _size(value: Any) -> int | None:
         return int(value)
     except (TypeError, AttributeError, OverflowError, ValueError):
         return None
+
+
+_PROBES = (1, 2, 3, 4, 5, 8, 13, 64)
+"""Batch sizes a size is evaluated at to learn whether it grows with the batch."""
+
+
+def grows_with(size: torch.SymInt, symbols: set[Any]) -> bool:
+    """Whether a traced size changes with ``symbols`` (the batch's), the other sizes as traced.
+
+    Why not its symbols alone: sympy does not always simplify what a model computes
+    of its sizes (Swin's window merge views ``B * windows`` rows as ``(B, H / w, W /
+    w, ...)``, whose dim 2 holds B over B), so the size is evaluated at a few batch
+    sizes. True where that cannot be done (a size without a traced value).
+    """
+    found = [e for e in size_expressions(size) if e.free_symbols & symbols]
+    if not found:
+        return False
+    expr = found[0]
+    free = frozenset(expr.free_symbols)
+    if expr in symbols or (expr.is_Mul and all(a.is_Symbol or a.is_Integer for a in expr.args)):
+        return True  # the batch, or a product of sizes with it: no need to probe
+    hints = size_hints(size)
+    others = tuple((s, int(hints[s])) for s in free - symbols if s in hints)
+    if len(others) != len(free - symbols):
+        return True
+    return _grows(expr, free & symbols, others)
+
+
+@functools.lru_cache(maxsize=4096)
+def _grows(expr: Any, batch: frozenset[Any], others: tuple[tuple[Any, int], ...]) -> bool:
+    import sympy
+
+    seen = set()
+    for probe in _PROBES:
+        values = {s: sympy.Integer(v) for s, v in others} | {s: sympy.Integer(probe) for s in batch}
+        try:
+            value = expr.xreplace(values)
+        except (TypeError, ValueError, ZeroDivisionError):
+            return True
+        if not value.is_number:
+            return True
+        seen.add(value)
+        if len(seen) > 1:
+            return True
+    return False

@@ -23,6 +23,7 @@ from torch import fx, nn
 
 from pipesched.errors import BatchCoupledWarning, warn_user
 from pipesched.partition.per_sample import leaf_paths
+from pipesched.partition.sizes import grows_with
 from pipesched.partition.trace import TracedModel
 from pipesched.pipeline.checks.masked_means import (
     ROWS,
@@ -36,7 +37,6 @@ from pipesched.pipeline.checks.masked_means import (
 )
 from pipesched.runtime.compat.internals import (
     OpOverload,
-    grows_with,
     op_schema,
     pytree,
     size_symbols,

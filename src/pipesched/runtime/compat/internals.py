@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -36,7 +36,6 @@ __all__ = [
     "function_output",
     "global_module_hooks",
     "gradient_hooks",
-    "grows_with",
     "has_gradient_hooks",
     "has_module_hooks",
     "in_functorch",
@@ -47,6 +46,8 @@ __all__ = [
     "pytree",
     "run_backward",
     "scaler_device",
+    "size_expressions",
+    "size_hints",
     "size_symbols",
     "top_saved_tensors_hooks",
     "unsafe_view",
@@ -533,52 +534,16 @@ def _traced_expr(node: Any) -> Any:
     return expr
 
 
-_PROBES = (1, 2, 3, 4, 5, 8, 13, 64)
-"""Batch sizes a size is evaluated at to learn whether it grows with the batch."""
+def size_expressions(size: torch.SymInt) -> tuple[Any, Any]:
+    """A traced size's expression as traced and as now (a size the trace later pinned
+    holds other symbols now)."""
+    return _traced_expr(size.node), size.node.expr
 
 
-def grows_with(size: torch.SymInt, symbols: set[Any]) -> bool:
-    """Whether a traced size changes with ``symbols`` (the batch's), the other sizes as traced.
-
-    Why not its symbols alone: sympy does not always simplify what a model computes
-    of its sizes (Swin's window merge views ``B * windows`` rows as ``(B, H / w, W /
-    w, ...)``, whose dim 2 holds B over B), so the size is evaluated at a few batch
-    sizes. True where that cannot be done (a size without a traced value).
-    """
-    node = size.node
-    # The size as traced, or as now (a caller's symbols may be either: pinned sizes differ).
-    found = [e for e in (_traced_expr(node), node.expr) if e.free_symbols & symbols]
-    if not found:
-        return False
-    expr = found[0]
-    free = frozenset(expr.free_symbols)
-    if expr in symbols or (expr.is_Mul and all(a.is_Symbol or a.is_Integer for a in expr.args)):
-        return True  # the batch, or a product of sizes with it: no need to probe
-    env = getattr(node, "shape_env", None)
-    hints = getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
-    others = tuple((s, int(hints[s])) for s in free - symbols if s in hints)
-    if len(others) != len(free - symbols):
-        return True
-    return _grows(expr, free & symbols, others)
-
-
-@functools.lru_cache(maxsize=4096)
-def _grows(expr: Any, batch: frozenset[Any], others: tuple[tuple[Any, int], ...]) -> bool:
-    import sympy
-
-    seen = set()
-    for probe in _PROBES:
-        values = {s: sympy.Integer(v) for s, v in others} | {s: sympy.Integer(probe) for s in batch}
-        try:
-            value = expr.xreplace(values)
-        except (TypeError, ValueError, ZeroDivisionError):
-            return True
-        if not value.is_number:
-            return True
-        seen.add(value)
-        if len(seen) > 1:
-            return True
-    return False
+def size_hints(size: torch.SymInt) -> Mapping[Any, int]:
+    """The values the trace saw for the symbols of ``size`` (its shape environment's)."""
+    env = getattr(size.node, "shape_env", None)
+    return getattr(env, "backed_var_to_val", None) or getattr(env, "var_to_val", {})
 
 
 @functools.cache
