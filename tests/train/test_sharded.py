@@ -377,3 +377,24 @@ def test_a_ctrl_c_inside_a_sharded_save_is_a_ctrl_c_and_the_last_version_loads(
     resumed = _acc([3, 3])
     resumed.load(path)
     assert all(torch.equal(v, saved[n]) for n, v in _params(resumed).items())
+
+
+def test_a_ctrl_c_inside_a_sharded_load_is_a_ctrl_c_and_changes_nothing(tmp_path, monkeypatch):
+    """Before, it came back as "a file of it is missing, truncated or changed"."""
+    from torch.distributed.checkpoint import filesystem
+
+    saver = _acc([3, 3])
+    _train(saver, _data(3))
+    saver.save(str(tmp_path / "ckpt"), sharded=True)
+    acc = _acc([3, 3])
+    _train(acc, _data(1))
+    before = _params(acc)
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(filesystem.FileSystemReader, "read_data", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        acc.load(str(tmp_path / "ckpt"))
+    monkeypatch.undo()
+    assert acc.steps == 1 and all(torch.equal(v, before[n]) for n, v in _params(acc).items())

@@ -212,7 +212,7 @@ class GradientAccumulator:
         except BaseException:
             if last:
                 self.pipe.sync.window_ends(False)
-            _put_back(self, before)
+            _restore_start(self, before)
             raise
         # Ctrl-C is held from the step's commit until its counts are in (PendingStep).
         try:
@@ -226,7 +226,7 @@ class GradientAccumulator:
                 self.pipe.sync.window_ends(False)
             pending.abandon(error)
             if not pending.kept:
-                _put_back(self, before)
+                _restore_start(self, before)
             raise
         self._loss_sum += loss
         self._items += items
@@ -614,7 +614,7 @@ def _note(err: BaseException, what: str) -> None:
     )
 
 
-def _put_back(acc: GradientAccumulator, before: tuple[float, list[Any]] | None) -> None:
+def _restore_start(acc: GradientAccumulator, before: tuple[float, list[Any]] | None) -> None:
     """A failed first step of a window leaves what it found: the loss scale, and the
     gradients the caller had in ``.grad`` (the window's start set them to None)."""
     if before is None:

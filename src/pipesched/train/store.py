@@ -132,6 +132,10 @@ def read(directory: str, keys: list[str], metadata: Mapping[str, Any]) -> dict[s
                 no_dist=True,
             )
     except (Exception, CheckpointException) as err:  # (the latter is a BaseException)
+        failure = err.failures.get(0) if isinstance(err, CheckpointException) else None
+        stop = _interrupt(failure[0] if failure is not None else err)
+        if stop is not None:  # Ctrl-C while reading: a Ctrl-C, not a damaged file
+            raise stop from None
         raise CheckpointError(
             f"checkpoint {directory!r} cannot be read ({type(err).__name__}: {err}): a file "
             "of it is missing, truncated or changed; load another"
@@ -240,16 +244,28 @@ def _unwrapped(err: CheckpointException, path: str, rank: int) -> BaseException:
     half-written one is removed by the next save.
     """
     own = err.failures.get(rank)
-    seen, cause = set(), own[0] if own is not None else None
-    while cause is not None and id(cause) not in seen:  # torch's zip writer, closing on a
-        if isinstance(cause, KeyboardInterrupt | SystemExit):  # Ctrl-C, raises over it
-            return type(cause)()
-        seen.add(id(cause))
-        cause = cause.__cause__ or cause.__context__
+    stop = _interrupt(own[0]) if own is not None else None
+    if stop is not None:
+        return stop
     return CheckpointError(
         f"cannot save the checkpoint to {path!r} ({err}); nothing was committed: its "
         "previous version is still the one that loads"
     )
+
+
+def _interrupt(error: BaseException) -> BaseException | None:
+    """A fresh Ctrl-C (or exit) where ``error`` is one or follows from one, else None.
+
+    Why the chain: torch's zip writer, closing on a Ctrl-C, raises its own error over it.
+    """
+    seen: set[int] = set()
+    cause: BaseException | None = error
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, KeyboardInterrupt | SystemExit):
+            return type(cause)()
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
+    return None
 
 
 def _commit(path: str, version: str) -> None:
