@@ -10,6 +10,7 @@ from pipesched.partition import TracedStage
 from pipesched.partition.call import Call
 from pipesched.partition.per_sample import leaf_paths, per_sample_flags
 from pipesched.pipeline.checks.coupled_outputs import coupled_flags, masked_weights
+from pipesched.pipeline.checks.masked_means import warn_uncounted
 from pipesched.runtime.stage.microbatch import join_outputs
 
 __all__ = ["join_step_outputs"]
@@ -44,10 +45,13 @@ def join_step_outputs(
         if len(paths) == len(mixed := coupled_flags(last.traced, summed)):
             coupled = [path for path, flag in zip(paths, mixed, strict=True) if flag]
             if micro is not None and not summed:  # a loss's mean over the targets it keeps
-                for i, (weights, _) in masked_weights(last.traced, micro, rows).items():
-                    if weights is None:  # terms kept in other shares: nothing rebuilds it
+                found = masked_weights(last.traced, micro, rows)
+                for i, weighing in found.items():
+                    if weighing.weights is None:  # terms kept in other shares: nothing rebuilds it
                         unweighed.append(paths[i])
                     else:
-                        counts[paths[i]] = weights
+                        counts[paths[i]] = weighing.weights
+                uncounted = [paths[i] for i, w in found.items() if w.uncounted]
+                warn_uncounted(last.traced, uncounted, rows, "pipe(x)")
     scalars = "sum" if summed else "mean"
     return join_outputs(values, rows, scalars, fixed, coupled, counts, unweighed)

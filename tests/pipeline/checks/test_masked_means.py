@@ -49,6 +49,11 @@ class TokenLM(nn.Module):
             kept = targets != -100
             each = F.cross_entropy(scores, targets, reduction="none")
             loss = (each * kept).sum() / kept.sum()
+        elif self.loss == "pseudo-labels":  # the padding kept, the rest the model's own guess
+            guess = scores.detach().argmax(-1)
+            loss = F.cross_entropy(scores, torch.where(targets == -100, -100, guess))
+        elif self.loss == "teacher":  # a teacher's argmax: every target kept
+            loss = F.cross_entropy(scores, (scores * 2).detach().argmax(-1).view(-1))
         elif self.loss == "nll":
             loss = F.nll_loss(F.log_softmax(scores, -1), targets) * 2.0 + 1.0
         else:
@@ -90,6 +95,7 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
         "parameter weights",
         "moved",
         "by hand",
+        "teacher",
     ],
 )
 def test_pipe_x_returns_the_plain_models_mean_over_the_targets_padding_leaves(loss):
@@ -204,10 +210,10 @@ def test_a_rank_without_the_losss_class_weights_counts_nothing_and_tells_nothing
     pipe(ids, labels)
     traced = pipe.stages[-1].traced
     micro = [(ids[:4], labels[:4]), (ids[4:], labels[4:])]
-    ((weights, kept),) = masked_weights(traced, micro, [4, 4]).values()
-    assert weights == kept and not proportional(kept, [4, 4])
+    ((weights, kept, uncounted),) = masked_weights(traced, micro, [4, 4]).values()
+    assert weights == kept and not proportional(kept, [4, 4]) and not uncounted
     model.class_weight = model.class_weight.to("meta")  # as a meta build on another rank holds it
-    ((weights, kept),) = masked_weights(traced, micro, [4, 4]).values()
+    ((weights, kept, _),) = masked_weights(traced, micro, [4, 4]).values()
     assert weights == [4.0, 4.0] and all(c != c for c in kept)  # NaN: not known here: rows
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -243,3 +249,24 @@ def test_a_model_built_on_meta_counts_its_targets_where_its_inputs_are():
     rows = [0, 1, 2, 3, 6, 7]
     _, (message,) = _told(lambda: pipe.step((ids[rows], labels[rows]), loss_fn=lambda o: o["loss"]))
     assert "keep [4, 10, 2, 5]" in message
+
+
+def test_targets_the_model_computes_from_its_parameters_are_weighed_by_rows_and_told():
+    """Before, silent: pipe(x) and the step took such a mean over the rows, padding or not."""
+    torch.manual_seed(0)
+    model = TokenLM("pseudo-labels")
+    plain = copy.deepcopy(model)
+    ids, labels = _batch()
+    rows = [0, 1, 2, 3, 6, 7]  # micro-batches keeping 4, 10 and 7 of their 10 targets
+    ids, labels = ids[rows], labels[rows]
+    pipe = Pipeline(model, chunks=3, devices=["cpu"] * 2)
+    out, (message,) = _told(lambda: pipe(ids, labels))
+    assert message.startswith("pipe(x): output['loss']") and "pseudo-labels" in message
+    assert "of [2, 2, 2] rows are weighed by their rows" in message
+    by_rows = torch.stack([plain(ids[k : k + 2], labels[k : k + 2])["loss"] for k in (0, 2, 4)])
+    torch.testing.assert_close(out["loss"], by_rows.mean(), rtol=1e-12, atol=0)
+    assert not torch.isclose(out["loss"], plain(ids, labels)["loss"])  # what it tells of
+    _, again = _told(lambda: pipe(ids, labels))
+    assert again == []  # once
+    _, (message,) = _told(lambda: pipe.step((ids, labels), loss_fn=lambda o: o["loss"]))
+    assert message.startswith("the step: output['loss']") and "num_items=" in message

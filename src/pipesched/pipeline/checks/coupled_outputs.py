@@ -12,11 +12,12 @@ sum, or other: a max, a variance), and a 0-dim output of another kind is coupled
 
 from __future__ import annotations
 
+import math
 import operator
 import threading
 import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx, nn
@@ -27,11 +28,14 @@ from pipesched.partition.sizes import grows_with
 from pipesched.partition.trace import TracedModel
 from pipesched.pipeline.checks.masked_means import (
     ROWS,
+    ItemCounter,
+    Uncounted,
     divisor_counter,
     item_counter,
     masks_targets,
     proportional,
     warn_masked_means,
+    warn_uncounted,
     warned,
     weights_of,
 )
@@ -43,7 +47,7 @@ from pipesched.runtime.compat.internals import (
 )
 
 __all__ = [
-    "coupled_flags", "coupled_paths", "masked_weights", "output_paths", "warn_coupled",
+    "Weighing", "coupled_flags", "coupled_paths", "masked_weights", "output_paths", "warn_coupled",
     "warn_uneven_targets",
 ]  # fmt: skip
 
@@ -91,30 +95,50 @@ def coupled_flags(traced: TracedModel, summed: bool = False) -> tuple[bool, ...]
     )
 
 
+class Weighing(NamedTuple):
+    """How a loss's mean over the targets it keeps is rebuilt from its micro-batches'."""
+
+    weights: list[float] | None
+    """What the micro-batches weigh by; None where nothing rebuilds it (see
+    :func:`~pipesched.pipeline.checks.masked_means.weights_of`)."""
+    kept: list[float]
+    """The counts of kept targets (NaN: not known here), shown in warnings."""
+    uncounted: bool
+    """Whether a term's targets are counted only in the run (:class:`Uncounted`):
+    weighed as rows, to be told."""
+
+
 def masked_weights(
     traced: TracedModel, micro: Sequence[Any], rows: Sequence[int]
-) -> dict[int, tuple[list[float] | None, list[float]]]:
+) -> dict[int, Weighing]:
     """Per 0-dim output that is a loss's mean over the targets it keeps (its index in
-    ``traced.outputs``): what its micro-batches (``micro``: their stage-0 inputs, of
-    ``rows`` rows) weigh by, None where nothing rebuilds it (see
-    :func:`~pipesched.pipeline.checks.masked_means.weights_of`), and the counts of
-    kept targets. Empty (and nothing run) for a model with none."""
+    ``traced.outputs``), how its micro-batches (``micro``: their stage-0 inputs, of
+    ``rows`` rows) weigh. Empty (and nothing run) for a model with none."""
     masked = _found(traced)[2]
     if not masked:
         return {}
-    counters = list(dict.fromkeys(w for ws in masked.values() for w in ws if w is not ROWS))
-    leaves = [traced.input_leaves(inputs) for inputs in micro]
-    counted = [c.count(traced, one) for c in counters for one in leaves]
-    read = torch.stack([t.to(counted[0].device, torch.float64) for t in counted]).tolist()
-    m = len(leaves)
-    counts = {c: read[k * m : (k + 1) * m] for k, c in enumerate(counters)}
+    m = len(micro)
+    unknown = [math.nan] * m
+    counters = list(dict.fromkeys(w for ws in masked.values() for w in ws if _counts(w)))
+    counts: dict[Any, list[float]] = {w: unknown for ws in masked.values() for w in ws}
+    if counters:
+        leaves = [traced.input_leaves(inputs) for inputs in micro]
+        counted = [c.count(traced, one) for c in counters for one in leaves]
+        read = torch.stack([t.to(counted[0].device, torch.float64) for t in counted]).tolist()
+        counts |= {c: read[k * m : (k + 1) * m] for k, c in enumerate(counters)}
     found = {}
     for i, weighers in masked.items():
-        counted = [counts[w] for w in weighers if w is not ROWS]  # shown: an uneven one first
+        counted = [counts[w] for w in weighers if _counts(w)]  # shown: an uneven one first
         counted.sort(key=lambda c: proportional(c, rows))
         shown = counted[0] if counted else [float(r) for r in rows]
-        found[i] = (weights_of(weighers, counts, rows), shown)
+        uncounted = any(isinstance(w, Uncounted) for w in weighers)
+        found[i] = Weighing(weights_of(weighers, counts, rows), shown, uncounted)
     return found
+
+
+def _counts(weigher: Any) -> bool:
+    """Whether ``weigher`` is counted before the run (not ROWS, not :class:`Uncounted`)."""
+    return isinstance(weigher, ItemCounter)
 
 
 def warn_uneven_targets(
@@ -127,7 +151,9 @@ def warn_uneven_targets(
         return
     if found := masked_weights(traced, micro, rows):
         paths = output_paths(traced)
-        warn_masked_means(pipe, {paths[i]: f for i, f in found.items()}, rows)
+        warn_uncounted(pipe, [paths[i] for i, f in found.items() if f.uncounted], rows, "the step")
+        counted = {paths[i]: (f.weights, f.kept) for i, f in found.items() if not f.uncounted}
+        warn_masked_means(pipe, counted, rows)
 
 
 def output_paths(traced: TracedModel) -> list[str]:
@@ -254,7 +280,7 @@ def _pooling(
             reduction = given.get("reduction")  # a loss: 1 a mean, 2 a sum (ATen's enum)
             if masks_targets(node, given):  # a mean over the targets it keeps
                 counter = item_counter(traced, node, given)
-                if counter is None:  # targets the model computes: taken to skip none
+                if counter is None:  # it keeps every target: a mean over the rows
                     return _MEAN
                 counters[node] = frozenset({counter})
                 return _MASKED

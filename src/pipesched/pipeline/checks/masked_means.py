@@ -6,14 +6,16 @@ padding, a micro-batch's share of the batch's mean is its count over the batch's
 not its rows over the batch's rows. The target is computed from the inputs (a
 Hugging Face causal LM shifts its labels inside the model), so the operations
 between the inputs and the target are run again on each micro-batch's inputs:
-a few index operations, no layer. Targets the model computes from its
-parameters (pseudo-labels) cannot be counted before the run; they are taken to
-skip none, a mean over the rows.
+a few index operations, no layer. Indices the model computes (a teacher's
+argmax) are never a negative ``ignore_index``: a mean over the rows. Other
+targets computed from its parameters (pseudo-labels with padding kept) cannot
+be counted before the run: weighed by rows, and told (:class:`Uncounted`).
 """
 
 from __future__ import annotations
 
 import math
+import operator
 import threading
 import weakref
 from collections.abc import Sequence
@@ -28,8 +30,8 @@ from pipesched.partition.trace import TracedModel
 from pipesched.runtime.compat.internals import OpOverload, op_schema
 
 __all__ = [
-    "ROWS", "ItemCounter", "divisor_counter", "item_counter", "masks_targets", "proportional",
-    "warn_masked_means", "warned", "weights_of",
+    "ROWS", "ItemCounter", "Uncounted", "divisor_counter", "item_counter", "masks_targets",
+    "proportional", "warn_masked_means", "warn_uncounted", "warned", "weights_of",
 ]  # fmt: skip
 
 _LOSSES = frozenset(
@@ -39,6 +41,18 @@ _LOSSES = frozenset(
     }
 )  # fmt: skip
 """Losses whose mean divides by the count (or weight) of the targets they keep."""
+
+_INDICES = frozenset({"argmax", "argmin", "argsort", "multinomial"})
+"""Operations whose value is indices, never negative (and the second value of these:)."""
+_INDICES_SECOND = frozenset({"topk", "sort", "max", "min", "kthvalue", "mode"})
+_SHAPES = frozenset(
+    {
+        "view", "_unsafe_view", "reshape", "flatten", "clone", "contiguous", "slice", "select",
+        "squeeze", "unsqueeze", "permute", "transpose", "t", "expand", "alias", "detach",
+        "_to_copy", "to", "lift_fresh_copy",
+    }
+)  # fmt: skip
+"""Operations that move or copy a tensor's values: indices stay non-negative."""
 
 ROWS = "rows"
 """What a mean over the samples is weighed by: their rows (a counter's mean, by its counts)."""
@@ -101,6 +115,19 @@ class ItemCounter:
             return (weight[target.masked_fill(~kept, 0)] * kept).sum()
 
 
+@dataclass(frozen=True, eq=False)
+class Uncounted:
+    """A loss's mean over targets the model computes from its parameters (pseudo-labels
+    that keep the labels' padding): how many a micro-batch keeps shows only in its run,
+    so its value is weighed by rows and the weighing told (:func:`warn_uncounted`).
+
+    Args:
+        loss: the loss's node.
+    """
+
+    loss: fx.Node
+
+
 def _state(traced: TracedModel, kind: str, name: str) -> torch.Tensor:
     if kind == "buffer":
         return traced.model.get_buffer(name)
@@ -122,20 +149,48 @@ def masks_targets(node: fx.Node, given: dict[str, Any]) -> bool:
     )
 
 
-def item_counter(traced: TracedModel, node: fx.Node, given: dict[str, Any]) -> ItemCounter | None:
-    """The counter of loss ``node``'s mean (one :func:`masks_targets` holds for), or None
-    where its target cannot be computed from the inputs alone (it reads a parameter:
-    pseudo-labels; or draws random numbers). Class weights may be parameters."""
+def item_counter(
+    traced: TracedModel, node: fx.Node, given: dict[str, Any]
+) -> ItemCounter | Uncounted | None:
+    """The counter of loss ``node``'s mean (one :func:`masks_targets` holds for); None
+    where it keeps every target (indices the model computes, a negative ``ignore_index``:
+    a mean over the rows); :class:`Uncounted` where its target cannot be computed from
+    the inputs alone (it reads a parameter: pseudo-labels; or draws random numbers).
+    Class weights may be parameters."""
     target, weight = given.get("target"), given.get("weight")
-    if not isinstance(target, fx.Node) or not (weight is None or isinstance(weight, fx.Node)):
+    ignore_index = int(given.get("ignore_index", -100))
+    if weight is None and ignore_index < 0 and _indices(target):
         return None
+    if not isinstance(target, fx.Node) or not (weight is None or isinstance(weight, fx.Node)):
+        return Uncounted(node)
     needed = _path(traced, target, parameters=False)
     weights = set() if weight is None else _path(traced, weight, parameters=True)
     if needed is None or weights is None:
-        return None
+        return Uncounted(node)
     needed |= weights
     order = [n for n in traced.state if n in needed] + [n for n in traced.ops if n in needed]
-    return ItemCounter(tuple(order), target, weight, int(given.get("ignore_index", -100)))
+    return ItemCounter(tuple(order), target, weight, ignore_index)
+
+
+def _indices(node: Any) -> bool:
+    """Whether ``node``'s values are indices an operation computed (never negative)."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target is operator.getitem:
+            source, k = node.args[0], node.args[1]
+            second = isinstance(k, int) and k == 1
+            return second and isinstance(source, fx.Node) and _op_name(source) in _INDICES_SECOND
+        name = _op_name(node)
+        if name in _INDICES:
+            return True
+        if name not in _SHAPES or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _op_name(node: fx.Node) -> str | None:
+    op = node.target
+    return op_schema(op).name.split("::")[-1] if isinstance(op, OpOverload) else None
 
 
 def divisor_counter(traced: TracedModel, divisor: fx.Node) -> ItemCounter | None:
@@ -248,5 +303,37 @@ def warn_masked_means(
         "weight=, their summed class weights)> to the step, for a model that honours it "
         "(guide: 'A model that computes its own loss'), or compute the summed loss from the "
         "logits in loss_fn (reduction='sum') and pass num_items=. Shown once per Pipeline",
+        BatchCoupledWarning,
+    )
+
+
+_uncounted_told: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def warn_uncounted(key: Any, paths: Sequence[str], rows: Sequence[int], call: str) -> None:
+    """Warns once per ``key`` (a Pipeline, or the trace ``pipe(x)`` runs) where outputs
+    ``paths`` are means over targets counted only in the run (:class:`Uncounted`), so
+    ``call`` (``"pipe(x)"``, ``"the step"``) weighs their micro-batches by ``rows``."""
+    if not paths or len(rows) < 2:
+        return
+    with _lock:
+        if key in _uncounted_told:
+            return
+        _uncounted_told.add(key)
+    fix = (
+        "compute the loss from the outputs (logits) on the whole batch outside the model"
+        if call == "pipe(x)"
+        else "compute the summed loss in loss_fn (reduction='sum') and pass num_items=<the "
+        "batch's kept targets> to the step, or return it from the model under "
+        "num_items_in_batch=1 (guide: 'A model that computes its own loss')"
+    )
+    warn_user(
+        f"{call}: output{paths[0]} of the model is a mean over the targets its loss keeps "
+        "(a cross-entropy's reduction='mean' skips ignore_index, -100 by default), and the "
+        "model computes those targets from its parameters (pseudo-labels), so how many each "
+        f"micro-batch keeps shows only in its run: the values of the micro-batches of {list(rows)} "
+        "rows are weighed by their rows. That is the plain model's value on the batch only "
+        "where each micro-batch keeps targets in proportion to its rows (no padding among "
+        f"them). Fix: {fix}. Shown once per Pipeline",
         BatchCoupledWarning,
     )
