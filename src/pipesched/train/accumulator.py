@@ -8,7 +8,6 @@ unscaled, checked, clipped, stepped, scheduled and zeroed, each once.
 
 from __future__ import annotations
 
-import inspect
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -20,15 +19,13 @@ import torch
 from pipesched.errors import (
     CheckpointError,
     ConfigError,
-    ConfigTypeError,
     PipeschedWarning,
     RemoteError,
-    check_number,
-    check_positive_int,
     warn_user,
 )
 from pipesched.runtime import batch_size, deferred_interrupts, replaced_parameters, replacement
 from pipesched.train import checkpointing
+from pipesched.train.arguments import checked_arguments
 from pipesched.train.gradients import all_finite, clip_to_, scaled
 from pipesched.train.loss_scale import LossScale
 from pipesched.train.result import StepResult, log_line
@@ -75,33 +72,10 @@ class GradientAccumulator:
         scaler: Any = None,
         lr_scheduler: Any = None,
     ) -> None:
-        check_positive_int("accumulation_steps", accumulation_steps)
-        if max_grad_norm is not None:
-            check_number("max_grad_norm", max_grad_norm, "a number or None")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ConfigError(
-                f"max_grad_norm must be > 0, got {max_grad_norm!r}; use None to not clip"
-            )
-        self.pipe = pipe
-        self.optimizers = list(optimizer) if isinstance(optimizer, Sequence) else [optimizer]
-        if not self.optimizers:
-            raise ConfigError("optimizer is an empty list; give one optimizer or one per stage")
-        for k, opt in enumerate(self.optimizers):
-            if not isinstance(opt, torch.optim.Optimizer):
-                where = "optimizer" if len(self.optimizers) == 1 else f"optimizer[{k}]"
-                raise ConfigTypeError(
-                    f"{where} must be a torch.optim.Optimizer, got {type(opt).__name__} "
-                    f"{opt!r}; e.g. torch.optim.SGD(pipe.parameters(), lr=0.1)"
-                )
-        _check_optimizers_train(pipe, self.optimizers)
-        self.schedulers = (
-            []
-            if lr_scheduler is None
-            else list(lr_scheduler)
-            if isinstance(lr_scheduler, Sequence)
-            else [lr_scheduler]
+        self.optimizers, self.schedulers = checked_arguments(
+            pipe, optimizer, accumulation_steps, max_grad_norm, lr_scheduler
         )
-        _check_schedulers(self.schedulers)
+        self.pipe = pipe
         self.accumulation_steps = accumulation_steps
         self.max_grad_norm = max_grad_norm
         self.loss_scale = LossScale(scaler, list(pipe.devices))
@@ -534,56 +508,6 @@ class GradientAccumulator:
         self.position, self._items, self._samples = position, items, samples
         self._loss_sum, self._scale = loss_sum, scale
         self._rows = list(step_rows)
-
-
-def _check_optimizers_train(pipe: Pipeline, optimizers: list[torch.optim.Optimizer]) -> None:
-    """Raises ConfigError for an optimizer that holds parameters, none of them the pipeline's.
-
-    Why: such an optimizer (built over a copy of the model, or another model) steps
-    nothing the pipeline trains, and the run would go on silently untrained.
-    """
-    ours = {id(p) for p in pipe.parameters()}
-    for k, optimizer in enumerate(optimizers):
-        held = [p for group in optimizer.param_groups for p in group["params"]]
-        if held and not any(id(p) in ours or id(replacement(p)) in ours for p in held):
-            where = "optimizer" if len(optimizers) == 1 else f"optimizer[{k}]"
-            raise ConfigError(
-                f"{where} holds {len(held)} parameters, none of them this pipeline's "
-                "(pipe.parameters()): it would step nothing the pipeline trains. Build it "
-                "over pipe.parameters() (one built over a copy of the model, e.g. after "
-                "copy.deepcopy, holds the copy's)"
-            )
-
-
-def _check_schedulers(schedulers: list[Any]) -> None:
-    """Raises ConfigError for a scheduler the window end cannot step with no argument.
-
-    Why before the first window: ``ReduceLROnPlateau.step(metrics)`` raised at every
-    window end, and the retried end (``acc.flush()``) raised again, for good.
-    """
-    for k, scheduler in enumerate(schedulers):
-        where = "lr_scheduler" if len(schedulers) == 1 else f"lr_scheduler[{k}]"
-        step = getattr(scheduler, "step", None)
-        if not callable(step):
-            raise ConfigTypeError(
-                f"{where} must have a step() method (a torch.optim.lr_scheduler), got "
-                f"{type(scheduler).__name__} {scheduler!r}"
-            )
-        try:
-            needs = [
-                p.name
-                for p in inspect.signature(step).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):  # no signature to read (a builtin): let it run
-            needs = []
-        if needs:
-            raise ConfigError(
-                f"{where} ({type(scheduler).__name__}) steps with {', '.join(needs)} "
-                f"(step({', '.join(needs)})), and the window end steps schedulers with no "
-                "argument: leave it out of lr_scheduler= and step it yourself, e.g. "
-                f"`if result.stepped: scheduler.step({needs[0]})` after acc.step"
-            )
 
 
 @dataclass(frozen=True)
