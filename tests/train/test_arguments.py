@@ -61,3 +61,10 @@ def test_a_scheduler_stepped_with_a_metric_is_refused_with_the_way_to_step_it() 
     if result.stepped:
         plateau.step(result.window_loss)
     assert opt.param_groups[0]["lr"] == pytest.approx(0.05)
+
+
+def test_an_optimizer_stepped_with_a_closure_is_refused_before_the_first_window():
+    """LBFGS raised torch's "missing closure" at every window end, and every retry (flush)."""
+    pipe = _pipe()
+    with pytest.raises(ConfigError, match=r"optimizer \(LBFGS\) steps with closure"):
+        GradientAccumulator(pipe, torch.optim.LBFGS(pipe.parameters()), accumulation_steps=2)

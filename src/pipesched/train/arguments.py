@@ -45,6 +45,15 @@ def checked_arguments(
                 f"{opt!r}; e.g. torch.optim.SGD(pipe.parameters(), lr=0.1)"
             )
     _check_optimizers_train(pipe, optimizers)
+    for k, opt in enumerate(optimizers):
+        if needs := _needs(type(opt).step)[1:]:  # (the class's: a scheduler wraps opt.step)
+            where = "optimizer" if len(optimizers) == 1 else f"optimizer[{k}]"
+            raise ConfigError(
+                f"{where} ({type(opt).__name__}) steps with {', '.join(needs)} "
+                f"(step({', '.join(needs)}): it evaluates the model again itself), and the "
+                "window end steps optimizers with no argument, once per window of "
+                "pipeline steps: use an optimizer that steps without one (SGD, AdamW, ...)"
+            )
     schedulers = (
         []
         if lr_scheduler is None
@@ -89,18 +98,20 @@ def _check_schedulers(schedulers: list[Any]) -> None:
                 f"{where} must have a step() method (a torch.optim.lr_scheduler), got "
                 f"{type(scheduler).__name__} {scheduler!r}"
             )
-        try:
-            needs = [
-                p.name
-                for p in inspect.signature(step).parameters.values()
-                if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-            ]
-        except (TypeError, ValueError):  # no signature to read (a builtin): let it run
-            needs = []
-        if needs:
+        if needs := _needs(step):
             raise ConfigError(
                 f"{where} ({type(scheduler).__name__}) steps with {', '.join(needs)} "
                 f"(step({', '.join(needs)})), and the window end steps schedulers with no "
                 "argument: leave it out of lr_scheduler= and step it yourself, e.g. "
                 f"`if result.stepped: scheduler.step({needs[0]})` after acc.step"
             )
+
+
+def _needs(step: Any) -> list[str]:
+    """The arguments ``step`` cannot be called without (none where it has no signature)."""
+    try:
+        parameters = inspect.signature(step).parameters.values()
+    except (TypeError, ValueError):  # no signature to read (a builtin): let it run
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in parameters if p.default is p.empty and p.kind in kinds]
