@@ -449,7 +449,7 @@ class Pipeline(Shadowing, Pinned):
         if stages.unloaded is not None:
             stages.unloaded.check("pipe(x)")
         rows = [batch_size(m) for m in micro]
-        warn_micro_batch_norm(self, rows)
+        warn_micro_batch_norm(self, rows, stages.cut.traced)
         step = StepInputs(micro, checkpoint_stop=self._plan.stage_stops(len(micro)))
         result = engine.run(self.schedule_for(len(micro)), step, detach=False)
         self.last_timeline = result.timeline

@@ -217,3 +217,38 @@ def test_which_layers_count():
     model.eval()
     assert micro_batch_norms(model) == ["7"]
     assert micro_batch_norms(nn.BatchNorm1d(2)) == ["BatchNorm1d"]
+
+
+class OwnBatchNorm(nn.Module):
+    """Normalizes with F.batch_norm itself, beside a BatchNorm layer in a block."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.head = nn.Linear(3, 4), nn.Linear(4, 2)
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+        self.register_buffer("mean", torch.zeros(4))
+        self.register_buffer("var", torch.ones(4))
+
+    def forward(self, x):
+        h = nn.functional.batch_norm(self.first(x), self.mean, self.var, training=self.training)
+        return self.head(self.block(h))
+
+
+def test_a_traced_models_own_batch_norm_call_is_told_and_true(fp64):
+    """Before, silent: only BatchNorm layers were counted."""
+    x, y = data(8)
+    model = OwnBatchNorm()
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(model, 2, devices=CPUS)
+    with torch.no_grad():
+        (caught,) = recorded(lambda: pipe(x))
+        out = pipe(x)
+        per_micro_batch = torch.cat([copy.deepcopy(plain)(x[:4]), copy.deepcopy(plain)(x[4:])])
+        torch.testing.assert_close(out, per_micro_batch)  # what it tells of
+        assert not torch.allclose(out, plain(x))
+    message = str(caught.message)
+    assert message.startswith("BatchNorm 2 layers (block.1, OwnBatchNorm)")
+    assert "OwnBatchNorm calls batch_norm in training mode itself" in message
+    evaluating = Pipeline(copy.deepcopy(plain).eval(), 2, devices=CPUS)
+    with torch.no_grad():
+        assert recorded(lambda: evaluating(x)) == []  # running statistics: per sample

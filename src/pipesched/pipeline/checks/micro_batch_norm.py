@@ -3,7 +3,9 @@
 A training-mode BatchNorm computes statistics over one micro-batch, unlike the plain
 model; that one departure is said once, at the first step where it happens.
 :class:`~pipesched.DeferredBatchNorm` and eval-mode BatchNorms with running
-statistics do not count. Why a warning and not an error: it is how GPipe trains.
+statistics do not count; a traced model's own training-mode ``F.batch_norm`` call
+(no BatchNorm layer) does, read from its export. Why a warning and not an error: it
+is how GPipe trains.
 """
 
 from __future__ import annotations
@@ -16,6 +18,8 @@ from torch import nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from pipesched.errors import MicroBatchNormWarning, warn_user
+from pipesched.partition.trace import TracedModel
+from pipesched.runtime.compat.internals import OpOverload, op_schema
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm, is_plain_batch_norm
 
 __all__ = ["MicroBatchNormWarning", "micro_batch_norms", "warn_micro_batch_norm"]
@@ -46,7 +50,39 @@ def micro_batch_norms(module: nn.Module) -> list[str]:
     ]
 
 
-def warn_micro_batch_norm(pipeline: nn.Module, rows: Sequence[int]) -> None:
+def functional_batch_norms(traced: TracedModel) -> list[str]:
+    """Where a traced model normalizes over the batch by a call of its own: the modules
+    (their paths; the model's type for its own forward) whose code runs a training-mode
+    batch norm outside any BatchNorm layer (``F.batch_norm(h, rm, rv, training=True)``).
+
+    Read from the export's operations by their ``training`` argument, whatever the
+    module's class: a BatchNorm layer's own call is :func:`micro_batch_norms`' to count.
+    """
+    found: dict[str, None] = {}
+    for node in traced.ops:
+        op = node.target
+        if not isinstance(op, OpOverload) or "batch_norm" not in op_schema(op).name:
+            continue
+        names = [a.name for a in op_schema(op).arguments]
+        if "training" not in names:  # (the no-training variants)
+            continue
+        k = names.index("training")
+        if (node.args[k] if k < len(node.args) else node.kwargs.get("training")) is not True:
+            continue
+        stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values()]
+        owner = stack[-1] if stack else ""
+        try:
+            module = traced.model.get_submodule(owner)
+        except AttributeError:
+            module = None
+        if not isinstance(module, _BatchNorm):
+            found[owner or type(traced.model).__name__] = None
+    return list(found)
+
+
+def warn_micro_batch_norm(
+    pipeline: nn.Module, rows: Sequence[int], traced: TracedModel | None = None
+) -> None:
     """Warns once per ``pipeline`` if this step's BatchNorms normalize micro-batches.
 
     Call at the start of every step (training or forward) with the row count
@@ -60,10 +96,13 @@ def warn_micro_batch_norm(pipeline: nn.Module, rows: Sequence[int]) -> None:
         pipeline: the pipeline (its layers carry the plain model's names); its
             ``chunks`` attribute, if any, is quoted in the message.
         rows: the rows of each micro-batch of this step.
+        traced: the trace this step runs, for a model's own batch norm calls
+            (:func:`functional_batch_norms`).
     """
     if len(rows) < 2 or pipeline in _warned:
         return
-    names = micro_batch_norms(pipeline)
+    functional = [] if traced is None else functional_batch_norms(traced)
+    names = micro_batch_norms(pipeline) + functional
     if not names:
         return
     with _lock:
@@ -71,8 +110,8 @@ def warn_micro_batch_norm(pipeline: nn.Module, rows: Sequence[int]) -> None:
             return
         _warned.add(pipeline)
     chunks = getattr(pipeline, "chunks", len(rows))
-    own = [n for n in names if not is_plain_batch_norm(_layer(pipeline, n))]
-    warn_user(_message(names, own, list(rows), chunks), MicroBatchNormWarning)
+    own = [n for n in names if n not in functional and not is_plain_batch_norm(_layer(pipeline, n))]
+    warn_user(_message(names, own, functional, list(rows), chunks), MicroBatchNormWarning)
 
 
 def _layer(pipeline: nn.Module, name: str) -> nn.Module:
@@ -88,10 +127,15 @@ def _normalizes_batch(layer: nn.Module) -> bool:
     return layer.training or (layer.running_mean is None and layer.running_var is None)
 
 
-def _message(names: list[str], own: list[str], rows: list[int], chunks: int) -> str:
-    shown = ", ".join(names[:_SHOWN_NAMES])
-    if len(names) > _SHOWN_NAMES:
-        shown += f" and {len(names) - _SHOWN_NAMES} more"
+def _listed(names: list[str]) -> str:
+    more = len(names) - _SHOWN_NAMES
+    return ", ".join(names[:_SHOWN_NAMES]) + (f" and {more} more" if more > 0 else "")
+
+
+def _message(
+    names: list[str], own: list[str], functional: list[str], rows: list[int], chunks: int
+) -> str:
+    shown = _listed(names)
     layers = "layer" if len(names) == 1 else f"{len(names)} layers"
     verb = "normalizes" if len(names) == 1 else "normalize"
     low, high = min(rows), max(rows)
@@ -99,14 +143,19 @@ def _message(names: list[str], own: list[str], rows: list[int], chunks: int) -> 
     count = "" if len(rows) == chunks else f": {len(rows)} micro-batches"
     subclasses = ""
     if own:
-        listed = ", ".join(own[:_SHOWN_NAMES]) + (
-            f" and {len(own) - _SHOWN_NAMES} more" if len(own) > _SHOWN_NAMES else ""
-        )
         subclasses = (
-            f" {listed} {'runs its' if len(own) == 1 else 'run their'} own forward (a BatchNorm "
-            "subclass): deferred_batch_norm=True leaves such a layer as it is, so its running "
-            "statistics move once per micro-batch whatever that option; for the whole batch's, "
+            f" {_listed(own)} {'runs its' if len(own) == 1 else 'run their'} own forward "
+            "(a BatchNorm subclass): deferred_batch_norm=True leaves such a layer as it is, "
+            "so its running statistics move once per micro-batch whatever that option; for "
+            "the whole batch's, "
             "run it with chunks=1 or give it torch's BatchNorm forward."
+        )
+    if functional:
+        subclasses += (
+            f" {_listed(functional)} {'calls' if len(functional) == 1 else 'call'} "
+            "batch_norm in training mode itself (F.batch_norm, no BatchNorm layer): "
+            "deferred_batch_norm=True does not reach such a call; for the whole batch's "
+            "statistics, use an nn.BatchNorm layer with deferred_batch_norm=True or chunks=1."
         )
     return (
         f"BatchNorm {layers} ({shown}) {verb} over micro-batches of {size} "

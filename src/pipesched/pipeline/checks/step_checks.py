@@ -77,7 +77,7 @@ class StepChecks:
         """Tells what the cut ``stages`` show, starts watching buffers; returns how many
         last-stage outputs the run should keep for :meth:`after_run`."""
         pipe, batches, m = self.pipe, self.batches, self.m
-        warn_micro_batch_norm(pipe, batches.rows)
+        warn_micro_batch_norm(pipe, batches.rows, stages.cut.traced)
         warn_gradient_hooks(pipe, m)
         traced = stages.cut.traced
         if m > 1 and traced is not None:
