@@ -24,6 +24,11 @@ from torch.export.graph_signature import InputKind, OutputKind
 
 from pipesched.errors import ConfigTypeError, PartitionError
 from pipesched.partition.call import Call
+from pipesched.partition.dropped_hooks import (
+    backward_hooked,
+    recording_tensor_hooks,
+    warn_dropped_hooks,
+)
 from pipesched.partition.grad_regions import inline_grad_regions
 from pipesched.partition.materialize import on_meta
 from pipesched.partition.sizes import Dims, input_dims, refusal
@@ -202,14 +207,16 @@ def trace_model(model: nn.Module, example_inputs: tuple[Any, ...] | Call) -> Tra
     try:
         if forward is not None:
             model.forward = forward
-        program = torch.export.export(
-            model, call.args, call.kwargs, dynamic_shapes=dynamic, strict=False
-        )
+        with recording_tensor_hooks() as sites:
+            program = torch.export.export(
+                model, call.args, call.kwargs, dynamic_shapes=dynamic, strict=False
+            )
     except Exception as error:
         raise PartitionError(_describe_failure(model, error)) from error
     finally:
         if forward is not None:
             del model.forward
+    warn_dropped_hooks(model, backward_hooked(model), sites)
     return _read(model, program, len(call.args), tuple(call.kwargs), tuple(fixed))
 
 

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from pipesched.errors import ConfigError
+from pipesched.partition.dropped_hooks import distributed_hook
 
 __all__ = ["ModelPrint"]
 
@@ -110,7 +111,7 @@ def _python(module: nn.Module, read: dict[int, dict[str, Any]]) -> tuple[Any, ..
     public scalar attributes (its mode apart: the pipeline follows ``train()``/``eval()``;
     the hooks of torch.distributed apart: sharding data parallel registers them itself)."""
     hooks = tuple(
-        tuple(id(f) for f in getattr(module, h).values() if not _sharding(f)) for h in _HOOKS
+        tuple(id(f) for f in getattr(module, h).values() if not distributed_hook(f)) for h in _HOOKS
     )
     scalars = {}
     for k, v in vars(module).items():
@@ -129,13 +130,6 @@ def _python(module: nn.Module, read: dict[int, dict[str, Any]]) -> tuple[Any, ..
                 }
             scalars[k] = settings
     return hooks, vars(module).get("forward"), scalars
-
-
-def _sharding(hook: Any) -> bool:
-    """Whether ``hook`` is torch.distributed's (FSDP2's, which a mesh's sharding adds)."""
-    function = getattr(hook, "func", hook)  # a functools.partial's function
-    function = getattr(function, "__func__", function)  # a bound method's
-    return str(getattr(function, "__module__", "")).startswith("torch.distributed")
 
 
 def _flat(scalars: dict[str, Any]) -> dict[str, Any]:
