@@ -6,6 +6,8 @@ when transformers is not installed; the U-Net-like CNN needs nothing.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -222,6 +224,43 @@ def test_a_string_the_model_returns_comes_back_as_itself(tag):
         out = pipe(x, mask)
     assert out["kind"] == tag and isinstance(out["kind"], str)
     torch.testing.assert_close(out["out"], model(x, mask)["out"], rtol=0, atol=1e-15)
+
+
+class _ReturnsItsState(nn.Module):
+    """Returns its own parameter and buffer beside its output (a temperature, a mask)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 2)
+        self.scale = nn.Parameter(torch.tensor([1.5, -0.5]))
+        self.register_buffer("offset", torch.arange(2.0))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.b(torch.tanh(self.a(x))) + self.offset, self.scale, self.offset
+
+
+def test_a_parameter_or_buffer_the_model_returns_comes_back_as_itself_and_trains(fp64):
+    """Before, a KeyError from the last stage on every call."""
+    torch.manual_seed(0)
+    model = _ReturnsItsState()
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    pipe = Pipeline(model, 2, devices=["cpu", "cpu"])
+    with torch.no_grad():
+        out, scale, offset = pipe(x)
+    assert scale is model.scale and offset is model.offset
+    torch.testing.assert_close(out, plain(x)[0], rtol=1e-12, atol=0)
+
+    def loss_fn(outputs, target):
+        out, scale, _ = outputs
+        return nn.functional.mse_loss(out * scale, target)
+
+    loss = pipe.step(x, y, loss_fn=loss_fn)
+    expected = loss_fn(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    for name, p in plain.named_parameters():
+        torch.testing.assert_close(model.get_parameter(name).grad, p.grad, rtol=1e-10, atol=1e-14)
 
 
 class _SpectralNet(nn.Module):

@@ -161,6 +161,9 @@ class TracedStage(nn.Module):
         self._snapshots = frozenset(snapshots)
         self._outputs = tuple(outputs)
         self._mode_checks = tuple(mode_checks)
+        named = {v.name for v in self._outputs if isinstance(v, ValueName)}
+        # Outputs that are the model's own state (``return out, self.scale``): read at each call.
+        self._state_outputs = {n.name: ref for n, ref in traced.state.items() if n.name in named}
 
     @property
     def random_ops(self) -> nn.Module | None:
@@ -238,7 +241,9 @@ class TracedStage(nn.Module):
         )
         env = {**env, **dict(zip(self._produced, values, strict=True))}
         if self._sends is None:
-            leaves = [env[v.name] if isinstance(v, ValueName) else v for v in self._outputs]
+            leaves = [
+                self._output(env, v) if isinstance(v, ValueName) else v for v in self._outputs
+            ]
             return pytree.tree_unflatten(leaves, self._traced.out_spec)
         # Why copies of values sharing a buffer's data: this stage updates the buffer again
         # for the next micro-batch, maybe before the next stage reads this one's value.
@@ -246,6 +251,18 @@ class TracedStage(nn.Module):
             name: _snapshot(env[name]) if name in self._snapshots else _carry(env[name])
             for name in self._sends
         }
+
+    def _output(self, env: dict[str, Any], value: ValueName) -> Any:
+        """An output's value: computed here, or the model's own parameter, buffer or
+        constant (the object itself, as the plain model returns it)."""
+        ref = self._state_outputs.get(value.name)
+        if ref is None or value.name in env:
+            return env[value.name]
+        if ref.kind == "parameter":
+            return self._traced.model.get_parameter(ref.name)
+        if ref.kind == "buffer":
+            return self._traced.model.get_buffer(ref.name)
+        return self._traced.constant(ref.name)
 
     def _first_inputs(self) -> Iterator[str]:
         return (node.name for node in self._traced.inputs)

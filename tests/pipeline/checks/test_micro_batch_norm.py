@@ -236,7 +236,7 @@ class OwnBatchNorm(nn.Module):
 
 def test_a_traced_models_own_batch_norm_call_is_told_and_true(fp64):
     """Before, silent: only BatchNorm layers were counted."""
-    x, y = data(8)
+    x, _ = data(8)
     model = OwnBatchNorm()
     plain = copy.deepcopy(model)
     pipe = Pipeline(model, 2, devices=CPUS)
