@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pipesched import ConfigError, PartitionError, Pipeline
+from pipesched import ConfigError, DeferredBatchNorm, PartitionError, Pipeline
 from pipesched.errors import RetraceWarning
 from tests.partition.models import UNet
 
@@ -147,7 +147,7 @@ def test_deferred_batch_norm_on_a_traced_model():
     plain, piped = UNet(norm=nn.BatchNorm2d), UNet(norm=nn.BatchNorm2d)
     piped.load_state_dict(plain.state_dict())
     pipe = Pipeline(piped, 4, example_inputs=(X,), devices=["cpu", "cpu"], deferred_batch_norm=True)
-    assert type(piped.down[0].norm).__name__ == "DeferredBatchNorm"
+    assert isinstance(piped.down[0].norm, DeferredBatchNorm)
     x = torch.randn(8, 3, 16, 16)
     pipe(x)
     plain(x)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,6 +12,7 @@ from hypothesis import strategies as st
 from torch import nn
 from torchgpipe.batchnorm import DeferredBatchNorm as TorchgpipeDeferredBatchNorm
 
+from pipesched import Pipeline
 from pipesched.errors import ConfigError
 from pipesched.runtime.stage.batchnorm import DeferredBatchNorm, commit_all
 from pipesched.runtime.stage.recompute import checkpoint
@@ -277,7 +281,8 @@ def test_convert_replaces_nested_batchnorms_and_keeps_their_state():
     assert type(model[5]) is nn.SyncBatchNorm
     for name in ("1", "2.1", "3", "4"):
         new, old = converted.get_submodule(name), originals[name]
-        assert type(new) is DeferredBatchNorm, name
+        assert isinstance(new, DeferredBatchNorm) and isinstance(new, type(old)), name
+        assert type(new).__name__ == f"Deferred{type(old).__name__}", name
         for attribute in ("num_features", "eps", "momentum", "affine", "track_running_stats"):
             assert getattr(new, attribute) == getattr(old, attribute), (name, attribute)
         assert new.training == old.training
@@ -291,7 +296,7 @@ def test_convert_replaces_nested_batchnorms_and_keeps_their_state():
 def test_convert_a_single_batchnorm_and_leave_deferred_ones():
     bn = nn.BatchNorm1d(3)
     deferred = DeferredBatchNorm.convert(bn)
-    assert type(deferred) is DeferredBatchNorm
+    assert isinstance(deferred, DeferredBatchNorm) and isinstance(deferred, nn.BatchNorm1d)
     assert deferred.weight is bn.weight
     assert DeferredBatchNorm.convert(deferred) is deferred
 
@@ -309,3 +314,28 @@ def test_commit_all_commits_every_deferred_batchnorm():
         model(micro)
     commit_all(model)
     assert [int(b) for name, b in model.named_buffers() if name.endswith("tracked")] == [1, 1]
+
+
+def test_a_converted_batchnorm_is_found_by_its_class_and_pickles():
+    """Before, a DeferredBatchNorm was no nn.BatchNorm1d: a loop freezing BatchNorms by
+    class, or leaving them out of weight decay, silently found none."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.ReLU(), nn.Linear(4, 2)).double()
+    plain = copy.deepcopy(model)
+    pipe = Pipeline(model, 2, balance=[2, 2], devices=["cpu"] * 2, deferred_batch_norm=True)
+    for m in (pipe, plain):  # freeze the BatchNorms, as fine-tuning code does
+        for layer in m.modules():
+            if isinstance(layer, nn.BatchNorm1d):
+                layer.eval()
+    assert sum(isinstance(layer, nn.BatchNorm1d) for layer in pipe.modules()) == 1
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    loss = pipe.step(x, y, loss_fn=nn.functional.mse_loss)
+    expected = nn.functional.mse_loss(plain(x), y)
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-12, atol=0)
+    torch.testing.assert_close(model[0].weight.grad, plain[0].weight.grad, rtol=1e-10, atol=0)
+    assert torch.equal(model[1].running_mean, plain[1].running_mean)  # frozen: unmoved
+    again = pickle.loads(pickle.dumps(model[1]))
+    assert type(again) is type(model[1]) and torch.equal(again.running_var, model[1].running_var)
+    with pytest.raises(ValueError, match="expected 2D or 3D input"):  # BatchNorm1d's own check
+        model[1](torch.randn(2, 4, 3, 3, dtype=torch.float64))

@@ -9,6 +9,7 @@ commits. Here: shifted two-pass sums merged by Chan's formula in float64.
 
 from __future__ import annotations
 
+import threading
 from typing import TypeGuard
 
 import torch
@@ -185,11 +186,14 @@ class DeferredBatchNorm(_BatchNorm):
         ``affine``, ``track_running_stats`` and the training mode, and takes
         over the very parameter and buffer tensors of the BatchNorm it
         replaces, so an optimizer built before the conversion still updates
-        them. Only a plain BatchNorm is replaced (:func:`is_plain_batch_norm`:
-        its ``forward`` is torch's): a subclass with a ``forward`` of its own
-        (timm's ``BatchNormAct2d`` normalizes, then applies an activation) is
-        left as it is, its code running as written, as are ``SyncBatchNorm``
-        and existing DeferredBatchNorms. Children are replaced in place, like
+        them. It is an instance of the BatchNorm's class too (a
+        ``DeferredBatchNorm2d`` is an ``nn.BatchNorm2d``), so code that finds
+        BatchNorms by class finds it. Only a plain BatchNorm is replaced
+        (:func:`is_plain_batch_norm`: its ``forward`` is torch's): a subclass
+        with a ``forward`` of its own (timm's ``BatchNormAct2d`` normalizes,
+        then applies an activation) is left as it is, its code running as
+        written, as are ``SyncBatchNorm`` and existing DeferredBatchNorms.
+        Children are replaced in place, like
         ``nn.SyncBatchNorm.convert_sync_batchnorm``.
 
         Args:
@@ -205,8 +209,9 @@ class DeferredBatchNorm(_BatchNorm):
 
         Example:
             >>> model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4))
-            >>> type(DeferredBatchNorm.convert(model)[1]).__name__
-            'DeferredBatchNorm'
+            >>> norm = DeferredBatchNorm.convert(model)[1]
+            >>> type(norm).__name__, isinstance(norm, nn.BatchNorm2d)
+            ('DeferredBatchNorm2d', True)
         """
         places: dict[int, list[str]] = {}
         for name, child in module.named_modules(remove_duplicate=False):
@@ -235,7 +240,7 @@ class DeferredBatchNorm(_BatchNorm):
                 "(num_features is not known yet); run one batch through the model first"
             )
         like = bn.running_mean if bn.running_mean is not None else bn.weight
-        replacement = cls(
+        replacement = _deferred_class(cls, type(bn))(
             bn.num_features,
             bn.eps,
             bn.momentum,
@@ -250,6 +255,32 @@ class DeferredBatchNorm(_BatchNorm):
             replacement.register_buffer(name, getattr(bn, name))
         replacement.train(bn.training)
         return replacement
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+_CLASSES_LOCK = threading.Lock()
+
+
+def _deferred_class(
+    deferred: type[DeferredBatchNorm], kind: type[_BatchNorm]
+) -> type[DeferredBatchNorm]:
+    """The class a BatchNorm of class ``kind`` becomes: ``deferred`` and ``kind`` both, so
+    code that finds BatchNorm layers by their class (``isinstance(m, nn.BatchNorm2d)``
+    to freeze them, or to leave them out of weight decay) still finds it; with
+    ``kind``'s input check. ``deferred`` itself for a class that builds otherwise
+    (an ``__init__`` of its own)."""
+    own_init = any("__init__" in vars(c) for c in kind.__mro__[: kind.__mro__.index(_BatchNorm)])
+    if own_init or issubclass(kind, deferred):
+        return deferred
+    with _CLASSES_LOCK:
+        made = _CLASSES.get((deferred, kind))
+        if made is None:
+            name = f"Deferred{kind.__name__}"
+            body = {"_check_input_dim": kind._check_input_dim, "__module__": __name__}
+            made = _CLASSES[(deferred, kind)] = type(name, (deferred, kind), body)
+            if deferred is DeferredBatchNorm and kind.__module__.startswith("torch.nn"):
+                globals()[name] = made  # torch's own classes: found again by pickle
+    return made
 
 
 def is_plain_batch_norm(module: nn.Module) -> TypeGuard[_BatchNorm]:
