@@ -205,6 +205,8 @@ def test_steps_after_an_interrupted_window_end_are_refused_until_it_is_retried_t
         _step(acc, 2)
     with pytest.raises(CheckpointError, match=r"acc\.flush\(\)"):
         acc.save(path)
+    with pytest.raises(CheckpointError, match=r"state_dict\(\).*acc\.flush\(\)"):
+        acc.state_dict()  # (before, it returned a state load_state_dict refuses)
     assert Path(path).read_bytes() == good and os.listdir(tmp_path) == ["ckpt.pt"]
     acc.flush()
     frozen = [p.detach().clone() for p in acc.pipe.parameters()]

@@ -413,7 +413,11 @@ class GradientAccumulator:
         their classes, checked on load), schedulers, scaler, RNG states,
         counters, and the window so far: its position, item and sample
         counts, loss, scale and accumulated gradients.
+
+        Raises:
+            CheckpointError: a failed window end is pending (:meth:`flush` it first).
         """
+        self._check_committed("state_dict")
         return checkpointing.accumulator_state(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
