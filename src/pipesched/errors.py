@@ -12,6 +12,7 @@ __all__ = [
     "ConfigTypeError",
     "GradientBackupError",
     "MicroBatchNormWarning",
+    "MissingDependencyError",
     "PartitionError",
     "PipeschedError",
     "PipeschedWarning",
@@ -108,6 +109,14 @@ class CheckpointError(PipeschedError, ValueError):
     Raised before anything was changed. The message names the file (when
     loading from a path), what does not fit and the fix; an unreadable file's
     own error is chained as ``__cause__``.
+    """
+
+
+class MissingDependencyError(PipeschedError, ImportError):
+    """An optional package a feature needs is not installed; the message names the extra.
+
+    Raised where the feature is asked for (``synthesize(..., solver="exact")``
+    without OR-Tools), not at import; the import's own error is ``__cause__``.
     """
 
 

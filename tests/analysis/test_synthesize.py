@@ -7,6 +7,7 @@ and makespans compare with ``==`` and ``<=`` without tolerance.
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 from hypothesis import given, settings
@@ -262,3 +263,13 @@ def test_effort_time_limit_and_odd_limits_are_checked():
         synthesize(2, 4, Costs(), memory_limit=float("nan"))
     unlimited = synthesize(2, 4, Costs(), memory_limit=float("inf"), effort=0)
     assert unlimited.simulate().makespan == synthesize(2, 4, Costs(), effort=0).simulate().makespan
+
+
+def test_the_exact_solver_without_or_tools_is_a_pipesched_error_naming_the_extra(monkeypatch):
+    """Before, a bare ImportError (the one error of the package outside PipeschedError)."""
+    from pipesched.errors import MissingDependencyError, PipeschedError
+
+    monkeypatch.setitem(sys.modules, "ortools.sat.python", None)  # import fails
+    with pytest.raises(MissingDependencyError, match=r"pipesched\[solver\]") as raised:
+        synthesize(2, 4, Costs(1, 1, 1), solver="exact")
+    assert isinstance(raised.value, ImportError) and isinstance(raised.value, PipeschedError)

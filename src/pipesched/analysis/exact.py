@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipesched.analysis.heuristic import Player, Problem, Rows
+from pipesched.errors import MissingDependencyError
 
 __all__ = ["SCALE", "ExactResult", "available", "solve"]
 
@@ -49,12 +50,12 @@ def solve(
         workers: CP-SAT search threads.
 
     Raises:
-        ImportError: OR-Tools is not installed.
+        MissingDependencyError: OR-Tools is not installed (an ImportError).
     """
     try:
         from ortools.sat.python import cp_model
     except ImportError as error:
-        raise ImportError(
+        raise MissingDependencyError(
             "the exact schedule synthesizer needs OR-Tools: pip install 'pipesched[solver]' "
             f"(or ortools), or use solver='heuristic' ({error})"
         ) from error
