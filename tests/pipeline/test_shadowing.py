@@ -93,3 +93,42 @@ def _dicts(value):
         yield value
         for v in value.values():
             yield from _dicts(v)
+
+
+class Shifted(nn.Module):
+    """A traced model with a parameter and a buffer of its own (not a layer's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.c = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.scale = nn.Parameter(torch.ones(6))
+        self.register_buffer("shift", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.tanh(self.a(x)) * self.scale + self.shift)
+
+
+@pytest.mark.parametrize("where", ["pipe.load_state_dict(assign=True)", "model.shift = t"])
+def test_a_models_own_tensor_assigned_on_either_side_is_the_one_run_and_saved(where):
+    """Before, silent: the Pipeline held its own dict of the model's top-level entries, so
+    an assigned tensor was saved but not run (or run but not saved)."""
+    torch.manual_seed(0)
+    model = Shifted()
+    pipe = Pipeline(model, 2, devices=["cpu"] * 2)
+    x = torch.randn(8, 4)
+    pipe(x)  # traced
+    shift, scale = torch.full((6,), 0.3), nn.Parameter(torch.full((6,), 2.0))
+    if where == "model.shift = t":
+        model.shift, model.scale = shift, scale
+    else:
+        state = {**pipe.state_dict(), "shift": shift, "scale": scale}
+        pipe.load_state_dict(state, assign=True)
+    assert pipe.state_dict(keep_vars=True)["shift"] is model.shift is shift
+    assert pipe.get_parameter("scale") is model.scale
+    plain = copy.deepcopy(model)
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), plain(x), rtol=1e-12, atol=0)
+    fresh = Shifted()
+    fresh.load_state_dict(pipe.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(fresh(x), plain(x), rtol=1e-12, atol=0)

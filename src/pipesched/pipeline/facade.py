@@ -220,6 +220,11 @@ class Pipeline(Shadowing, Pinned):
         if sequential:
             self._add_cut(example_inputs, None)
         else:  # the whole model's children, its own parameters and buffers, from now on
+            # Why the model's own dicts, not copies: a tensor assigned on either side
+            # (pipe.load_state_dict(sd, assign=True), model.shift = t) is the one the stages
+            # read and the one pipe.state_dict() saves. The Pipeline holds none of its own.
+            for store in ("_parameters", "_buffers", "_non_persistent_buffers_set"):
+                self.__dict__[store] = getattr(module, store)
             register_model(self, module)
             if example_inputs is not None:
                 call = with_cache_off(module, Call.of(example_inputs))
