@@ -14,10 +14,10 @@ import torch
 from torch import nn
 
 from pipesched.errors import PipeschedWarning, warn_user
+from pipesched.runtime.compat.internals import global_backward_hooks, module_backward_hooks
 
 __all__ = ["backward_hooked", "distributed_hook", "recording_tensor_hooks", "warn_dropped_hooks"]
 
-_MODULE_HOOKS = ("_backward_hooks", "_backward_pre_hooks")
 _told: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # models told (once each)
 _lock = threading.Lock()
 _TORCH = os.path.dirname(torch.__file__) + os.sep
@@ -37,10 +37,9 @@ def backward_hooked(model: nn.Module) -> list[str]:
     names = [
         name or type(model).__name__
         for name, module in model.named_modules()
-        if any(not distributed_hook(h) for a in _MODULE_HOOKS for h in getattr(module, a).values())
+        if any(not distributed_hook(h) for h in module_backward_hooks(module))
     ]
-    hooks = nn.modules.module
-    if hooks._global_backward_hooks or hooks._global_backward_pre_hooks:
+    if global_backward_hooks():
         names.append("every module (register_module_full_backward_hook)")
     return names
 

@@ -25,7 +25,7 @@ from pipesched.errors import (
 )
 from pipesched.runtime import batch_size, deferred_interrupts, replaced_parameters, replacement
 from pipesched.train import checkpointing
-from pipesched.train.arguments import checked_arguments
+from pipesched.train.accumulator_arguments import checked_arguments
 from pipesched.train.gradients import all_finite, clip_to_, scaled
 from pipesched.train.loss_scale import LossScale
 from pipesched.train.result import StepResult, log_line

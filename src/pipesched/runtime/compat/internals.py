@@ -34,12 +34,14 @@ __all__ = [
     "foreach_mul_",
     "function_apply",
     "function_output",
+    "global_backward_hooks",
     "global_module_hooks",
     "gradient_hooks",
     "has_gradient_hooks",
     "has_module_hooks",
     "in_functorch",
     "is_compiled",
+    "module_backward_hooks",
     "one_recomputation",
     "op_schema",
     "parse_to",
@@ -509,6 +511,18 @@ def global_module_hooks() -> bool:
     """Whether hooks for every module are registered (True where that cannot be told)."""
     tables = _global_tables
     return tables is None or any(tables)
+
+
+def global_backward_hooks() -> bool:
+    """Whether backward hooks for every module are registered (False where that cannot
+    be told: only a warning reads it)."""
+    tables = _global_tables
+    return tables is not None and bool(tables[2] or tables[3])
+
+
+def module_backward_hooks(module: nn.Module) -> list[Any]:
+    """``module``'s own backward and backward-pre hooks (nn.Module's storage)."""
+    return [*module._backward_hooks.values(), *module._backward_pre_hooks.values()]
 
 
 def has_module_hooks(module: nn.Module) -> bool:
