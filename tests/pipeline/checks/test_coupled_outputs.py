@@ -267,3 +267,41 @@ def test_a_size_that_names_the_batch_but_does_not_grow_with_it_is_not_coupled():
     out, messages = _called(lambda: pipe(x))
     assert messages == []
     torch.testing.assert_close(out, model(x), rtol=1e-12, atol=1e-14)
+
+
+class _Numbers(nn.Module):
+    """A per-sample output computed with a number: ``how`` of the hidden rows ``h``."""
+
+    def __init__(self, how) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.how(self.a(x).tanh()))
+
+
+NUMBERS = {  # name: (how, coupled)
+    "times the batch size": (lambda h: h * h.shape[0], True),
+    "times an item of the batch's max": (lambda h: h * h.abs().max().item(), True),
+    "times a count of distinct values": (lambda h: h * torch.unique(h.argmax(1)).numel(), True),
+    "an identity over the samples": (lambda h: torch.eye(h.shape[0], dtype=h.dtype) @ h, True),
+    "normalized over the samples": (lambda h: nn.functional.layer_norm(h.T, h.shape[:1]).T, True),
+    "reshaped by the batch size": (lambda h: h.reshape(h.shape[0], 2, 4).flatten(1), False),
+    "times a width": (lambda h: h * h.shape[1] ** -0.5, False),
+    "normalized over the features": (lambda h: nn.functional.layer_norm(h, h.shape[1:]), False),
+}
+
+
+@pytest.mark.parametrize("name", NUMBERS)
+def test_a_number_that_follows_the_batch_used_as_a_value_is_coupled(name):
+    """Before, silent: the batch's size or an .item() of its data entered as numbers."""
+    how, coupled = NUMBERS[name]
+    model = _Numbers(how)
+    x = torch.randn(6, 4)
+    pipe = Pipeline(model, chunks=3, devices=["cpu"] * 2)
+    out, messages = _called(lambda: pipe(x))
+    assert isinstance(out, list) is coupled and len(messages) == int(coupled)
+    if not coupled:
+        torch.testing.assert_close(out, model(x), rtol=1e-12, atol=1e-14)

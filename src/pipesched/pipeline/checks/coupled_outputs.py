@@ -203,13 +203,20 @@ def _coupled_flags(traced: TracedModel) -> _Found:
     for node in traced.inputs:
         depends[node] = 0 in batch_dims(node.meta.get("val"))
         coupled[node] = False
+    numbers: set[fx.Node] = set()  # numbers that follow the batch: its size, its data's .item()
     for node in traced.ops:
         sources = [n for n in node.all_input_nodes if depends.get(n, False)]
         value = node.meta.get("val")
+        if _follows_batch(node, value, sources, numbers, batch, known):
+            numbers.add(node)
         depends[node] = bool(sources) and _is_data(value)
         coupled[node] = depends[node] and (
-            any(coupled[n] for n in sources) or _couples(node, value, sources, batch_dims)
+            any(coupled[n] for n in sources)
+            or _couples(node, value, sources, batch_dims)
+            or (bool(batch_dims(value)) and _takes_as_value(node, numbers))
         )
+        if not depends[node] and isinstance(value, torch.Tensor) and len(batch_dims(value)) >= 2:
+            depends[node] = coupled[node] = True  # made over samples x samples (eye(B))
         if depends[node] and not batch_dims(value):
             kind = pooled[node] = _pooling(
                 traced, node, sources, pooled, counters, batch, batch_dims
@@ -323,6 +330,42 @@ def _counts_rows(divisor: Any, batch: set[Any]) -> bool:
     return isinstance(value, torch.SymInt) and bool(size_symbols(value) & batch)
 
 
+_VALUE_TYPES = frozenset({"Tensor", "Scalar", "float", "Tensor?", "Scalar?", "float?"})
+"""Schema types of an argument a number fills as a value (not a size, a dim or an index)."""
+_READS = frozenset({"_local_scalar_dense", "item"})
+
+
+def _follows_batch(
+    node: fx.Node, value: Any, sources: list[fx.Node], numbers: set[fx.Node], batch: set[Any],
+    known: set[Any],
+) -> bool:  # fmt: skip
+    """Whether ``node`` is a number that follows the batch: an expression of its size
+    (``x.shape[0]``), a read of data that depends on it (``h.max().item()``,
+    ``torch.unique(h).numel()``), or arithmetic on such numbers."""
+    if not isinstance(value, torch.SymInt | torch.SymFloat | torch.SymBool):
+        return False
+    if any(n in numbers for n in node.all_input_nodes):
+        return True
+    free = size_symbols(value) if isinstance(value, torch.SymInt) else set()
+    if free & batch:
+        return True
+    op = node.target
+    name = op_schema(op).name.split("::")[-1] if isinstance(op, OpOverload) else None
+    return bool(sources) and (name in _READS or bool(free - known))
+
+
+def _takes_as_value(node: fx.Node, numbers: set[fx.Node]) -> bool:
+    """Whether ``node`` computes with one of ``numbers`` as a value (``h * x.shape[0]``),
+    not as a size or an index (``h.view(x.shape[0], -1)``)."""
+    op = node.target
+    if not numbers or not isinstance(op, OpOverload):
+        return False
+    arguments = op_schema(op).arguments
+    given = list(zip(arguments, node.args, strict=False))
+    given += [(a, node.kwargs[a.name]) for a in arguments if a.name in node.kwargs]
+    return any(str(a.type) in _VALUE_TYPES and v in numbers for a, v in given)
+
+
 def _is_data(value: Any) -> bool:
     """Whether a node's value holds tensor data (not a size: those are the batch's shape only)."""
     return any(isinstance(t, torch.Tensor) for t in pytree.tree_leaves(value))
@@ -339,6 +382,12 @@ def _couples(node: fx.Node, value: Any, sources: list[fx.Node], batch_dims: Any)
         return True  # an outer product over samples
     if dims and any(not batch_dims(n.meta.get("val")) for n in sources):
         return True  # indexed by the batch, computed from a value pooled over it
+    if name == "layer_norm" and isinstance(op, OpOverload):  # over its last dims
+        first, shape = node.args[0], node.args[1]
+        rank = first.meta["val"].ndim if isinstance(first, fx.Node) else 0
+        over = range(rank - len(shape), rank) if isinstance(shape, (list, tuple)) else ()
+        shape_of = batch_dims(first.meta.get("val")) if isinstance(first, fx.Node) else []
+        return any(d in shape_of for d in over)
     if name in _SCANS and isinstance(op, OpOverload):
         first = node.args[0] if node.args else None
         shape_of = batch_dims(first.meta.get("val")) if isinstance(first, fx.Node) else []
