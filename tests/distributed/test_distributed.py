@@ -169,6 +169,18 @@ def test_an_exception_on_one_replica_is_named_on_the_other(tmp_path):
     assert "RemoteError" in exits[1].output, exits[1].output[-3000:]
 
 
+def test_replicas_of_other_models_are_refused_on_every_rank_at_the_build(tmp_path):
+    """Replicas' weights are made replica 0's at the build; before, shapes that differ would
+    have stopped gloo with a process abort. Now every rank refuses, naming the replica."""
+    exits = launch("wider-replica", 4, tmp_path, timeout=90)
+    for e in exits:
+        assert e.code not in (0, None), f"rank {e.rank}: {e.code}\n{e.output[-2000:]}"
+    assert "replica 1 of pp rank 0 holds other stages than replica 0" in exits[0].output
+    assert "shape [9, 6] torch.float64 against shape [8, 6] torch.float64" in exits[2].output
+    assert "replica 1 of pp rank 1" not in exits[1].output  # pp rank 1's stages agree
+    assert exits[1].code not in (0, None)
+
+
 def test_a_rank_killed_in_its_window_end_is_a_remote_error_naming_it(tmp_path):
     # The window end's agreement runs over the pipeline's own group: a lost rank is
     # explained as in a step, not a raw gloo error.

@@ -29,6 +29,7 @@ SCENARIOS = {
     "kill": (3, 1, "1f1b", [2, 2, 3]),
     "window-kill": (2, 1, "1f1b", [3, 4]),  # pp rank 1 killed in its window end's optimizer
     "raise-replica": (2, 2, "1f1b", [3, 4]),  # a stage of replica 1 raises, replica 0 does not
+    "wider-replica": (2, 2, "1f1b", [3, 4]),  # replica 1 builds a wider layer: refused
 }
 WINDOWS, STEPS, CHUNKS = 2, 2, 4
 TOKEN_SCENARIOS = ("tokens", "traced", "lazy")
@@ -144,6 +145,10 @@ def main() -> None:
     pp, dp, schedule, balance = SCENARIOS[scenario]
     mesh = init_mesh(pp=pp, dp=dp, timeout=30)
     model = model_of(scenario)
+    if scenario in ("pp2dp2", "traced") and torch.distributed.get_rank() // pp == 1:
+        with torch.no_grad():  # replica 1 built with other weights: it must take replica 0's
+            for p in model.parameters():
+                p.add_(0.5)
     if scenario == "raise":
         model = nn.Sequential(*model[:3], Boom(), *model[3:])
         balance = [3, 5]
@@ -151,6 +156,9 @@ def main() -> None:
         replica = torch.distributed.get_rank() // pp
         model = nn.Sequential(*model[:3], Boom() if replica else nn.Identity(), *model[3:])
         balance = [3, 5]
+    if scenario == "wider-replica" and torch.distributed.get_rank() // pp == 1:
+        wider = [nn.Linear(6, 9).double(), nn.Tanh(), nn.Linear(9, 8).double()]
+        model = nn.Sequential(*wider, *model[3:])
     if scenario == "kill":
         model = nn.Sequential(*model[:2], Die(), *model[2:])
         balance = [2, 3, 3]
