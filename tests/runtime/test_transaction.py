@@ -394,3 +394,19 @@ def test_accumulator_steps_from_two_threads_count_every_batch_once():
     torch.optim.SGD(plain.parameters(), lr=0.1).step()
     for p, q in zip(pipe.parameters(), plain.parameters(), strict=True):
         torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_an_error_after_a_kept_step_is_noted_as_not_counted_and_not_as_a_ctrl_c():
+    """On a mesh a step is kept as it commits; an error in its owner before the count (a
+    lost peer in the loss's broadcast) was noted as "this Ctrl-C ... counted it"."""
+
+    class Hold:
+        def release(self, note):
+            self.note = note
+
+    pending = PendingStep(None, None, Hold())  # type: ignore[arg-type]
+    pending.kept = True  # (as on a mesh: kept at the commit)
+    error = RuntimeError("Connection reset by peer")
+    pending.abandon(error)
+    (note,) = error.__notes__
+    assert "not include them" in note and "Ctrl-C" not in note

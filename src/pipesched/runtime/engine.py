@@ -90,6 +90,15 @@ COMMITTED = (
 )
 """The note on a Ctrl-C raised after a step was kept."""
 
+KEPT_NOT_COUNTED = (
+    "this error came after the step had committed on this rank (on a mesh a step is kept as "
+    "it commits: the ranks decide together), and before its owner counted it: its gradients "
+    "are in .grad, but a GradientAccumulator's acc.steps and window do not include them. The "
+    "window's gradients no longer match its counts: load the last checkpoint (or zero the "
+    "gradients and start the window again) before going on"
+)
+"""The note on an error in a step's owner after the step was kept (a mesh) but not counted."""
+
 
 class PendingStep:
     """A step that ran, its gradients in ``.grad``, still undoable: its owner keeps it.
@@ -138,7 +147,7 @@ class PendingStep:
             if self.kept is None:
                 self._undo()
             elif self.kept:
-                error.add_note(COMMITTED)
+                error.add_note(KEPT_NOT_COUNTED)
         finally:
             self.release()
 
