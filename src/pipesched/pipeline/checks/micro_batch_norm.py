@@ -57,7 +57,18 @@ def functional_batch_norms(traced: TracedModel) -> list[str]:
 
     Read from the export's operations by their ``training`` argument, whatever the
     module's class: a BatchNorm layer's own call is :func:`micro_batch_norms`' to count.
+    Computed once per trace.
     """
+    known = _functional.get(traced)
+    if known is None:
+        known = _functional[traced] = _functional_batch_norms(traced)
+    return known
+
+
+_functional: weakref.WeakKeyDictionary[TracedModel, list[str]] = weakref.WeakKeyDictionary()
+
+
+def _functional_batch_norms(traced: TracedModel) -> list[str]:
     found: dict[str, None] = {}
     for node in traced.ops:
         op = node.target
