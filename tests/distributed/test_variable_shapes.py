@@ -61,6 +61,8 @@ def test_each_replica_s_own_shapes_equal_the_plain_model_on_every_schedule(tmp_p
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(w.PP * w.DP)]
     for result in ranks:  # pp ranks given other row counts: all refuse, then step on
         assert "micro-batches' losses otherwise than pp rank 0" in result["disagree"]["refused"]
+        # Before, silent: a rank given another batch of the same sizes trained on it.
+        assert "pp rank 1 was given another batch" in result["disagree"]["other batch"]
         assert result["disagree"]["then"] > 0
     for schedule in w.SCHEDULES:
         seen: set[str] = set()

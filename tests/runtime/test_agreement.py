@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from pipesched.errors import RemoteError
-from pipesched.runtime.agreement import StepShape, agreed_seed, mismatch
+from pipesched.runtime.agreement import StepShape, agreed_seed, batch_digest, mismatch
 from pipesched.runtime.failures import Failure, is_timeout
 from pipesched.schedule import get_schedule
 
@@ -42,6 +43,21 @@ def test_a_shape_round_trips_through_its_tensor(seed) -> None:
 def test_each_mismatch_is_named_with_its_fix(other, named) -> None:
     problem = mismatch([_shape(weights=[0.4, 0.3, 0.2, 0.1]), other])
     assert problem is not None and named in problem
+
+
+def test_a_batch_digest_tells_other_contents_and_not_another_layout() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, ids = torch.randn(6, 5, generator=g), torch.randint(0, 9, (6, 7), generator=g)
+    batch = [[(x[:3], ids[:3]), (x[3:], ids[3:])], [ids[:3, 0], ids[3:, 0]]]
+    same = [[(x.t().contiguous().t()[:3], ids[:3].clone()), (x[3:], ids[3:])], batch[1]]
+    assert batch_digest(batch) == batch_digest(same) != 0  # strides apart, the same bits
+    other = [[(x[:3], ids[:3]), (x[3:], (ids[3:] + 1) % 9)], batch[1]]
+    assert batch_digest(other) != batch_digest(batch)
+    odd = [torch.tensor([True, False, True]), torch.zeros(3, dtype=torch.float16)]
+    assert batch_digest(odd) != batch_digest([odd[0].logical_not(), odd[1]])
+    problem = mismatch([_shape(), StepShape.of(get_schedule("1f1b", 2, 4), training=True,
+                                               has_target=True, seed=0, contents=5)])  # fmt: skip
+    assert problem is not None and "pp rank 1 was given another batch" in problem
 
 
 def test_seeds_may_differ_and_the_first_drawn_one_wins() -> None:

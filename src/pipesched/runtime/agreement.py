@@ -12,13 +12,15 @@ import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from pipesched.errors import ConfigError
+from pipesched.runtime.stage.tree import tensors
 from pipesched.schedule import Schedule
 
-__all__ = ["StepShape", "agreed_seed", "mismatch"]
+__all__ = ["StepShape", "agreed_seed", "batch_digest", "mismatch"]
 
 _NAME_WORDS = 4  # a schedule's name travels as up to 32 bytes
 _MAGIC = 0x5049_5045  # the first integer: tells a pipesched agreement from anything else
@@ -42,6 +44,9 @@ class StepShape:
             of other sizes would weigh the loss otherwise, silently.
         shapes: a checksum of the micro-batches' input shapes, where the
             transport posts receives by them (NCCL's ordering); else 0.
+        contents: a checksum of the micro-batches' inputs and targets, their
+            bits (:func:`batch_digest`): a rank given another batch of the same
+            size (one that skipped a batch) would train on mismatched data.
     """
 
     training: bool
@@ -53,6 +58,7 @@ class StepShape:
     seed: int
     weights: int = 0
     shapes: int = 0
+    contents: int = 0
 
     @classmethod
     def of(
@@ -64,6 +70,7 @@ class StepShape:
         seed: int,
         weights: Sequence[float] = (),
         shapes: object = None,
+        contents: int = 0,
     ) -> StepShape:
         """The shape of a step running ``schedule`` with these micro-batch loss ``weights``.
 
@@ -80,6 +87,7 @@ class StepShape:
             seed=seed,
             weights=zlib.crc32(struct.pack(f"<{len(weights)}d", *weights)) if weights else 0,
             shapes=0 if shapes is None else zlib.crc32(repr(shapes).encode()),
+            contents=contents,
         )
 
     def encode(self) -> torch.Tensor:
@@ -98,6 +106,7 @@ class StepShape:
             self.seed,
             self.weights,
             self.shapes,
+            self.contents,
             *words,
         ]
         return torch.tensor(values, dtype=torch.int64)
@@ -105,7 +114,19 @@ class StepShape:
     @classmethod
     def decode(cls, values: list[int]) -> StepShape:
         """The shape :meth:`encode` wrote."""
-        magic, training, count, stages, fingerprint, target, seed, weights, shapes, *words = values
+        (
+            magic,
+            training,
+            count,
+            stages,
+            fingerprint,
+            target,
+            seed,
+            weights,
+            shapes,
+            contents,
+            *words,
+        ) = values
         if magic != _MAGIC:
             raise ConfigError(
                 "a rank of this pipeline sent something other than a step's shape at the "
@@ -122,12 +143,13 @@ class StepShape:
             seed=seed,
             weights=weights,
             shapes=shapes,
+            contents=contents,
         )
 
     @staticmethod
     def size() -> int:
         """Integers in an encoded shape."""
-        return 9 + _NAME_WORDS
+        return 10 + _NAME_WORDS
 
 
 def mismatch(shapes: list[StepShape]) -> str | None:
@@ -190,7 +212,31 @@ def mismatch(shapes: list[StepShape]) -> str | None:
                 "the micro-batches' shapes, so pass every rank of a pipeline the same batch, "
                 "or the same microbatches=[...] list"
             )
+        if shape.contents != first.contents:
+            return (
+                f"pp rank {r} was given another batch than pp rank 0 (of the same size, "
+                "other contents: a checksum of its inputs and targets differs): every rank of "
+                "a pipeline must step the same batch, in the same order; a rank that skipped "
+                "or repeated a batch would train its stages on another batch's activations"
+            )
     return None
+
+
+def batch_digest(values: Sequence[Any]) -> int:
+    """A checksum of the tensors in ``values`` (micro-batches: their inputs and targets):
+    per tensor, its bytes read as integers and summed on its device, all read back at once.
+    Bits, not values: equal batches agree exactly on any device."""
+    sums = []
+    for t in tensors(values):
+        if t.device.type == "meta" or t.numel() == 0:
+            continue
+        flat = t.detach().contiguous().view(-1).view(torch.uint8)
+        words = flat.view(torch.int32) if flat.numel() % 4 == 0 else flat
+        sums.append(words.sum(dtype=torch.int64))
+    if not sums:
+        return 0
+    read = torch.stack([s.to(sums[0].device) for s in sums]).tolist()  # one sync
+    return zlib.crc32(struct.pack(f"<{len(read)}q", *read))
 
 
 def agreed_seed(shapes: list[StepShape]) -> int:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pipesched.errors import ConfigError, RemoteError
-from pipesched.runtime.agreement import StepShape, agreed_seed, mismatch
+from pipesched.runtime.agreement import StepShape, agreed_seed, batch_digest, mismatch
 from pipesched.runtime.failures import Failure, FailureChannel, is_timeout
 from pipesched.runtime.interpreter import Interpreter
 from pipesched.runtime.link import Link
@@ -135,6 +135,7 @@ class DistributedRuntime:
             seed=step.seed or 0,  # 0: this rank drew none
             weights=step.loss_weights,
             shapes=[signature(x) for x in step.inputs] if self.mode == "ordered" else None,
+            contents=batch_digest([step.inputs, step.targets]),
         )
         shapes = self._exchange(shape)
         problem = mismatch(shapes)
