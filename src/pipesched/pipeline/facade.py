@@ -25,6 +25,7 @@ from pipesched.pipeline.arguments import (
     warn_host_backup_on_cpu,
 )
 from pipesched.pipeline.batches import StepBatches, step_batches
+from pipesched.pipeline.checks.buffer_updates import warn_buffer_updates, watch_buffers
 from pipesched.pipeline.checks.micro_batch_norm import warn_micro_batch_norm
 from pipesched.pipeline.checks.model_changes import ModelPrint
 from pipesched.pipeline.checks.step_checks import StepChecks
@@ -455,9 +456,11 @@ class Pipeline(Shadowing, Pinned):
             stages.unloaded.check("pipe(x)")
         rows = [batch_size(m) for m in micro]
         warn_micro_batch_norm(self, rows, stages.cut.traced)
+        watch = watch_buffers(self, self._model[0], len(micro))
         step = StepInputs(micro, checkpoint_stop=self._plan.stage_stops(len(micro)))
         result = engine.run(self.schedule_for(len(micro)), step, detach=False)
         self.last_timeline = result.timeline
+        warn_buffer_updates(self, watch, self._model[0], len(micro))
         if mesh is not None and self.placement[-1] != mesh.pp_rank:
             return None
         return join_step_outputs(batch, result.outputs, rows, stages.modules[-1], micro)

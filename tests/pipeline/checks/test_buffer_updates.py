@@ -76,3 +76,16 @@ def test_a_warning_made_an_error_after_the_step_ran_leaves_nothing_half_done() -
             acc.step(torch.randn(8, 6), torch.randn(8, 6), loss_fn=nn.functional.mse_loss)
     assert all(p.grad is None for p in model.parameters()) and acc.steps == 0
     assert signal.getsignal(signal.SIGINT) is handler
+
+
+def test_a_counter_updated_per_micro_batch_in_pipe_x_is_told_too() -> None:
+    """Before, silent where a model trained through pipe(x) and loss.backward()."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), _Counting(), nn.Linear(6, 6))
+    pipe = Pipeline(model, 4, balance=[1, 2], devices=["cpu"] * 2)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        pipe(torch.randn(8, 6)).sum().backward()
+        pipe(torch.randn(8, 6)).sum().backward()  # once per Pipeline
+    (message,) = [str(w.message) for w in seen if issubclass(w.category, PipeschedWarning)]
+    assert int(model[1].calls) == 8 and "'1.calls'" in message and "4 times" in message
