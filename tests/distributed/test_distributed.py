@@ -181,6 +181,16 @@ def test_replicas_of_other_models_are_refused_on_every_rank_at_the_build(tmp_pat
     assert exits[1].code not in (0, None)
 
 
+def test_a_hung_replica_is_told_to_the_others_within_the_timeout(tmp_path):
+    """Before, replica 0 waited in the gradients' all-reduce for torch's default 30 minutes
+    (a DeviceMesh's groups do not take init_mesh's timeout), whatever timeout was set."""
+    exits = launch("hung-replica", 4, tmp_path, timeout=80)
+    for e in exits[:2]:  # replica 0's ranks: rank 1 waits in the window's all-reduce
+        waited = float(e.output.split("stopped after ")[1].split(" s")[0])
+        assert e.code not in (0, None) and "RemoteError" in e.output
+        assert waited < 15, e.output[-2000:]  # timeout=5, and rank 3 hangs for 20 s
+
+
 def test_a_rank_killed_in_its_window_end_is_a_remote_error_naming_it(tmp_path):
     # The window end's agreement runs over the pipeline's own group: a lost rank is
     # explained as in a step, not a raw gloo error.

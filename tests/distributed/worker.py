@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 import torch
 from torch import nn
@@ -30,6 +31,7 @@ SCENARIOS = {
     "window-kill": (2, 1, "1f1b", [3, 4]),  # pp rank 1 killed in its window end's optimizer
     "raise-replica": (2, 2, "1f1b", [3, 4]),  # a stage of replica 1 raises, replica 0 does not
     "wider-replica": (2, 2, "1f1b", [3, 4]),  # replica 1 builds a wider layer: refused
+    "hung-replica": (2, 2, "1f1b", [4, 4]),  # replica 1 hangs in a stage: replica 0 is told
 }
 WINDOWS, STEPS, CHUNKS = 2, 2, 4
 TOKEN_SCENARIOS = ("tokens", "traced", "lazy")
@@ -138,10 +140,40 @@ class DieInStep(torch.optim.SGD):
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Stall(nn.Module):
+    """Hangs (20 s) in its third forward on global rank 3 (replica 1's last stage)."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Stall.calls += 1
+        if Stall.calls == 3 and torch.distributed.get_rank() == 3:
+            time.sleep(20)
+        return x
+
+
+def hung_replica() -> None:
+    """Replica 0 waits for a hung replica 1 in the window's all-reduce: at most ``timeout``."""
+    mesh = init_mesh(pp=2, dp=2, timeout=5)
+    pipe = Pipeline(nn.Sequential(*mlp(), Stall()), CHUNKS, balance=[4, 4], mesh=mesh)
+    acc = GradientAccumulator(
+        pipe, torch.optim.SGD(pipe.parameters(), lr=0.1), accumulation_steps=2
+    )
+    start = time.monotonic()
+    try:
+        for step in range(STEPS * 2):
+            acc.step(*data(0, step, pipe.mesh.dp_rank), loss_fn=nn.functional.mse_loss)
+    finally:
+        print(f"stopped after {time.monotonic() - start:.1f} s", flush=True)
+
+
 def main() -> None:
     # Every weight fused, however small: the distributed runtime's fused path stays covered.
     fused_linear.MIN_FUSED_BYTES = 0
     scenario, out = sys.argv[1], sys.argv[2]
+    if scenario == "hung-replica":
+        hung_replica()
+        return
     pp, dp, schedule, balance = SCENARIOS[scenario]
     mesh = init_mesh(pp=pp, dp=dp, timeout=30)
     model = model_of(scenario)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any, Protocol, cast
 
 import torch
@@ -211,7 +212,9 @@ class GradientSync:
         self._tied_groups: dict[tuple[int, ...], Any] = {}
         for ranks in sorted({tuple(r) for per_rank in sets for r in per_rank}):
             for d in range(info.dp_size):
-                group = dist.new_group([d * info.pp_size + r for r in ranks])
+                group = dist.new_group(
+                    [d * info.pp_size + r for r in ranks], timeout=timedelta(seconds=info.timeout)
+                )
                 if d == info.dp_rank and info.pp_rank in ranks:
                     self._tied_groups[ranks] = group
 

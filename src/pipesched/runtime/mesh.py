@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from pipesched.errors import ConfigError, ConfigTypeError
+from pipesched.runtime.compat.internals import set_group_timeout
 
 __all__ = ["DEFAULT_TIMEOUT", "MeshInfo", "init_mesh", "rank0_value"]
 
@@ -116,6 +117,13 @@ def init_mesh(
         names = ("replicate", "shard", "pp")
         grouped = init_device_mesh(device_type, (dp // shard, shard, pp), mesh_dim_names=names)
         shard_mesh = grouped["replicate", "shard"]
+    # Why: a DeviceMesh's groups take torch's default timeout (30 minutes for gloo), not the
+    # job's; a replica waiting on a hung one would wait that long in the gradients' all-reduce.
+    for group in mesh.get_all_groups() + (
+        [] if shard_mesh is None else shard_mesh.get_all_groups()
+    ):
+        if dist.get_backend(group) == "gloo":  # (NCCL's watchdog would abort the process)
+            set_group_timeout(group, timeout)
     ref = weakref.ref(mesh, lambda _: _options.pop(key, None))
     _options[key] = (ref, timeout, shard_mesh, reshard)
     return mesh

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ __all__ = [
     "pytree",
     "run_backward",
     "scaler_device",
+    "set_group_timeout",
     "size_expressions",
     "size_hints",
     "size_symbols",
@@ -523,6 +525,19 @@ def global_backward_hooks() -> bool:
 def module_backward_hooks(module: nn.Module) -> list[Any]:
     """``module``'s own backward and backward-pre hooks (nn.Module's storage)."""
     return [*module._backward_hooks.values(), *module._backward_pre_hooks.values()]
+
+
+def set_group_timeout(group: Any, seconds: float) -> bool:
+    """Gives a process group made without one (a DeviceMesh's: torch's default, 30 minutes
+    for gloo) the job's timeout; whether it could (torch's private setter, probed)."""
+    setter = getattr(torch.distributed.distributed_c10d, "_set_pg_timeout", None)
+    if setter is None:
+        return False
+    try:
+        setter(timedelta(seconds=seconds), group)
+    except (RuntimeError, ValueError, AssertionError, AttributeError):
+        return False
+    return True
 
 
 def has_module_hooks(module: nn.Module) -> bool:
