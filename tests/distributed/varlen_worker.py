@@ -128,25 +128,24 @@ def run(mesh: object, schedule: str, balance: list[int]) -> dict[str, object]:
 
 
 def disagree(mesh: object) -> dict[str, object]:
-    """pp rank 1 is given micro-batches of other row counts: every rank refuses the step."""
+    """pp rank 1 is given micro-batches of other row counts, then another batch of the same
+    sizes (a rank that skipped one): every rank refuses each step, then steps on."""
     pipe = Pipeline(model(), 2, balance=[2, 2], mesh=mesh, schedule="1f1b")
-    xs, ys, _ = batches("1f1b", 3, 0, pipe.mesh.dp_rank)
-    record: dict[str, object] = {}
-    if pipe.mesh.pp_rank == 1:
-        xs, ys = [x[:1] for x in xs], [y[:1] for y in ys]  # the same count, other rows
-    try:
-        pipe.step(microbatches=xs, targets=ys, loss_fn=token_mean)
-        record["refused"] = ""
-    except ConfigError as error:
-        record["refused"] = str(error)
-    xs, ys, _ = batches("1f1b", 3, 0, pipe.mesh.dp_rank)
-    if pipe.mesh.pp_rank == 1:  # the same sizes, another batch (a rank that skipped one)
-        xs = [(x + 1) % VOCAB for x in xs]
-    try:
-        pipe.step(microbatches=xs, targets=ys, loss_fn=token_mean)
-        record["other batch"] = ""
-    except ConfigError as error:
-        record["other batch"] = str(error)
+
+    def refusal(change) -> str:
+        xs, ys, _ = batches("1f1b", 3, 0, pipe.mesh.dp_rank)
+        if pipe.mesh.pp_rank == 1:
+            xs, ys = change(xs, ys)
+        try:
+            pipe.step(microbatches=xs, targets=ys, loss_fn=token_mean)
+        except ConfigError as error:
+            return str(error)
+        return ""
+
+    record: dict[str, object] = {
+        "refused": refusal(lambda xs, ys: ([x[:1] for x in xs], [y[:1] for y in ys])),
+        "other batch": refusal(lambda xs, ys: ([(x + 1) % VOCAB for x in xs], ys)),
+    }
     xs, ys, _ = batches("1f1b", 3, 0, pipe.mesh.dp_rank)
     record["then"] = float(pipe.step(microbatches=xs, targets=ys, loss_fn=token_mean))
     return record
