@@ -61,6 +61,15 @@ def test_console_script_is_installed():
     assert "zb-v" in result.stdout
 
 
+def test_python_dash_m_runs_the_command_and_passes_its_exit_status_on():
+    """Before, `python -m pipesched.cli` had no __main__ and ran nothing."""
+    command = [sys.executable, "-m", "pipesched.cli", "simulate", "--stages", "2", "--chunks"]
+    result = subprocess.run([*command, "2"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "zb-v" in result.stdout, result.stderr
+    refused = subprocess.run([*command, "0"], capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stderr
+
+
 # The drawing commands: viz, compare, trace.
 
 
