@@ -50,21 +50,38 @@ def recording_tensor_hooks() -> Iterator[list[str]]:
     (the export runs the model's forward on fake tensors: the hook never reaches the
     stages): ``file:line`` of each call site, in the list it yields."""
     sites: list[str] = []
-    me = threading.get_ident()
-    original = torch.Tensor.register_hook
-
-    def register_hook(tensor: torch.Tensor, hook: Any) -> Any:
-        if threading.get_ident() == me:
-            frame = traceback.extract_stack(limit=2)[0]
-            if not frame.filename.startswith(_TORCH):  # (torch's own, tracing the user's)
-                sites.append(f"{frame.filename}:{frame.lineno}")
-        return original(tensor, hook)  # type: ignore[no-untyped-call]
-
-    torch.Tensor.register_hook = register_hook  # type: ignore[method-assign]
+    with _lock:  # one wrapper however many threads trace at once, removed by the last
+        if not _recording.by_thread:
+            _recording.original = torch.Tensor.register_hook
+            torch.Tensor.register_hook = _recorded  # type: ignore[method-assign]
+        _recording.by_thread[threading.get_ident()] = sites
     try:
         yield sites
     finally:
-        torch.Tensor.register_hook = original  # type: ignore[method-assign]
+        with _lock:
+            del _recording.by_thread[threading.get_ident()]
+            if not _recording.by_thread:
+                torch.Tensor.register_hook = _recording.original  # type: ignore[method-assign]
+
+
+class _Recording:
+    """Where each tracing thread records; torch's own ``register_hook`` while wrapped."""
+
+    def __init__(self) -> None:
+        self.by_thread: dict[int, list[str]] = {}
+        self.original: Any = None
+
+
+_recording = _Recording()
+
+
+def _recorded(tensor: torch.Tensor, hook: Any) -> Any:
+    sites = _recording.by_thread.get(threading.get_ident())
+    if sites is not None:
+        frame = traceback.extract_stack(limit=2)[0]
+        if not frame.filename.startswith(_TORCH):  # (torch's own, tracing the user's)
+            sites.append(f"{frame.filename}:{frame.lineno}")
+    return _recording.original(tensor, hook)
 
 
 def warn_dropped_hooks(model: nn.Module, modules: list[str], sites: list[str]) -> None:
