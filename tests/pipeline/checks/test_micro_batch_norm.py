@@ -252,3 +252,21 @@ def test_a_traced_models_own_batch_norm_call_is_told_and_true(fp64):
     evaluating = Pipeline(copy.deepcopy(plain).eval(), 2, devices=CPUS)
     with torch.no_grad():
         assert recorded(lambda: evaluating(x)) == []  # running statistics: per sample
+
+
+class _HeldNotCalled(nn.Module):
+    """Holds a BatchNorm it never calls (left from an older forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.unused = nn.Linear(3, 4), nn.Linear(4, 2), nn.BatchNorm1d(4)
+
+    def forward(self, x):
+        return self.b(self.a(x).tanh())
+
+
+def test_a_batchnorm_a_traced_model_holds_but_never_calls_is_not_told():
+    """Before, a false alarm: every BatchNorm the model held was named."""
+    x, y = data(8)
+    pipe = Pipeline(_HeldNotCalled(), 2, devices=CPUS)
+    assert recorded(lambda: pipe.step(x, y, loss_fn=mse)) == []

@@ -59,13 +59,23 @@ def functional_batch_norms(traced: TracedModel) -> list[str]:
     module's class: a BatchNorm layer's own call is :func:`micro_batch_norms`' to count.
     Computed once per trace.
     """
-    known = _functional.get(traced)
+    return _read(traced)[0]
+
+
+def _read(traced: TracedModel) -> tuple[list[str], frozenset[str]]:
+    """The trace's own batch norm calls, and the paths of the modules that run in it."""
+    known = _reads.get(traced)
     if known is None:
-        known = _functional[traced] = _functional_batch_norms(traced)
+        runs = frozenset(
+            path for n in traced.ops for path, _ in (n.meta.get("nn_module_stack") or {}).values()
+        )
+        known = _reads[traced] = (_functional_batch_norms(traced), runs)
     return known
 
 
-_functional: weakref.WeakKeyDictionary[TracedModel, list[str]] = weakref.WeakKeyDictionary()
+_reads: weakref.WeakKeyDictionary[TracedModel, tuple[list[str], frozenset[str]]] = (
+    weakref.WeakKeyDictionary()
+)
 
 
 def _functional_batch_norms(traced: TracedModel) -> list[str]:
@@ -107,13 +117,15 @@ def warn_micro_batch_norm(
         pipeline: the pipeline (its layers carry the plain model's names); its
             ``chunks`` attribute, if any, is quoted in the message.
         rows: the rows of each micro-batch of this step.
-        traced: the trace this step runs, for a model's own batch norm calls
-            (:func:`functional_batch_norms`).
+        traced: the trace this step runs: only the BatchNorm layers that run in it
+            count (a layer the model holds but never calls does not), and the model's
+            own batch norm calls (:func:`functional_batch_norms`).
     """
     if len(rows) < 2 or pipeline in _warned:
         return
-    functional = [] if traced is None else functional_batch_norms(traced)
-    names = micro_batch_norms(pipeline) + functional
+    functional, runs = ([], None) if traced is None else _read(traced)
+    layers = [n for n in micro_batch_norms(pipeline) if runs is None or n in runs]
+    names = layers + functional
     if not names:
         return
     with _lock:
